@@ -1,0 +1,37 @@
+# megatronish: `make train` runs the default job on this machine, `make test` runs the suite.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.megatronish-installed
+# Multi-rank tests and CPU runs use one thread per rank; the default job uses every core.
+export HF_DATASETS_OFFLINE ?= 1
+export WANDB_MODE ?= offline
+export TOKENIZERS_PARALLELISM ?= false
+
+.PHONY: install train test bench lint format clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml scripts/install.sh
+	PYTHON=$(PYTHON) VENV=$(VENV) bash scripts/install.sh
+	@touch $(STAMP)
+
+train: $(STAMP)
+	$(PY) -m megatronish.train $(ARGS)
+
+test: $(STAMP)
+	WANDB_MODE=disabled $(PY) -m pytest tests $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(PY) tools/bench/run_all.py $(ARGS)
+
+lint: $(STAMP)
+	$(PY) -m ruff check megatronish tools tests
+	$(PY) -m ruff format --check megatronish tools tests
+
+format: $(STAMP)
+	$(PY) -m ruff format megatronish tools tests
+	$(PY) -m ruff check --fix megatronish tools tests
+
+clean:
+	rm -rf outputs .pytest_cache .ruff_cache

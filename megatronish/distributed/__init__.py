@@ -1,0 +1,1 @@
+"""Launch environment, rank math, the Topology and the communication layer."""

@@ -1,0 +1,98 @@
+"""Launch environment detection (plain process, torchrun, SLURM) and process-group start-up."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    """How this process was started and where its peers are."""
+
+    kind: str  # "single" | "torchrun" | "slurm"
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+    run_id: str | None  # SLURM job id or torchrun run id; None for a plain process
+
+
+def first_host(nodelist: str) -> str:
+    """First host of a SLURM node list: ``gpu[03-05,9],cpu1`` -> ``gpu03``."""
+    m = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
+    if not m:
+        raise ValueError(f"cannot parse SLURM node list {nodelist!r}")
+    prefix, ranges = m.group(1), m.group(2)
+    if not ranges:
+        return prefix
+    first = ranges.split(",")[0].split("-")[0]
+    return prefix + first
+
+
+def detect_launch(env: Mapping[str, str] | None = None) -> LaunchEnv:
+    """Read the launcher's environment variables. Pure given ``env``.
+
+    torchrun sets RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT. Under ``srun`` with
+    one task per rank, SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID are used and the master is the
+    first host of SLURM_JOB_NODELIST. torchrun inside srun (one task per node) is torchrun.
+    """
+    env = os.environ if env is None else env
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return LaunchEnv(
+            kind="torchrun",
+            rank=int(env["RANK"]),
+            world_size=int(env["WORLD_SIZE"]),
+            local_rank=int(env.get("LOCAL_RANK", 0)),
+            master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+            master_port=int(env.get("MASTER_PORT", 29500)),
+            run_id=env.get("TORCHELASTIC_RUN_ID") or env.get("SLURM_JOB_ID"),
+        )
+    if "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
+        job = env.get("SLURM_JOB_ID", "0")
+        nodes = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or "127.0.0.1"
+        return LaunchEnv(
+            kind="slurm",
+            rank=int(env["SLURM_PROCID"]),
+            world_size=int(env["SLURM_NTASKS"]),
+            local_rank=int(env.get("SLURM_LOCALID", 0)),
+            master_addr=env.get("MASTER_ADDR") or first_host(nodes),
+            master_port=int(env.get("MASTER_PORT") or 10000 + int(job) % 20000),
+            run_id=job,
+        )
+    return LaunchEnv("single", 0, 1, 0, "127.0.0.1", 29500, env.get("SLURM_JOB_ID"))
+
+
+def pick_device(requested: str, local_rank: int) -> torch.device:
+    """``auto`` takes this rank's GPU when CUDA is available, else the CPU."""
+    if requested == "auto":
+        requested = "cuda" if torch.cuda.is_available() else "cpu"
+    if requested == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("trainer.device=cuda but no CUDA device is visible; use cpu or auto")
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(requested)
+
+
+def init_process_group(launch: LaunchEnv, device: torch.device, timeout_s: float) -> None:
+    """Start torch.distributed for a multi-rank job: nccl on GPUs, gloo on CPUs."""
+    if launch.world_size == 1 or dist.is_initialized():
+        return
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    os.environ.setdefault("MASTER_ADDR", launch.master_addr)
+    os.environ.setdefault("MASTER_PORT", str(launch.master_port))
+    dist.init_process_group(
+        backend=backend,
+        rank=launch.rank,
+        world_size=launch.world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        device_id=device if device.type == "cuda" else None,
+    )

@@ -1,0 +1,113 @@
+"""The Topology: this rank's place in the tp x dp x pp grid and its process groups.
+
+A Topology is built once at start-up and passed explicitly to everything that communicates.
+There is no module-level process-group state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megatronish.distributed.comm import CommStats, ParallelGroup
+from megatronish.distributed.rank_math import Coords, group_of, group_ranks, rank_to_coords
+
+GROUP_NAMES = ("tp", "dp", "pp", "mp", "embedding", "world")
+
+
+@dataclass
+class Topology:
+    """Grid shape, this rank's coordinates, its groups, its device and the comm counter."""
+
+    tp: int
+    dp: int
+    pp: int
+    rank: int
+    coords: Coords
+    groups: dict[str, ParallelGroup]
+    device: torch.device
+    stats: CommStats
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.dp * self.pp
+
+    @property
+    def tp_group(self) -> ParallelGroup:
+        return self.groups["tp"]
+
+    @property
+    def dp_group(self) -> ParallelGroup:
+        return self.groups["dp"]
+
+    @property
+    def pp_group(self) -> ParallelGroup:
+        return self.groups["pp"]
+
+    @property
+    def mp_group(self) -> ParallelGroup:
+        return self.groups["mp"]
+
+    @property
+    def embedding_group(self) -> ParallelGroup:
+        return self.groups["embedding"]
+
+    @property
+    def world_group(self) -> ParallelGroup:
+        return self.groups["world"]
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.coords.pp == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.coords.pp == self.pp - 1
+
+    @classmethod
+    def single(cls, device: torch.device | str = "cpu") -> Topology:
+        """The one-process topology (no torch.distributed needed)."""
+        return cls.build(tp=1, dp=1, pp=1, rank=0, device=device)
+
+    @classmethod
+    def build(
+        cls, tp: int, dp: int, pp: int, rank: int, device: torch.device | str = "cpu"
+    ) -> Topology:
+        """Create every group of the grid. Collective: all ranks call it with the same shape.
+
+        torch.distributed must already be initialised when the world has more than one rank.
+        """
+        world = tp * dp * pp
+        if world > 1 and not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError("Topology.build needs torch.distributed initialised for world > 1")
+        if world > 1 and dist.get_world_size() != world:
+            raise ValueError(
+                f"tp*dp*pp = {tp}*{dp}*{pp} = {world} but the job has {dist.get_world_size()} ranks"
+            )
+        stats = CommStats()
+        groups: dict[str, ParallelGroup] = {}
+        for name, all_groups in group_ranks(tp, dp, pp).items():
+            mine = None
+            # Every rank creates every group in the same order (torch.distributed requires it).
+            for ranks in all_groups:
+                if len(ranks) == 1:
+                    continue
+                pg = dist.group.WORLD if name == "world" else dist.new_group(ranks)
+                if rank in ranks:
+                    mine = pg
+            ranks = group_of(rank, all_groups)
+            groups[name] = ParallelGroup(
+                name=name, ranks=tuple(ranks), rank=ranks.index(rank), pg=mine, stats=stats
+            )
+        return cls(
+            tp=tp,
+            dp=dp,
+            pp=pp,
+            rank=rank,
+            coords=rank_to_coords(rank, tp, dp, pp),
+            groups=groups,
+            device=torch.device(device),
+            stats=stats,
+        )

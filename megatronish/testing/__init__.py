@@ -1,0 +1,1 @@
+"""Test helpers shipped with the package (used by tests/ and by benchmarks)."""

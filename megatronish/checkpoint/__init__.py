@@ -1,0 +1,1 @@
+"""Checkpoints: safetensors + JSON, keyed by global tensor names."""

@@ -1,0 +1,29 @@
+"""Global (unsplit) tensors from tensor-parallel shards."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from megatronish.distributed.comm import all_gather_dim0
+from megatronish.distributed.topology import Topology
+
+
+@torch.no_grad()
+def gather_tp_params(chunks: list[nn.Module], topo: Topology) -> dict[str, torch.Tensor]:
+    """This pipeline rank's params as global tensors (collective over tp), keyed by global name.
+
+    Tied head copies are skipped (the embedding holds the value).
+    """
+    out = {}
+    for chunk in chunks:
+        for name, p in chunk.named_parameters():
+            if getattr(p, "tied_to", None):
+                continue
+            shard = getattr(p, "tp_shard", None)
+            if shard is None or topo.tp == 1:
+                out[name] = p.detach().clone().cpu()
+                continue
+            stacked = all_gather_dim0(p.detach().unsqueeze(0).contiguous(), topo.tp_group)
+            out[name] = shard.join(list(stacked.unbind(0))).cpu()
+    return out

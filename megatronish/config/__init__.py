@@ -1,0 +1,1 @@
+"""Typed configuration: dataclass schemas, validation, derived values."""

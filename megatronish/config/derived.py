@@ -1,0 +1,62 @@
+"""Values derived from the config and the world size (pure functions)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+def pad_vocab(vocab_size: int, multiple: int) -> int:
+    """Round the vocabulary up to ``multiple`` (independent of tp, so every layout is one model)."""
+    return int(math.ceil(vocab_size / multiple) * multiple)
+
+
+def default_ffn_hidden(arch: str, hidden: int) -> int:
+    """llama: 8h/3 rounded up to a multiple of 64 (SwiGLU keeps ~4h^2*2 params); gpt2: 4h."""
+    if arch == "llama":
+        return int(math.ceil(8 * hidden / 3 / 64) * 64)
+    return 4 * hidden
+
+
+def even_layer_split(num_layers: int, chunks: int) -> list[int]:
+    """Layers per chunk for an even split (the caller validated divisibility)."""
+    return [num_layers // chunks] * chunks
+
+
+@dataclass(frozen=True)
+class Derived:
+    """Quantities every part of the job agrees on."""
+
+    world_size: int
+    dp: int
+    num_microbatches: int
+    tokens_per_step: int
+    ffn_hidden_size: int
+    num_query_groups: int
+    head_dim: int
+    layers_per_chunk: tuple[int, ...]
+    bias: bool
+    tie_embeddings: bool
+    max_position_embeddings: int
+
+
+def derive(cfg, world_size: int) -> Derived:
+    """Derived values of a config that passed validation."""
+    m, p, t = cfg.model, cfg.parallel, cfg.trainer
+    dp = p.dp if p.dp is not None else world_size // (p.tp * p.pp)
+    chunks = p.pp * p.vpp
+    split = p.pipeline_layer_split or even_layer_split(m.num_layers, chunks)
+    gpt2 = m.arch == "gpt2"
+    return Derived(
+        world_size=world_size,
+        dp=dp,
+        num_microbatches=t.global_batch_size // (t.micro_batch_size * dp),
+        tokens_per_step=t.global_batch_size * m.seq_length,
+        ffn_hidden_size=m.ffn_hidden_size or default_ffn_hidden(m.arch, m.hidden_size),
+        num_query_groups=m.num_query_groups or m.num_attention_heads,
+        head_dim=m.hidden_size // m.num_attention_heads,
+        layers_per_chunk=tuple(split),
+        bias=gpt2 if m.bias is None else m.bias,
+        tie_embeddings=gpt2 if m.tie_embeddings is None else m.tie_embeddings,
+        max_position_embeddings=m.max_position_embeddings or m.seq_length,
+    )

@@ -1,0 +1,153 @@
+"""Dataclass schemas of the training config, registered in Hydra's ConfigStore.
+
+The schemas make the composed config strict: an unknown key or a value of the wrong type is
+rejected by Hydra/OmegaConf when the config is composed, before anything starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from hydra.core.config_store import ConfigStore
+
+
+@dataclass
+class ModelConfig:
+    arch: str = "llama"  # llama | gpt2
+    num_layers: int = 4
+    hidden_size: int = 256
+    num_attention_heads: int = 4
+    num_query_groups: int | None = None  # kv heads (GQA); null = num_attention_heads
+    ffn_hidden_size: int | None = None  # null: llama 8h/3 rounded up to 64, gpt2 4h
+    seq_length: int = 256
+    vocab_size: int | None = None  # null: taken from the tokenizer
+    make_vocab_size_divisible_by: int = 128
+    max_position_embeddings: int | None = None  # gpt2 learned positions; null = seq_length
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+    init_std: float = 0.02
+    bias: bool | None = None  # null: gpt2 has biases, llama does not
+    tie_embeddings: bool | None = None  # null: gpt2 ties, llama does not
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = 1
+    pp: int = 1
+    vpp: int = 1
+    dp: int | None = None  # null: world_size / (tp * pp)
+    sp: bool = False
+    zero_stage: int = 0
+    bucket_size_mb: float = 25.0
+    zero3_keep_gathered: bool = False
+    pipeline_layer_split: list[int] | None = None  # layers per chunk; null = even split
+    collective_timeout_s: float = 600.0
+
+
+@dataclass
+class DataConfig:
+    source: str = "stdlib"  # stdlib (built-in offline corpus) | indexed (use prefix)
+    prefix: str | None = None  # .bin/.idx prefix when source=indexed
+    tokenizer_model: str | None = None  # sentencepiece .model, required when source=indexed
+    cache_dir: str = "~/.cache/megatronish"
+    vocab_size: int = 4096  # tokenizer vocabulary when the stdlib corpus is built
+    max_corpus_mb: float = 8.0
+    valid_fraction: float = 0.02
+
+
+@dataclass
+class OptimizerConfig:
+    name: str = "adamw"
+    lr: float = 1e-3
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
+
+
+@dataclass
+class SchedulerConfig:
+    style: str = "cosine"  # cosine | linear | constant
+    warmup_steps: int = 20
+    decay_steps: int | None = None  # null: trainer.max_steps
+    min_lr: float = 1e-4
+
+
+@dataclass
+class TrainerConfig:
+    micro_batch_size: int = 8
+    global_batch_size: int = 8
+    max_steps: int = 100
+    seed: int = 1234
+    precision: str = "fp32"  # fp32 | bf16
+    recompute: str = "none"  # none | selective | full
+    recompute_method: str = "uniform"  # uniform | block
+    recompute_num_layers: int = 1
+    device: str = "auto"  # auto | cpu | cuda
+    num_threads: int | None = None  # CPU intra-op threads per rank; null: cores / local ranks
+    eval_interval: int = 50
+    eval_iters: int = 4
+    dry_run: bool = False
+    exit_after_minutes: float | None = None
+    peak_tflops: float | None = None  # per device, for MFU; null: measured (CPU) or table (GPU)
+    max_skipped_steps: int = 5
+    deterministic: bool = True
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str | None = "${out_dir}/checkpoints"
+    interval: int = 0  # 0: only at the end
+    resume: str = "auto"  # auto | never | PATH
+    keep_last: int = 2
+    async_save: bool = False
+    save_final: bool = True
+
+
+@dataclass
+class LoggingConfig:
+    log_interval: int = 10
+    wandb: bool = True
+    wandb_project: str = "megatronish"
+    wandb_mode: str | None = None  # null: online with WANDB_API_KEY set, else offline
+    timers: str = "cheap"  # cheap | detailed
+    progress_bar: bool = False
+
+
+@dataclass
+class TrainConfig:
+    name: str = "run"
+    out_dir: str = "outputs/${name}"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+GROUP_SCHEMAS = {
+    "model": ModelConfig,
+    "parallel": ParallelConfig,
+    "data": DataConfig,
+    "optimizer": OptimizerConfig,
+    "scheduler": SchedulerConfig,
+    "trainer": TrainerConfig,
+    "checkpoint": CheckpointConfig,
+    "logging": LoggingConfig,
+}
+
+
+def register_configs() -> None:
+    """Register the schemas so train.yaml and every group file are checked against them."""
+    cs = ConfigStore.instance()
+    cs.store(name="train_schema", node=TrainConfig)
+    for group, schema in GROUP_SCHEMAS.items():
+        cs.store(group=group, name=f"{group}_schema", node=schema)
+
+
+__all__ = ["TrainConfig", "register_configs", *[s.__name__ for s in GROUP_SCHEMAS.values()]]

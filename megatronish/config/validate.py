@@ -1,0 +1,223 @@
+"""Cross-field rules checked on the resolved config before any process group exists.
+
+:func:`config_errors` is pure: it returns every violated rule at once, each a sentence naming
+the values and the fix. :func:`check_config` raises :class:`ConfigError` with all of them.
+"""
+
+from __future__ import annotations
+
+import os
+
+from megatronish.config.derived import default_ffn_hidden, pad_vocab
+
+CHOICES = {
+    "model.arch": ("llama", "gpt2"),
+    "trainer.precision": ("fp32", "bf16"),
+    "trainer.recompute": ("none", "selective", "full"),
+    "trainer.recompute_method": ("uniform", "block"),
+    "trainer.device": ("auto", "cpu", "cuda"),
+    "scheduler.style": ("cosine", "linear", "constant"),
+    "optimizer.name": ("adamw",),
+    "data.source": ("stdlib", "indexed"),
+    "logging.timers": ("cheap", "detailed"),
+}
+
+
+class ConfigError(ValueError):
+    """The resolved config breaks one or more rules; ``errors`` lists them all."""
+
+    def __init__(self, errors: list[str]):
+        self.errors = list(errors)
+        lines = "\n".join(f"  - {e}" for e in self.errors)
+        super().__init__(f"invalid config ({len(self.errors)} problem(s)):\n{lines}")
+
+
+def _get(cfg, dotted: str):
+    node = cfg
+    for part in dotted.split("."):
+        node = getattr(node, part)
+    return node
+
+
+def _positive(cfg, keys: list[str], errors: list[str], allow_zero: bool = False) -> None:
+    for key in keys:
+        v = _get(cfg, key)
+        if v is None:
+            continue
+        if v < 0 or (v == 0 and not allow_zero):
+            bound = ">= 0" if allow_zero else ">= 1"
+            errors.append(f"{key}={v} must be {bound}")
+
+
+def config_errors(cfg, world_size: int, vocab_size: int | None = None) -> list[str]:
+    """Every rule ``cfg`` breaks for a job of ``world_size`` ranks (empty list: valid).
+
+    ``vocab_size`` is the tokenizer's vocabulary when known (checked against tp and the model).
+    """
+    errors: list[str] = []
+    m, p, t, o, s = cfg.model, cfg.parallel, cfg.trainer, cfg.optimizer, cfg.scheduler
+
+    for key, allowed in CHOICES.items():
+        v = _get(cfg, key)
+        if v not in allowed:
+            errors.append(f"{key}={v!r} is not one of {', '.join(allowed)}")
+
+    _positive(cfg, ["parallel.tp", "parallel.pp", "parallel.vpp", "parallel.dp",
+                    "model.num_layers", "model.hidden_size", "model.num_attention_heads",
+                    "model.num_query_groups", "model.ffn_hidden_size", "model.seq_length",
+                    "model.vocab_size", "model.make_vocab_size_divisible_by",
+                    "trainer.micro_batch_size", "trainer.global_batch_size",
+                    "logging.log_interval", "trainer.recompute_num_layers",
+                    "parallel.bucket_size_mb", "parallel.collective_timeout_s"], errors)  # fmt: skip
+    _positive(cfg, ["trainer.max_steps", "trainer.eval_interval", "trainer.eval_iters",
+                    "checkpoint.interval", "scheduler.warmup_steps", "checkpoint.keep_last",
+                    "trainer.max_skipped_steps"], errors, allow_zero=True)  # fmt: skip
+    if world_size < 1:
+        errors.append(f"world size {world_size} must be >= 1")
+    if errors:  # the divisibility rules below assume positive sizes
+        return errors
+
+    # Layout.
+    if world_size % (p.tp * p.pp):
+        errors.append(
+            f"world size {world_size} is not divisible by tp*pp = {p.tp}*{p.pp}; "
+            f"launch a multiple of {p.tp * p.pp} ranks or change parallel.tp / parallel.pp"
+        )
+        dp = 1
+    elif p.dp is not None and p.tp * p.pp * p.dp != world_size:
+        errors.append(
+            f"tp*pp*dp = {p.tp}*{p.pp}*{p.dp} = {p.tp * p.pp * p.dp} but the world has "
+            f"{world_size} ranks; set parallel.dp={world_size // (p.tp * p.pp)} or null"
+        )
+        dp = p.dp
+    else:
+        dp = p.dp if p.dp is not None else world_size // (p.tp * p.pp)
+    if p.zero_stage not in (0, 1, 2, 3):
+        errors.append(f"parallel.zero_stage={p.zero_stage} must be 0, 1, 2 or 3")
+    if p.vpp > 1 and p.pp == 1:
+        errors.append(f"parallel.vpp={p.vpp} needs parallel.pp > 1 (interleaving splits stages)")
+
+    # Model shape against tp.
+    heads, kv = m.num_attention_heads, m.num_query_groups or m.num_attention_heads
+    if m.hidden_size % heads:
+        errors.append(
+            f"model.hidden_size={m.hidden_size} is not divisible by "
+            f"model.num_attention_heads={heads}"
+        )
+    elif m.arch == "llama" and (m.hidden_size // heads) % 2:
+        errors.append(f"head dim {m.hidden_size // heads} must be even for rotary embeddings")
+    if heads % p.tp:
+        errors.append(f"model.num_attention_heads={heads} is not divisible by parallel.tp={p.tp}")
+    if heads % kv:
+        errors.append(
+            f"model.num_query_groups={kv} must divide model.num_attention_heads={heads}"
+        )
+    if kv % p.tp:
+        errors.append(
+            f"model.num_query_groups={kv} (kv heads) is not divisible by parallel.tp={p.tp}; "
+            f"use a tp that divides {kv} or more kv heads"
+        )
+    ffn = m.ffn_hidden_size or default_ffn_hidden(m.arch, m.hidden_size)
+    if ffn % p.tp:
+        errors.append(f"ffn hidden size {ffn} is not divisible by parallel.tp={p.tp}")
+    if p.sp and m.seq_length % p.tp:
+        errors.append(
+            f"model.seq_length={m.seq_length} is not divisible by parallel.tp={p.tp}, "
+            "which sequence parallelism (parallel.sp=true) needs"
+        )
+    vocab = m.vocab_size or vocab_size
+    if vocab is not None and pad_vocab(vocab, m.make_vocab_size_divisible_by) % p.tp:
+        errors.append(
+            f"padded vocab {pad_vocab(vocab, m.make_vocab_size_divisible_by)} is not divisible "
+            f"by parallel.tp={p.tp}; set model.make_vocab_size_divisible_by to a multiple of tp"
+        )
+    if m.vocab_size is not None and vocab_size is not None and vocab_size > m.vocab_size:
+        errors.append(
+            f"the tokenizer has {vocab_size} tokens but model.vocab_size={m.vocab_size}; "
+            "set model.vocab_size=null to take the tokenizer's"
+        )
+    if m.arch == "gpt2" and m.max_position_embeddings is not None:
+        if m.seq_length > m.max_position_embeddings:
+            errors.append(
+                f"model.seq_length={m.seq_length} exceeds "
+                f"model.max_position_embeddings={m.max_position_embeddings}"
+            )
+    for key in ("model.hidden_dropout", "model.attention_dropout"):
+        if not 0.0 <= _get(cfg, key) < 1.0:
+            errors.append(f"{key}={_get(cfg, key)} must be in [0, 1)")
+
+    # Pipeline split.
+    chunks = p.pp * p.vpp
+    if p.pipeline_layer_split is not None:
+        split = list(p.pipeline_layer_split)
+        if len(split) != chunks or sum(split) != m.num_layers or min(split) < 1:
+            errors.append(
+                f"parallel.pipeline_layer_split={split} must have pp*vpp = {chunks} entries, "
+                f"each >= 1, summing to model.num_layers={m.num_layers}"
+            )
+    elif m.num_layers % chunks:
+        errors.append(
+            f"model.num_layers={m.num_layers} is not divisible by pp*vpp = {p.pp}*{p.vpp}; "
+            "change the layer count, pp or vpp, or give parallel.pipeline_layer_split"
+        )
+
+    # Batch.
+    mbs, gbs = t.micro_batch_size, t.global_batch_size
+    if gbs % (mbs * dp):
+        errors.append(
+            f"trainer.global_batch_size={gbs} is not divisible by micro_batch_size*dp = "
+            f"{mbs}*{dp} = {mbs * dp}; use a multiple of {mbs * dp}"
+        )
+    else:
+        micro = gbs // (mbs * dp)
+        if p.pp > 1 and micro < p.pp:
+            errors.append(
+                f"{micro} microbatch(es) per step is fewer than parallel.pp={p.pp}; raise "
+                f"trainer.global_batch_size to at least {p.pp * mbs * dp}"
+            )
+        elif p.vpp > 1 and micro % p.pp:
+            errors.append(
+                f"interleaved pipelining (vpp={p.vpp}) needs microbatches per step ({micro}) "
+                f"divisible by parallel.pp={p.pp}; change trainer.global_batch_size"
+            )
+
+    # Optimisation.
+    if o.lr <= 0:
+        errors.append(f"optimizer.lr={o.lr} must be > 0")
+    if s.min_lr < 0 or s.min_lr > o.lr:
+        errors.append(f"scheduler.min_lr={s.min_lr} must be in [0, optimizer.lr={o.lr}]")
+    if o.grad_clip < 0:
+        errors.append(f"optimizer.grad_clip={o.grad_clip} must be >= 0 (0 disables clipping)")
+    decay = s.decay_steps if s.decay_steps is not None else t.max_steps
+    if s.decay_steps is not None and s.decay_steps < 1:
+        errors.append(f"scheduler.decay_steps={s.decay_steps} must be >= 1 or null")
+    elif s.warmup_steps > max(decay, 1) and t.max_steps > 0:
+        errors.append(
+            f"scheduler.warmup_steps={s.warmup_steps} exceeds the decay length {decay}; "
+            "lower the warm-up or raise scheduler.decay_steps / trainer.max_steps"
+        )
+
+    # Data.
+    d = cfg.data
+    if d.source == "indexed":
+        if not d.prefix:
+            errors.append("data.source=indexed needs data.prefix (the .bin/.idx path prefix)")
+        if not d.tokenizer_model:
+            errors.append("data.source=indexed needs data.tokenizer_model (a sentencepiece file)")
+        elif not os.path.exists(os.path.expanduser(d.tokenizer_model)):
+            errors.append(f"data.tokenizer_model={d.tokenizer_model} does not exist")
+        if d.prefix and not os.path.exists(os.path.expanduser(d.prefix) + ".idx"):
+            errors.append(
+                f"data.prefix={d.prefix}: {d.prefix}.idx does not exist; create it with "
+                "tools/preprocess_data.py"
+            )
+    if not 0.0 < d.valid_fraction < 1.0:
+        errors.append(f"data.valid_fraction={d.valid_fraction} must be in (0, 1)")
+    return errors
+
+
+def check_config(cfg, world_size: int, vocab_size: int | None = None) -> None:
+    """Raise :class:`ConfigError` listing every violated rule."""
+    errors = config_errors(cfg, world_size, vocab_size)
+    if errors:
+        raise ConfigError(errors)

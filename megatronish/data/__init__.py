@@ -1,0 +1,1 @@
+"""Data pipeline: sentencepiece tokenizer, Megatron-compatible .bin/.idx files, GPT samples."""

@@ -1,0 +1,102 @@
+"""Assemble a training job from a resolved config: launch, topology, data, model, trainer."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+from omegaconf import OmegaConf
+
+from megatronish.config.derived import Derived, derive
+from megatronish.config.validate import ConfigError, config_errors
+from megatronish.distributed.agree import agree
+from megatronish.distributed.launch import LaunchEnv, init_process_group, pick_device
+from megatronish.distributed.rank_math import rank_map_table
+from megatronish.distributed.topology import Topology
+from megatronish.model.build import build_chunks
+from megatronish.model.spec import ModelSpec
+from megatronish.tensor_parallel.context import TPContext
+from megatronish.tensor_parallel.random import RNGTracker
+
+
+@dataclass
+class Job:
+    cfg: object
+    launch: LaunchEnv
+    topo: Topology
+    derived: Derived
+    spec: ModelSpec
+    chunks: list
+    rng: RNGTracker
+    train_data: object
+    valid_data: object
+    tokenizer: object
+
+
+def set_threads(cfg, launch: LaunchEnv) -> None:
+    """One intra-op thread per rank when ranks share a CPU, all cores for a single process."""
+    n = cfg.trainer.num_threads
+    if n is None:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", launch.world_size))
+        n = max(1, (os.cpu_count() or 1) // max(local, 1))
+    torch.set_num_threads(n)
+
+
+def build_data(cfg, topo: Topology, launch: LaunchEnv):
+    """Datasets and tokenizer; local rank 0 builds caches first, failures stop every rank."""
+    from megatronish.data.build import build_datasets
+
+    error, result = None, None
+    if launch.local_rank == 0:
+        try:
+            result = build_datasets(cfg.data, cfg.model.seq_length, cfg.trainer.seed)
+        except (OSError, ValueError) as e:
+            error = f"{type(e).__name__}: {e}"
+    agree(error, topo.world_group)
+    if result is None:
+        result = build_datasets(cfg.data, cfg.model.seq_length, cfg.trainer.seed)
+    return result
+
+
+def build_model(cfg, topo: Topology, derived: Derived, spec: ModelSpec, rng: RNGTracker):
+    tp_ctx = TPContext(group=topo.tp_group, sp=cfg.parallel.sp, rng=rng)
+    return build_chunks(
+        spec,
+        tp_ctx,
+        derived.layers_per_chunk,
+        pp_rank=topo.coords.pp,
+        pp=topo.pp,
+        vpp=cfg.parallel.vpp,
+        seed=cfg.trainer.seed,
+        device=topo.device,
+    )
+
+
+def build_job(cfg, launch: LaunchEnv) -> Job:
+    """Everything a run needs. Collective when the world has more than one rank."""
+    errors = config_errors(cfg, launch.world_size)
+    if errors:
+        raise ConfigError(errors)
+    set_threads(cfg, launch)
+    derived = derive(cfg, launch.world_size)
+    device = pick_device(cfg.trainer.device, launch.local_rank)
+    init_process_group(launch, device, cfg.parallel.collective_timeout_s)
+    p = cfg.parallel
+    topo = Topology.build(tp=p.tp, dp=derived.dp, pp=p.pp, rank=launch.rank, device=device)
+    if topo.rank == 0:
+        print(rank_map_table(topo.tp, topo.dp, topo.pp), flush=True)
+
+    train_data, valid_data, tokenizer = build_data(cfg, topo, launch)
+    errors = config_errors(cfg, launch.world_size, vocab_size=tokenizer.vocab_size)
+    agree("; ".join(errors) if errors else None, topo.world_group)
+    spec = ModelSpec.from_config(cfg.model, tokenizer.vocab_size)
+
+    rng = RNGTracker(device)
+    rng.seed(cfg.trainer.seed, tp_rank=topo.coords.tp, pp_rank=topo.coords.pp)
+    chunks = build_model(cfg, topo, derived, spec, rng)
+    return Job(cfg, launch, topo, derived, spec, chunks, rng, train_data, valid_data, tokenizer)
+
+
+def config_dict(cfg) -> dict:
+    return OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else dict(cfg)

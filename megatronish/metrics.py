@@ -1,0 +1,89 @@
+"""Model FLOPs, MFU, peak memory and throughput bookkeeping.
+
+Model FLOPs per token (the PaLM / Chinchilla convention, used by Megatron and torchtitan for MFU):
+
+    flops_per_token = 6 * N + 12 * L * s * h
+
+``N`` counts the weights of every matmul (attention, MLP and output head; not the embedding
+lookup, positions or norms), the factor 6 is forward (2) plus backward (4), and ``12 L s h`` is
+the attention score and value products (causal masking is not discounted). Recompute is not
+counted (model FLOPs, not hardware FLOPs).
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+import time
+
+import torch
+
+from megatronish.model.spec import ModelSpec
+
+# Dense peak FLOP/s per GPU for the compute dtype (vendor datasheets, without sparsity).
+GPU_PEAK_TFLOPS = {
+    ("H200", "bf16"): 989.0, ("H100", "bf16"): 989.0, ("A100", "bf16"): 312.0,
+    ("H200", "fp32"): 67.0, ("H100", "fp32"): 67.0, ("A100", "fp32"): 19.5,
+}  # fmt: skip
+
+
+def matmul_params(spec: ModelSpec) -> int:
+    """Weights that take part in matmuls (per full model)."""
+    h, d = spec.hidden_size, spec.head_dim
+    attn = h * (spec.num_heads + 2 * spec.num_kv_heads) * d + spec.num_heads * d * h
+    mlp = (3 if spec.is_llama else 2) * h * spec.ffn_hidden_size
+    return spec.num_layers * (attn + mlp) + spec.padded_vocab_size * h
+
+
+def flops_per_token(spec: ModelSpec) -> float:
+    """Model FLOPs per trained token (see module docstring)."""
+    return 6.0 * matmul_params(spec) + 12.0 * spec.num_layers * spec.seq_length * spec.hidden_size
+
+
+def count_parameters(spec: ModelSpec) -> int:
+    """Total parameters of the full model (a tied head counted once)."""
+    h, L = spec.hidden_size, spec.num_layers
+    norm = h if spec.is_llama else 2 * h
+    bias = 0
+    if spec.bias:  # qkv + proj + fc1 (gate|up for llama) + fc2
+        fc1 = (2 if spec.is_llama else 1) * spec.ffn_hidden_size
+        bias = (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim + h + fc1 + h
+    per_layer = matmul_params(spec) - spec.padded_vocab_size * h
+    total = per_layer + L * (2 * norm + bias) + norm + spec.padded_vocab_size * h
+    if not spec.tie_embeddings:
+        total += spec.padded_vocab_size * h
+    if not spec.is_llama:
+        total += spec.max_position_embeddings * h
+    return total
+
+
+def measure_matmul_peak(size: int = 1024, repeats: int = 5) -> float:
+    """Best fp32 matmul FLOP/s of this process (current thread count), from a short probe."""
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t0)
+    return 2.0 * size**3 / best
+
+
+def device_peak_flops(device: torch.device, precision: str, configured_tflops: float | None):
+    """Peak FLOP/s of one device: configured, the GPU table, or a CPU probe; None if unknown."""
+    if configured_tflops:
+        return configured_tflops * 1e12
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for (gpu, dtype), tflops in GPU_PEAK_TFLOPS.items():
+            if gpu in name and dtype == precision:
+                return tflops * 1e12
+        return None
+    return measure_matmul_peak()
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak allocated memory (GPU) or peak resident set size of the process (CPU)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024

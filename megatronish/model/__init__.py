@@ -1,0 +1,1 @@
+"""The GPT model (llama and gpt2 flavours) built from tensor-parallel layers."""

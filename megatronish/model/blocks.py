@@ -1,0 +1,151 @@
+"""Transformer blocks on ``[s, b, h]`` activations, written as a plain model.
+
+Linear layers are the tensor-parallel ones; with a tp group of one they are ordinary linears, so
+this file reads like a single-device GPT. Under sequence parallelism the norms and residual adds
+see a sequence shard ``[s/tp, b, h]``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatronish.model.spec import ModelSpec
+from megatronish.tensor_parallel.context import TPContext
+from megatronish.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatronish.tensor_parallel.sharding import mark_param
+
+
+class Norm(nn.Module):
+    """RMSNorm (llama) or LayerNorm (gpt2); weights replicated over tp."""
+
+    def __init__(self, spec: ModelSpec, tp: TPContext, device=None):
+        super().__init__()
+        self.rms, self.eps = spec.is_llama, spec.norm_eps
+        sp = tp.sequence_parallel
+        self.weight = mark_param(
+            nn.Parameter(torch.empty(spec.hidden_size, device=device)),
+            init="ones", sequence_parallel=sp, no_weight_decay=True,
+        )  # fmt: skip
+        self.bias = None
+        if not self.rms:
+            self.bias = mark_param(
+                nn.Parameter(torch.empty(spec.hidden_size, device=device)),
+                init="zeros", sequence_parallel=sp, no_weight_decay=True,
+            )  # fmt: skip
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.rms:
+            xf = x.float()
+            xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+            return xf.to(x.dtype) * self.weight
+        return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
+
+
+def rope_tables(seq: int, dim: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin tables ``[s, 1, 1, dim]`` in the rotate-half convention (as in HF Llama)."""
+    inv = 1.0 / theta ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim)
+    freqs = torch.outer(torch.arange(seq, device=device, dtype=torch.float32), inv)
+    emb = torch.cat([freqs, freqs], dim=-1)[:, None, None, :]
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``[s, b, heads, d]`` by position."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Causal self-attention with grouped-query heads split over tp."""
+
+    def __init__(self, spec: ModelSpec, tp: TPContext, device=None):
+        super().__init__()
+        d, h = spec.head_dim, spec.hidden_size
+        self.spec, self.tp = spec, tp
+        self.q_heads = spec.num_heads // tp.size
+        self.kv_heads = spec.num_kv_heads // tp.size
+        sp = tp.sequence_parallel
+        out_std = spec.init_std / math.sqrt(2 * spec.num_layers)
+        blocks = (spec.num_heads * d, spec.num_kv_heads * d, spec.num_kv_heads * d)
+        self.qkv = ColumnParallelLinear(
+            h, sum(blocks), tp.group, bias=spec.bias, sequence_parallel=sp, blocks=blocks,
+            init_std=spec.init_std, device=device,
+        )  # fmt: skip
+        self.proj = RowParallelLinear(
+            spec.num_heads * d, h, tp.group, bias=spec.bias, sequence_parallel=sp,
+            init_std=out_std, device=device,
+        )  # fmt: skip
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None):
+        d = self.spec.head_dim
+        qkv = self.qkv(x)
+        s, b = qkv.shape[:2]
+        q, k, v = qkv.split([self.q_heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
+        q = q.view(s, b, self.q_heads, d)
+        k = k.view(s, b, self.kv_heads, d)
+        v = v.view(s, b, self.kv_heads, d)
+        if rope is not None:
+            cos, sin = rope[0][:s], rope[1][:s]
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
+        if self.kv_heads != self.q_heads:
+            rep = self.q_heads // self.kv_heads
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        p = self.spec.attention_dropout if self.training else 0.0
+        if p > 0 and self.tp.rng is not None and self.tp.size > 1:
+            with self.tp.rng.fork("tp"):  # each rank drops its own heads' probabilities
+                out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        out = out.permute(2, 0, 1, 3).reshape(s, b, self.q_heads * d)
+        return self.proj(out)
+
+
+class MLP(nn.Module):
+    """SwiGLU (llama) or GELU (gpt2) feed-forward; hidden units split over tp."""
+
+    def __init__(self, spec: ModelSpec, tp: TPContext, device=None):
+        super().__init__()
+        h, f = spec.hidden_size, spec.ffn_hidden_size
+        self.llama = spec.is_llama
+        sp = tp.sequence_parallel
+        out_std = spec.init_std / math.sqrt(2 * spec.num_layers)
+        blocks = (f, f) if self.llama else (f,)
+        self.fc1 = ColumnParallelLinear(
+            h, sum(blocks), tp.group, bias=spec.bias, sequence_parallel=sp, blocks=blocks,
+            init_std=spec.init_std, device=device,
+        )  # fmt: skip
+        self.fc2 = RowParallelLinear(
+            f, h, tp.group, bias=spec.bias, sequence_parallel=sp, init_std=out_std, device=device
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc1(x)
+        if self.llama:
+            gate, up = y.chunk(2, dim=-1)
+            y = F.silu(gate) * up
+        else:
+            y = F.gelu(y, approximate="tanh")
+        return self.fc2(y)
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: ``x + drop(attn(norm(x)))``, then ``+ drop(mlp(norm(.)))``."""
+
+    def __init__(self, spec: ModelSpec, tp: TPContext, device=None):
+        super().__init__()
+        self.spec, self.tp = spec, tp
+        self.attn_norm = Norm(spec, tp, device)
+        self.attn = Attention(spec, tp, device)
+        self.mlp_norm = Norm(spec, tp, device)
+        self.mlp = MLP(spec, tp, device)
+
+    def forward(self, x: torch.Tensor, rope=None) -> torch.Tensor:
+        p, split = self.spec.hidden_dropout, self.tp.sequence_parallel
+        x = x + self.tp.dropout(self.attn(self.attn_norm(x), rope), p, self.training, split)
+        return x + self.tp.dropout(self.mlp(self.mlp_norm(x)), p, self.training, split)

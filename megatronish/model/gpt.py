@@ -1,0 +1,143 @@
+"""The GPT as a stack of chunks: embedding on the first, final norm + head + loss on the last.
+
+The unsplit model is the single chunk that holds every layer. Layers are stored under their
+global index (``layers.7.attn.qkv.weight``), so parameter names are the same in every pipeline
+layout and checkpoints can be keyed by them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatronish.model.blocks import Norm, TransformerBlock, rope_tables
+from megatronish.model.spec import ModelSpec
+from megatronish.tensor_parallel.context import TPContext
+from megatronish.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from megatronish.tensor_parallel.layers import VocabParallelEmbedding
+from megatronish.tensor_parallel.mappings import copy_to_tp, gather_from_sp
+from megatronish.tensor_parallel.sharding import TPShard, mark_param
+
+
+class Embedding(nn.Module):
+    """Token embedding (+ learned positions for gpt2), output ``[s, b, h]`` (or its sp shard)."""
+
+    def __init__(self, spec: ModelSpec, tp: TPContext, device=None):
+        super().__init__()
+        self.spec, self.tp = spec, tp
+        self.word = VocabParallelEmbedding(
+            spec.padded_vocab_size, spec.hidden_size, tp.group,
+            sequence_parallel=tp.sequence_parallel, init_std=spec.init_std, device=device,
+        )  # fmt: skip
+        self.position = None
+        if not spec.is_llama:
+            self.position = mark_param(
+                nn.Parameter(torch.empty(spec.max_position_embeddings, spec.hidden_size,
+                                         device=device)),
+                std=spec.init_std, sequence_parallel=tp.sequence_parallel,
+            )  # fmt: skip
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.word(ids.t())  # [b, s] -> [s, b, h]
+        if self.position is not None:
+            s_local = x.shape[0]
+            start = self.tp.group.rank * s_local if self.tp.sequence_parallel else 0
+            x = x + self.position[start : start + s_local].unsqueeze(1)
+        p = self.spec.hidden_dropout
+        return self.tp.dropout(x, p, self.training, self.tp.sequence_parallel)
+
+
+class Head(nn.Module):
+    """Final norm, vocab-parallel output projection and the loss.
+
+    With tied embeddings on the same chunk the word embedding is reused; on a separate last stage
+    the head keeps its own copy (``tied``), kept equal by all-reducing grads over the embedding
+    group.
+    """
+
+    def __init__(self, spec: ModelSpec, tp: TPContext, embedding: Embedding | None, device=None):
+        super().__init__()
+        self.spec, self.tp = spec, tp
+        self.norm = Norm(spec, tp, device)
+        # Not registered as a submodule: the embedding's weight is owned by the embedding.
+        object.__setattr__(self, "embedding", embedding if spec.tie_embeddings else None)
+        self.weight = None
+        if self.embedding is None:
+            self.weight = mark_param(
+                nn.Parameter(torch.empty(spec.padded_vocab_size // tp.size, spec.hidden_size,
+                                         device=device)),
+                shard=TPShard(dim=0, blocks=(spec.padded_vocab_size,)), std=spec.init_std,
+            )  # fmt: skip
+            # A tied head on another stage starts equal to (and is initialised as) the embedding.
+            self.weight.tied_to = "embedding.word.weight" if spec.tie_embeddings else None
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Local vocabulary slice of the logits, ``[s, b, V/tp]``."""
+        x = self.norm(x)
+        if self.tp.sequence_parallel:
+            x = gather_from_sp(x, self.tp.group)
+        else:
+            x = copy_to_tp(x, self.tp.group)
+        w = self.weight if self.embedding is None else self.embedding.word.weight
+        return F.linear(x, w)
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean next-token loss over the microbatch; ``targets`` is ``[b, s]``."""
+        logits = self.logits(x)
+        losses = vocab_parallel_cross_entropy(
+            logits, targets.t(), self.tp.group, self.spec.vocab_size
+        )
+        return losses.mean()
+
+
+class GPTChunk(nn.Module):
+    """Layers ``layer_ids`` of the GPT, with the embedding and/or the head when it holds them.
+
+    ``forward(x, targets)``: ``x`` is token ids ``[b, s]`` on the first chunk and the previous
+    chunk's hidden states ``[s, b, h]`` otherwise; returns the loss on the last chunk (when
+    ``targets`` is given) and the hidden states otherwise.
+    """
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        tp: TPContext,
+        layer_ids: range,
+        *,
+        first: bool,
+        last: bool,
+        device=None,
+    ):
+        super().__init__()
+        self.spec, self.tp, self.first, self.last = spec, tp, first, last
+        self.layer_ids = layer_ids
+        self.embedding = Embedding(spec, tp, device) if first else None
+        self.layers = nn.ModuleDict(
+            {str(i): TransformerBlock(spec, tp, device) for i in layer_ids}
+        )
+        self.head = Head(spec, tp, self.embedding, device) if last else None
+        self.block_runner = None  # set by activation checkpointing (recompute policies)
+        self._rope = None
+
+    def rope(self, device) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if not self.spec.is_llama:
+            return None
+        if self._rope is None or self._rope[0].device != device:
+            self._rope = rope_tables(
+                self.spec.seq_length, self.spec.head_dim, self.spec.rope_theta, device
+            )
+        return self._rope
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        if self.first:
+            x = self.embedding(x)
+        rope = self.rope(x.device)
+        for i, block in self.layers.items():
+            if self.block_runner is not None:
+                x = self.block_runner(int(i), block, x, rope)
+            else:
+                x = block(x, rope)
+        if self.last and targets is not None:
+            return self.head(x, targets)
+        return x

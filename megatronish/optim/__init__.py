@@ -1,0 +1,1 @@
+"""Optimizer, LR schedule, gradient synchronisation and clipping."""

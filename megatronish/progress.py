@@ -1,0 +1,97 @@
+"""Console progress and wandb, from the rank that holds the loss.
+
+Console lines are plain text (one line per log interval, flushed), readable in a SLURM log file.
+wandb runs online when ``WANDB_API_KEY`` is set, offline otherwise, and can be disabled with
+``logging.wandb=false`` or ``WANDB_MODE=disabled`` (the test suite does this).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Any
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def format_step(m: dict[str, Any], max_steps: int) -> str:
+    """One console line for a logged step."""
+    parts = [f"step {m['step']:>6d}/{max_steps}", f"loss {m['loss']:.4f}"]
+    parts.append(f"lr {m['lr']:.2e}")
+    parts.append(f"grad {m['grad_norm']:.3f}")
+    parts.append(f"{m['tokens_per_s']:,.0f} tok/s")
+    if m.get("mfu") is not None:
+        parts.append(f"MFU {100 * m['mfu']:.1f}%")
+    parts.append(f"{m['step_time_s']:.2f} s/step")
+    parts.append(f"mem {fmt_bytes(m['peak_memory'])}")
+    if m.get("skipped_steps"):
+        parts.append(f"skipped {m['skipped_steps']}")
+    return " | ".join(parts)
+
+
+class ProgressLogger:
+    """Prints and (optionally) sends metrics to wandb; a no-op on ranks that do not log."""
+
+    def __init__(self, cfg, enabled: bool, run_dir: str, run_id: str | None = None):
+        self.enabled = enabled
+        self.max_steps = cfg.trainer.max_steps
+        self.wandb_run = None
+        self.start = time.time()
+        if enabled and cfg.logging.wandb and os.environ.get("WANDB_MODE") != "disabled":
+            self.wandb_run = self._start_wandb(cfg, run_dir, run_id)
+
+    @staticmethod
+    def _start_wandb(cfg, run_dir: str, run_id: str | None):
+        try:
+            import wandb
+            from omegaconf import OmegaConf
+        except ImportError:  # pragma: no cover - wandb is a dependency
+            return None
+        mode = cfg.logging.wandb_mode or os.environ.get("WANDB_MODE")
+        if mode is None:
+            mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
+        os.makedirs(run_dir, exist_ok=True)
+        return wandb.init(
+            project=cfg.logging.wandb_project,
+            name=cfg.name,
+            id=run_id,
+            resume="allow",
+            dir=run_dir,
+            mode=mode,
+            config=OmegaConf.to_container(cfg, resolve=True),
+        )
+
+    @property
+    def run_id(self) -> str | None:
+        return self.wandb_run.id if self.wandb_run is not None else None
+
+    def info(self, msg: str) -> None:
+        if self.enabled:
+            print(msg, flush=True)
+
+    def log_step(self, metrics: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        print(format_step(metrics, self.max_steps), flush=True)
+        if self.wandb_run is not None:
+            self.wandb_run.log({f"train/{k}": v for k, v in metrics.items()}, step=metrics["step"])
+
+    def log_eval(self, step: int, loss: float) -> None:
+        if not self.enabled:
+            return
+        print(f"eval   step {step:>6d} | valid loss {loss:.4f}", flush=True)
+        if self.wandb_run is not None:
+            self.wandb_run.log({"valid/loss": loss}, step=step)
+
+    def close(self) -> None:
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+            self.wandb_run = None
+        sys.stdout.flush()

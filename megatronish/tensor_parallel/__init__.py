@@ -1,0 +1,1 @@
+"""Megatron-style tensor and sequence parallelism: mappings, layers, loss, RNG tracker."""

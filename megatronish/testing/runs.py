@@ -1,0 +1,82 @@
+"""Short training runs for parity tests: any layout, synthetic data, results per rank."""
+
+from __future__ import annotations
+
+import torch
+
+from megatronish.config.compose import load_config
+from megatronish.config.derived import derive
+from megatronish.config.validate import check_config
+from megatronish.distributed.topology import Topology
+from megatronish.model.spec import ModelSpec
+from megatronish.tensor_parallel.random import RNGTracker
+from megatronish.testing.synthetic import PatternTokens
+
+# A model small enough for many multi-rank runs on 2 cores, with every divisibility tp=4 needs.
+TINY_TEST_MODEL = [
+    "model.num_layers=4",
+    "model.hidden_size=64",
+    "model.num_attention_heads=8",
+    "model.num_query_groups=4",
+    "model.ffn_hidden_size=128",
+    "model.seq_length=16",
+    "model.vocab_size=250",
+    "trainer.micro_batch_size=2",
+    "trainer.global_batch_size=8",
+    "trainer.eval_interval=0",
+    "logging.log_interval=1000",
+    "logging.wandb=false",
+    "scheduler.warmup_steps=2",
+    "optimizer.lr=3e-3",
+    "optimizer.grad_clip=1.0",
+    "trainer.device=cpu",
+]
+
+
+def test_config(overrides: list[str], steps: int):
+    """The tiny test config with ``overrides`` (``model.arch=gpt2`` works too)."""
+    return load_config([*TINY_TEST_MODEL, f"trainer.max_steps={steps}", *overrides])
+
+
+def train_layout(rank: int, world: int, overrides: list[str], steps: int = 10):
+    """Train ``steps`` steps in the current process world; returns ``(losses, params)``.
+
+    ``losses`` is the per-step loss (nan on ranks that do not hold it); ``params`` maps global
+    names to full tensors for the stage this rank belongs to, from tp rank 0 of dp rank 0 (empty
+    elsewhere), so merging every rank's dict gives the whole model.
+    """
+    from megatronish.checkpoint.gather import gather_tp_params
+    from megatronish.job import build_model
+    from megatronish.trainer import Trainer
+
+    cfg = test_config(overrides, steps)
+    check_config(cfg, world)
+    d = derive(cfg, world)
+    p = cfg.parallel
+    topo = Topology.build(tp=p.tp, dp=d.dp, pp=p.pp, rank=rank)
+    spec = ModelSpec.from_config(cfg.model, cfg.model.vocab_size)
+    rng = RNGTracker(topo.device)
+    rng.seed(cfg.trainer.seed, tp_rank=topo.coords.tp, pp_rank=topo.coords.pp)
+    chunks = build_model(cfg, topo, d, spec, rng)
+    data = PatternTokens(spec.vocab_size, spec.seq_length, seed=cfg.trainer.seed)
+    trainer = Trainer(cfg, topo, spec, d, chunks, data)
+    history = trainer.fit()
+    params = gather_tp_params(chunks, topo)
+    keep = topo.coords.tp == 0 and topo.coords.dp == 0
+    return [r.loss for r in history], (params if keep else {}), topo.stats.summary()
+
+
+def merge_params(results) -> dict[str, torch.Tensor]:
+    """Union of every rank's ``params`` from :func:`train_layout` results."""
+    merged: dict[str, torch.Tensor] = {}
+    for _, params, _ in results:
+        merged.update(params)
+    return merged
+
+
+def losses_of(results) -> list[float]:
+    """The per-step losses reported by the rank(s) holding the loss (they agree)."""
+    for losses, _, _ in results:
+        if losses and losses[0] == losses[0]:  # not nan
+            return losses
+    raise AssertionError("no rank reported a loss")

@@ -1,0 +1,141 @@
+"""Entry point: ``python -m megatronish.train [+experiment=NAME] [key=value ...]``.
+
+The same command runs one process, under ``torchrun`` and under ``srun`` (one task per rank):
+compose the config (Hydra) -> validate -> start process groups -> build -> train -> save.
+``--cfg job`` prints the composed config; ``trainer.dry_run=true`` prints the resolved config
+and derived values, then exits.
+
+Exit codes: 0 done, 2 invalid config, 3 bad data or a failure reported by another rank.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import hydra
+import torch.distributed as dist
+from omegaconf import OmegaConf
+
+from megatronish.config.compose import CONFIG_DIR
+from megatronish.config.derived import derive, pad_vocab
+from megatronish.config.schema import register_configs
+from megatronish.config.validate import ConfigError, config_errors
+from megatronish.distributed.agree import PeerError
+from megatronish.distributed.launch import detect_launch
+
+EXIT_CONFIG = 2
+EXIT_DATA = 3
+
+
+def tokenizer_vocab_size(data_cfg) -> int:
+    """The tokenizer's vocabulary without building any data (for dry runs)."""
+    if data_cfg.source == "indexed" and data_cfg.tokenizer_model:
+        from megatronish.data.tokenizer import Tokenizer
+
+        return Tokenizer(data_cfg.tokenizer_model).vocab_size
+    return data_cfg.vocab_size
+
+
+def dry_run_report(cfg, world_size: int) -> str:
+    """The resolved config and every derived value, as printed by ``trainer.dry_run=true``."""
+    from megatronish.metrics import count_parameters, flops_per_token
+    from megatronish.model.spec import ModelSpec
+
+    d = derive(cfg, world_size)
+    vocab = tokenizer_vocab_size(cfg.data)
+    spec = ModelSpec.from_config(cfg.model, vocab)
+    lines = [OmegaConf.to_yaml(cfg).rstrip(), "", "derived:"]
+    values = {
+        "world_size": world_size,
+        "layout": f"tp={cfg.parallel.tp} pp={cfg.parallel.pp} vpp={cfg.parallel.vpp} dp={d.dp}",
+        "microbatches_per_step": d.num_microbatches,
+        "tokens_per_step": d.tokens_per_step,
+        "vocab_size": spec.vocab_size,
+        "padded_vocab_size": pad_vocab(spec.vocab_size, cfg.model.make_vocab_size_divisible_by),
+        "ffn_hidden_size": spec.ffn_hidden_size,
+        "num_query_groups": spec.num_kv_heads,
+        "layers_per_chunk": list(d.layers_per_chunk),
+        "parameters": f"{count_parameters(spec):,}",
+        "model_flops_per_step": f"{flops_per_token(spec) * d.tokens_per_step:.3e}",
+    }
+    lines += [f"  {k}: {v}" for k, v in values.items()]
+    return "\n".join(lines)
+
+
+def run(cfg):
+    """Train with a composed config; returns the trainer's step results on this rank."""
+    from megatronish.checkpoint.simple import save_final_weights
+    from megatronish.job import build_job, config_dict
+    from megatronish.metrics import device_peak_flops
+    from megatronish.progress import ProgressLogger
+    from megatronish.trainer import Trainer
+
+    launch = detect_launch()
+    job = build_job(cfg, launch)
+    topo = job.topo
+    loss_rank = topo.is_last_stage and topo.coords.tp == 0 and topo.coords.dp == 0
+    logger = ProgressLogger(cfg, enabled=loss_rank, run_dir=cfg.out_dir, run_id=launch.run_id)
+    peak = device_peak_flops(topo.device, cfg.trainer.precision, cfg.trainer.peak_tflops)
+    trainer = Trainer(
+        cfg, topo, job.spec, job.derived, job.chunks, job.train_data, job.valid_data,
+        logger=logger, peak_flops=peak,
+    )  # fmt: skip
+    logger.info(
+        f"training {job.spec.arch} ({sum(p.numel() for c in job.chunks for p in c.parameters()):,}"
+        f" params on this rank) for {cfg.trainer.max_steps} steps, "
+        f"{job.derived.tokens_per_step:,} tokens/step, device {topo.device}"
+    )
+    history = trainer.fit()
+    if cfg.checkpoint.dir and cfg.checkpoint.save_final:
+        path = save_final_weights(
+            job.chunks, topo, cfg.checkpoint.dir, trainer.state.step, config_dict(cfg)
+        )
+        logger.info(f"saved final weights to {path}")
+    logger.close()
+    return history
+
+
+def main_with_config(cfg) -> int:
+    """Validate, dry-run or train; returns the process exit code. Never raises for user errors."""
+    launch = detect_launch()
+    prefix = f"[rank {launch.rank}] " if launch.world_size > 1 else ""
+    errors = config_errors(cfg, launch.world_size)
+    if errors:
+        if launch.rank == 0:
+            print(str(ConfigError(errors)), file=sys.stderr, flush=True)
+        else:
+            print(f"{prefix}invalid config: {errors[0]}", file=sys.stderr, flush=True)
+        return EXIT_CONFIG
+    if cfg.trainer.dry_run:
+        if launch.rank == 0:
+            print(dry_run_report(cfg, launch.world_size), flush=True)
+        return 0
+    try:
+        run(cfg)
+    except ConfigError as e:
+        print(f"{prefix}{e}", file=sys.stderr, flush=True)
+        return EXIT_CONFIG
+    except (PeerError, FileNotFoundError) as e:
+        print(f"{prefix}error: {e}", file=sys.stderr, flush=True)
+        return EXIT_DATA
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+@hydra.main(config_path=CONFIG_DIR, config_name="train", version_base=None)
+def _hydra_main(cfg) -> None:
+    OmegaConf.resolve(cfg)
+    code = main_with_config(cfg)
+    if code:
+        sys.exit(code)
+
+
+def main() -> None:
+    register_configs()
+    _hydra_main()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,146 @@
+"""tools/train_tokenizer.py, tools/preprocess_data.py, the stdlib corpus and build_datasets."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from megatronish.data.build import build_datasets
+from megatronish.data.indexed import IndexedDataset, IndexedDatasetWriter
+from megatronish.data.stdlib_corpus import ensure_stdlib_corpus
+from megatronish.data.tokenizer import Tokenizer
+
+REPO = Path(__file__).resolve().parents[1]
+VOCAB = 400
+
+
+def _run_tool(name, *args):
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "tools" / name), *map(str, args)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """A small jsonl and txt corpus plus a tokenizer trained on both by the CLI."""
+    tmp = tmp_path_factory.mktemp("tools")
+    rng = np.random.default_rng(0)
+    letters = list("abcdefghijklmnopqrstuvwxyz")
+    words = ["".join(rng.choice(letters, size=rng.integers(2, 9))) for _ in range(300)]
+
+    def text(lines):
+        return "\n".join(" ".join(rng.choice(words, size=10)) for _ in range(lines))
+
+    records = [{"id": i, "text": text(3) + (" ünïcode ✓" if i % 7 == 0 else "")} for i in range(60)]
+    (tmp / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (tmp / "b.txt").write_text("def f(x):\n    return x  # tab\there\n" + text(40))
+    _run_tool(
+        "train_tokenizer.py",
+        "--input", tmp / "a.jsonl", tmp / "b.txt",
+        "--model-prefix", tmp / "tok",
+        "--vocab-size", VOCAB,
+        "--num-threads", 2,
+    )  # fmt: skip
+    return SimpleNamespace(dir=tmp, records=records, model=str(tmp / "tok.model"))
+
+
+def test_train_tokenizer_cli(corpus):
+    tok = Tokenizer(corpus.model)
+    assert tok.vocab_size == VOCAB and tok.eod_id == 2
+    sample = corpus.records[0]["text"] + "\n\tindented  code ✓"
+    assert tok.decode(tok.encode(sample)) == sample
+
+
+def test_preprocess_jsonl_matches_tokenizer(corpus):
+    prefix = corpus.dir / "out" / "a"
+    out = _run_tool(
+        "preprocess_data.py",
+        "--input", corpus.dir / "a.jsonl",
+        "--tokenizer-model", corpus.model,
+        "--output-prefix", prefix,
+        "--num-proc", 2,
+    )  # fmt: skip
+    assert "60 documents" in out and "tokens/s" in out
+    tok = Tokenizer(corpus.model)
+    ds = IndexedDataset(str(prefix))
+    assert ds.dtype == np.uint16 and len(ds) == len(corpus.records)
+    for i, rec in enumerate(corpus.records):
+        assert ds[i].tolist() == tok.encode(rec["text"]) + [tok.eod_id]
+    assert sorted(os.listdir(prefix.parent)) == ["a.bin", "a.idx"]  # temp HF cache removed
+
+
+def test_preprocess_txt_glob_without_eod(corpus):
+    prefix = corpus.dir / "out" / "b"
+    _run_tool(
+        "preprocess_data.py",
+        "--input", corpus.dir / "*.txt",
+        "--tokenizer-model", corpus.model,
+        "--output-prefix", prefix,
+        "--no-append-eod",
+    )  # fmt: skip
+    tok = Tokenizer(corpus.model)
+    ds = IndexedDataset(str(prefix))
+    assert len(ds) == 1
+    assert ds[0].tolist() == tok.encode((corpus.dir / "b.txt").read_text())
+
+
+def test_build_datasets_indexed_and_config_errors(corpus, tmp_path):
+    prefix = str(corpus.dir / "out" / "a")
+    cfg = SimpleNamespace(source="indexed", prefix=prefix, tokenizer_model=corpus.model)
+    train, valid, tok = build_datasets(cfg, seq_length=16, seed=0)
+    assert tok.vocab_size == VOCAB and len(valid.documents) == 1
+    assert train[0].shape == (17,) and valid[5].shape == (17,)
+
+    with pytest.raises(ValueError, match="data.source"):
+        build_datasets(SimpleNamespace(source="web"), 16, 0)
+    with pytest.raises(ValueError, match="data.prefix is required"):
+        build_datasets({"source": "indexed", "tokenizer_model": corpus.model}, 16, 0)
+    with pytest.raises(FileNotFoundError, match="data.prefix"):
+        build_datasets({**vars(cfg), "prefix": str(tmp_path / "nope")}, 16, 0)
+    with pytest.raises(FileNotFoundError, match="data.tokenizer_model"):
+        build_datasets({**vars(cfg), "tokenizer_model": str(tmp_path / "no.model")}, 16, 0)
+
+    with IndexedDatasetWriter(str(tmp_path / "big"), np.uint16) as w:
+        w.add_document(np.arange(VOCAB + 10))
+    with pytest.raises(ValueError, match=f"token id {VOCAB + 9}.*vocab_size {VOCAB}"):
+        build_datasets({**vars(cfg), "prefix": str(tmp_path / "big")}, 16, 0)
+
+
+def test_stdlib_corpus_is_built_once_and_reused(tmp_path, capsys):
+    cache = tmp_path / "cache"
+    prefix, model = ensure_stdlib_corpus(str(cache), 512, 0.5)
+    assert "building" in capsys.readouterr().out
+    assert Path(model).is_file() and Path(prefix + ".bin").is_file()
+    assert sorted(os.listdir(cache)) == [
+        f"stdlib-py{sys.version_info[0]}{sys.version_info[1]}-v512-0.5mb"
+    ]
+    t0 = time.perf_counter()
+    assert ensure_stdlib_corpus(str(cache), 512, 0.5) == (prefix, model)
+    assert time.perf_counter() - t0 < 0.5
+    assert capsys.readouterr().out == ""
+
+    tok, ds = Tokenizer(model), IndexedDataset(prefix)
+    assert tok.vocab_size == 512 and 20 < len(ds) and ds.num_tokens > 100_000
+    assert all(ds[i][-1] == tok.eod_id for i in range(len(ds)))
+    assert tok.decode(ds[0][:-1]).startswith(('"""', "#", "import", "from", "'"))
+
+    cfg = SimpleNamespace(
+        cache_dir=str(cache), vocab_size=512, max_corpus_mb=0.5, valid_fraction=0.2
+    )
+    train, valid, tok2 = build_datasets(cfg, seq_length=64, seed=0)
+    assert tok2.model_path == model and len(valid.documents) >= 1
+    assert train[12345].shape == (65,)

@@ -99,7 +99,15 @@ def main_with_config(cfg) -> int:
     """Validate, dry-run or train; returns the process exit code. Never raises for user errors."""
     launch = detect_launch()
     prefix = f"[rank {launch.rank}] " if launch.world_size > 1 else ""
-    errors = config_errors(cfg, launch.world_size)
+    world = launch.world_size
+    if cfg.world_size is not None and cfg.trainer.dry_run:
+        world = cfg.world_size
+    errors = config_errors(cfg, world)
+    if cfg.world_size is not None and not cfg.trainer.dry_run and cfg.world_size != world:
+        errors.append(
+            f"world_size={cfg.world_size} but the job was launched with {world} rank(s); "
+            "drop world_size (it is for dry runs and the planner)"
+        )
     if errors:
         if launch.rank == 0:
             print(str(ConfigError(errors)), file=sys.stderr, flush=True)
@@ -108,7 +116,7 @@ def main_with_config(cfg) -> int:
         return EXIT_CONFIG
     if cfg.trainer.dry_run:
         if launch.rank == 0:
-            print(dry_run_report(cfg, launch.world_size), flush=True)
+            print(dry_run_report(cfg, world), flush=True)
         return 0
     try:
         run(cfg)

@@ -7,6 +7,7 @@ rejected by Hydra/OmegaConf when the config is composed, before anything starts.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
 from hydra.core.config_store import ConfigStore
 
 
@@ -120,6 +121,7 @@ class LoggingConfig:
 class TrainConfig:
     name: str = "run"
     out_dir: str = "outputs/${name}"
+    world_size: int | None = None  # dry runs and the planner: the ranks to plan for
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     data: DataConfig = field(default_factory=DataConfig)

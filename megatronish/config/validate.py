@@ -68,7 +68,8 @@ def config_errors(cfg, world_size: int, vocab_size: int | None = None) -> list[s
                     "model.vocab_size", "model.make_vocab_size_divisible_by",
                     "trainer.micro_batch_size", "trainer.global_batch_size",
                     "logging.log_interval", "trainer.recompute_num_layers",
-                    "parallel.bucket_size_mb", "parallel.collective_timeout_s"], errors)  # fmt: skip
+                    "parallel.bucket_size_mb", "parallel.collective_timeout_s"],
+              errors)  # fmt: skip
     _positive(cfg, ["trainer.max_steps", "trainer.eval_interval", "trainer.eval_iters",
                     "checkpoint.interval", "scheduler.warmup_steps", "checkpoint.keep_last",
                     "trainer.max_skipped_steps"], errors, allow_zero=True)  # fmt: skip
@@ -109,9 +110,7 @@ def config_errors(cfg, world_size: int, vocab_size: int | None = None) -> list[s
     if heads % p.tp:
         errors.append(f"model.num_attention_heads={heads} is not divisible by parallel.tp={p.tp}")
     if heads % kv:
-        errors.append(
-            f"model.num_query_groups={kv} must divide model.num_attention_heads={heads}"
-        )
+        errors.append(f"model.num_query_groups={kv} must divide model.num_attention_heads={heads}")
     if kv % p.tp:
         errors.append(
             f"model.num_query_groups={kv} (kv heads) is not divisible by parallel.tp={p.tp}; "
@@ -188,13 +187,12 @@ def config_errors(cfg, world_size: int, vocab_size: int | None = None) -> list[s
         errors.append(f"scheduler.min_lr={s.min_lr} must be in [0, optimizer.lr={o.lr}]")
     if o.grad_clip < 0:
         errors.append(f"optimizer.grad_clip={o.grad_clip} must be >= 0 (0 disables clipping)")
-    decay = s.decay_steps if s.decay_steps is not None else t.max_steps
     if s.decay_steps is not None and s.decay_steps < 1:
         errors.append(f"scheduler.decay_steps={s.decay_steps} must be >= 1 or null")
-    elif s.warmup_steps > max(decay, 1) and t.max_steps > 0:
+    elif s.decay_steps is not None and s.warmup_steps > s.decay_steps:
         errors.append(
-            f"scheduler.warmup_steps={s.warmup_steps} exceeds the decay length {decay}; "
-            "lower the warm-up or raise scheduler.decay_steps / trainer.max_steps"
+            f"scheduler.warmup_steps={s.warmup_steps} exceeds scheduler.decay_steps="
+            f"{s.decay_steps}; lower the warm-up or raise the decay length"
         )
 
     # Data.

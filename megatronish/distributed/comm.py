@@ -44,7 +44,9 @@ class CommStats:
     def summary(self) -> dict[str, dict[str, int]]:
         """``{"group/op": {"calls": n, "bytes": b}}``, sorted by key."""
         keys = sorted(self.calls)
-        return {f"{g}/{o}": {"calls": self.calls[(g, o)], "bytes": self.bytes[(g, o)]} for g, o in keys}
+        return {
+            f"{g}/{o}": {"calls": self.calls[(g, o)], "bytes": self.bytes[(g, o)]} for g, o in keys
+        }
 
 
 @dataclass
@@ -122,7 +124,9 @@ def reduce_scatter_dim0(t: torch.Tensor, group: ParallelGroup) -> torch.Tensor:
     return out
 
 
-def reduce_scatter_into(out: torch.Tensor, full: torch.Tensor, group: ParallelGroup, async_op=False):
+def reduce_scatter_into(
+    out: torch.Tensor, full: torch.Tensor, group: ParallelGroup, async_op=False
+):
     """Reduce-scatter flat ``full`` into the flat ``out`` shard (ZeRO gradient reduction)."""
     if group.size == 1:
         if out.data_ptr() != full.data_ptr():
@@ -142,7 +146,9 @@ def broadcast(t: torch.Tensor, group: ParallelGroup, src_index: int = 0) -> torc
 
 
 def batch_send_recv(
-    sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]], group: ParallelGroup
+    sends: list[tuple[torch.Tensor, int]],
+    recvs: list[tuple[torch.Tensor, int]],
+    group: ParallelGroup,
 ) -> list:
     """Post sends and receives together (``batch_isend_irecv``) and return the work handles.
 

@@ -50,9 +50,7 @@ def group_ranks(tp: int, dp: int, pp: int) -> dict[str, list[list[int]]]:
         "dp": [[r(t, d, p) for d in range(dp)] for p in range(pp) for t in range(tp)],
         "pp": [[r(t, d, p) for p in range(pp)] for d in range(dp) for t in range(tp)],
         "mp": [sorted(r(t, d, p) for p in range(pp) for t in range(tp)) for d in range(dp)],
-        "embedding": [
-            sorted({r(t, d, 0), r(t, d, pp - 1)}) for d in range(dp) for t in range(tp)
-        ],
+        "embedding": [sorted({r(t, d, 0), r(t, d, pp - 1)}) for d in range(dp) for t in range(tp)],
         "world": [list(range(tp * dp * pp))],
     }
     return groups

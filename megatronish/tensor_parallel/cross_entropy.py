@@ -56,5 +56,5 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 def vocab_parallel_cross_entropy(
     logits: torch.Tensor, target: torch.Tensor, group: ParallelGroup, vocab_size: int
 ) -> torch.Tensor:
-    """Per-token loss ``[...]`` from local logits ``[..., V/tp]`` and global target ids ``[...]``."""
+    """Per-token loss from local logits ``[..., V/tp]`` and global target ids ``[...]``."""
     return _VocabParallelCrossEntropy.apply(logits, target, group, vocab_size)

@@ -13,7 +13,12 @@ class PatternTokens:
     """
 
     def __init__(self, vocab_size: int, seq_length: int, seed: int = 0, noise: float = 0.05):
-        self.vocab_size, self.seq_length, self.seed, self.noise = vocab_size, seq_length, seed, noise
+        self.vocab_size, self.seq_length, self.seed, self.noise = (
+            vocab_size,
+            seq_length,
+            seed,
+            noise,
+        )
 
     def __len__(self) -> int:
         return 2**31

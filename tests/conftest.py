@@ -1,0 +1,13 @@
+"""Shared fixtures: keep tests offline, quiet and single-threaded per rank."""
+
+import os
+
+os.environ.setdefault("WANDB_MODE", "disabled")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# torch.testing.assert_close imports heavy modules on first use (~2 s). Pay that once in the
+# parent so every forked test world inherits it.
+import torch  # noqa: E402
+
+torch.testing.assert_close(torch.zeros(1), torch.zeros(1))

@@ -1,0 +1,66 @@
+"""`python -m megatronish.train` end to end: dry run, bad configs, a real run, torchrun."""
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+SMALL = [
+    "model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4",
+    "model.num_query_groups=2", "model.ffn_hidden_size=128", "model.seq_length=64",
+    "trainer.micro_batch_size=4", "trainer.global_batch_size=8", "trainer.eval_interval=5",
+    "trainer.eval_iters=1", "logging.log_interval=5", "scheduler.warmup_steps=2",
+    "data.max_corpus_mb=0.5", "data.vocab_size=512", "trainer.device=cpu",
+]  # fmt: skip
+
+
+def run_train(args, tmp_path, launcher=(sys.executable, "-m", "megatronish.train"), timeout=240):
+    env = dict(os.environ, WANDB_MODE="disabled", OMP_NUM_THREADS="1")
+    cmd = [*launcher, *args, f"data.cache_dir={tmp_path / 'cache'}", f"out_dir={tmp_path / 'out'}"]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def test_dry_run_prints_derived_values_and_exits(tmp_path):
+    r = run_train(["+experiment=gpt_1b", "trainer.dry_run=true", "world_size=8"], tmp_path)
+    assert r.returncode == 0, r.stderr
+    for key in ("microbatches_per_step", "tokens_per_step", "padded_vocab_size", "parameters"):
+        assert key in r.stdout
+    params = int(r.stdout.split("parameters: ")[1].split()[0].replace(",", ""))
+    assert 1.0e9 <= params <= 1.5e9
+
+
+def test_cfg_job_prints_the_composed_config(tmp_path):
+    r = run_train(["--cfg", "job", "parallel.tp=2"], tmp_path)
+    assert r.returncode == 0 and "tp: 2" in r.stdout
+
+
+def test_invalid_config_exits_2_with_every_reason(tmp_path):
+    t0 = time.time()
+    r = run_train(["parallel.tp=3", "trainer.global_batch_size=7"], tmp_path)
+    assert r.returncode == 2
+    assert "not divisible by parallel.tp=3" in r.stderr and "global_batch_size=7" in r.stderr
+    assert "Traceback" not in r.stderr
+    assert time.time() - t0 < 30
+
+
+@pytest.mark.slow
+def test_default_pipeline_trains_and_saves_on_the_stdlib_corpus(tmp_path):
+    r = run_train([*SMALL, "trainer.max_steps=10"], tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("step")]
+    assert len(lines) == 3 and "tok/s" in lines[-1] and "MFU" in lines[-1]
+    assert "valid loss" in r.stdout
+    step_dir = tmp_path / "out" / "checkpoints" / "step_0000010"
+    assert (step_dir / "model-pp00.safetensors").exists() and (step_dir / "metadata.json").exists()
+
+
+@pytest.mark.slow
+def test_torchrun_runs_plain_data_parallel(tmp_path):
+    launcher = (sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc-per-node", "2", "-m", "megatronish.train")  # fmt: skip
+    r = run_train([*SMALL, "trainer.max_steps=5"], tmp_path, launcher=launcher)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "tp=1 dp=2 pp=1" in r.stdout
+    assert "step      5/5" in r.stdout

@@ -1,0 +1,63 @@
+"""Rank arithmetic: coordinates, groups and the rank map, for many grid shapes."""
+
+import itertools
+
+import pytest
+
+from megatronish.distributed.rank_math import (
+    Coords,
+    coords_to_rank,
+    group_of,
+    group_ranks,
+    rank_map_table,
+    rank_to_coords,
+)
+
+SHAPES = [s for s in itertools.product([1, 2, 4], [1, 2, 3], [1, 2, 4]) if s[0] * s[1] * s[2] <= 32]
+
+
+@pytest.mark.parametrize("tp,dp,pp", SHAPES)
+def test_coordinates_round_trip_with_tp_fastest(tp, dp, pp):
+    for rank in range(tp * dp * pp):
+        c = rank_to_coords(rank, tp, dp, pp)
+        assert rank == c.tp + tp * (c.dp + dp * c.pp)
+        assert coords_to_rank(c, tp, dp, pp) == rank
+
+
+@pytest.mark.parametrize("tp,dp,pp", SHAPES)
+def test_groups_partition_the_world_and_vary_one_coordinate(tp, dp, pp):
+    world = tp * dp * pp
+    groups = group_ranks(tp, dp, pp)
+    sizes = {"tp": tp, "dp": dp, "pp": pp, "mp": tp * pp, "world": world}
+    for name, size in sizes.items():
+        flat = sorted(r for g in groups[name] for r in g)
+        assert flat == list(range(world)), name
+        assert all(len(g) == size for g in groups[name]), name
+    for name, fixed in {"tp": ("dp", "pp"), "dp": ("tp", "pp"), "pp": ("tp", "dp")}.items():
+        for g in groups[name]:
+            coords = [rank_to_coords(r, tp, dp, pp) for r in g]
+            for attr in fixed:
+                assert len({getattr(c, attr) for c in coords}) == 1
+            assert [getattr(c, name) for c in coords] == list(range(len(g)))
+    for g in groups["tp"]:
+        assert g == list(range(g[0], g[0] + tp))  # consecutive ranks: one node
+    for rank in range(world):
+        emb = group_of(rank, groups["embedding"]) if pp == 1 or rank_to_coords(
+            rank, tp, dp, pp).pp in (0, pp - 1) else None  # fmt: skip
+        if emb is not None:
+            stages = sorted({rank_to_coords(r, tp, dp, pp).pp for r in emb})
+            assert stages == sorted({0, pp - 1})
+
+
+def test_out_of_range_is_rejected():
+    with pytest.raises(ValueError, match="outside a world of 4"):
+        rank_to_coords(4, 2, 2, 1)
+    with pytest.raises(ValueError):
+        coords_to_rank(Coords(2, 0, 0), 2, 1, 1)
+
+
+def test_rank_map_table_lists_every_rank():
+    table = rank_map_table(2, 2, 2)
+    assert "tp=2 dp=2 pp=2" in table
+    assert len(table.splitlines()) == 2 + 8
+    assert table.splitlines()[-1].split("|") == ["    7 ", "  1 ", "  1 ", "  1"]

@@ -15,10 +15,15 @@ from megatronish.distributed.comm import all_reduce
 from megatronish.distributed.topology import Topology
 from megatronish.metrics import flops_per_token, peak_memory_bytes
 from megatronish.model.spec import ModelSpec
-from megatronish.optim.adamw import build_adamw
-from megatronish.optim.data_parallel import DataParallelGrads
-from megatronish.optim.grads import clip_grads, global_grad_norm, sync_model_parallel_grads
 from megatronish.optim.lr_schedule import schedule_from_config
+from megatronish.optim.sharded_adamw import ShardedAdamW
+from megatronish.optim.zero import ZeroDataParallel
+from megatronish.pipeline.engine import (
+    PipelineShape,
+    Timeline,
+    forward_backward_pipeline,
+    forward_only_pipeline,
+)
 from megatronish.pipeline.no_pipeline import forward_backward_no_pipeline
 from megatronish.progress import ProgressLogger
 
@@ -64,13 +69,38 @@ class Trainer:
         self.train_data, self.valid_data = train_data, valid_data
         self.logger = logger or ProgressLogger(cfg, enabled=False, run_dir=".")
         self.peak_flops = peak_flops
-        self.optimizer = build_adamw(chunks, cfg.optimizer)
+        p, o = cfg.parallel, cfg.optimizer
+        self.zero = ZeroDataParallel(
+            chunks, topo, p.zero_stage, p.bucket_size_mb, keep_gathered=p.zero3_keep_gathered
+        )
+        self.optimizer = ShardedAdamW(
+            [shard.numel() for shard, _, _ in self.zero.optimizer_shards()], topo.device,
+            betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
+        )  # fmt: skip
         self.lr_at = schedule_from_config(cfg.optimizer, cfg.scheduler, cfg.trainer.max_steps)
-        self.dp_grads = DataParallelGrads(chunks, topo.dp_group)
-        self.forward_backward = forward_backward or forward_backward_no_pipeline
+        self.timeline: Timeline | None = None
+        self.forward_backward = forward_backward or self._default_forward_backward()
         self.state = TrainState()
         self.holds_loss = topo.is_last_stage
         self.flops_per_step = flops_per_token(spec) * derived.tokens_per_step
+
+    def pipeline_shape(self) -> PipelineShape:
+        """The activation every stage sends: ``[s or s/tp with sp, micro batch, hidden]``."""
+        s, tp = self.spec.seq_length, self.topo.tp
+        seq = s // tp if self.cfg.parallel.sp and tp > 1 else s
+        return PipelineShape((seq, self.cfg.trainer.micro_batch_size, self.spec.hidden_size))
+
+    def _default_forward_backward(self):
+        if self.topo.pp == 1:
+            return forward_backward_no_pipeline
+
+        def run(chunks, microbatches, **kw):
+            return forward_backward_pipeline(
+                chunks, microbatches, topo=self.topo, vpp=self.cfg.parallel.vpp,
+                shape=self.pipeline_shape(), timeline=self.timeline, **kw,
+            )  # fmt: skip
+
+        return run
 
     # -- data -------------------------------------------------------------------------------
     def microbatches(self, data, first_sample: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -97,27 +127,24 @@ class Trainer:
         for c in self.chunks:
             c.train()
         batches = self.microbatches(self.train_data, self.state.consumed_samples)
-        self.optimizer.zero_grad(set_to_none=False)
+        self.zero.start_step(len(batches))
         losses = self.forward_backward(
-            self.chunks,
-            batches,
-            loss_scale=1.0 / len(batches),
-            autocast=self.autocast,
-            on_last_backward=self.dp_grads.start_last_microbatch,
-        )
-        sync_model_parallel_grads(self.chunks, self.topo)
-        self.dp_grads.reduce()
+            self.chunks, batches, loss_scale=1.0 / len(batches), autocast=self.autocast,
+            param_hooks=self.zero,
+        )  # fmt: skip
+        self.zero.finish_reduction()
         loss = self._mean_loss(losses)
-        norm = global_grad_norm(self.chunks, self.topo).item()
+        norm = self.zero.grad_norm().item()
         lr = self.lr_at(step)
         skipped = not math.isfinite(norm)
         if skipped:  # the optimizer state is left untouched
             self.state.skipped_steps += 1
         else:
-            clip_grads(self.chunks, torch.tensor(norm), self.cfg.optimizer.grad_clip)
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
-            self.optimizer.step()
+            max_norm = self.cfg.optimizer.grad_clip
+            if max_norm > 0 and norm > max_norm:
+                self.zero.scale_grads(max_norm / (norm + 1e-6))
+            self.optimizer.step(self.zero.optimizer_shards(), lr)
+        self.zero.after_update()
         self.state.step += 1
         self.state.consumed_samples += self.cfg.trainer.global_batch_size
         return StepResult(step=step + 1, loss=loss, grad_norm=norm, lr=lr, skipped=skipped)
@@ -133,16 +160,25 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> float:
         """Mean validation loss over ``trainer.eval_iters`` global batches."""
-        if self.valid_data is None or self.topo.pp > 1:
+        if self.valid_data is None:
             return float("nan")
         for c in self.chunks:
             c.eval()
         losses = []
         for i in range(self.cfg.trainer.eval_iters):
-            first = i * self.cfg.trainer.global_batch_size
-            for inputs, targets in self.microbatches(self.valid_data, first):
+            batches = self.microbatches(self.valid_data, i * self.cfg.trainer.global_batch_size)
+            if self.topo.pp > 1:
+                losses += forward_only_pipeline(
+                    self.chunks, batches, topo=self.topo, vpp=self.cfg.parallel.vpp,
+                    shape=self.pipeline_shape(), autocast=self.autocast, param_hooks=self.zero,
+                )  # fmt: skip
+                continue
+            for inputs, targets in batches:
+                self.zero.gather(0)
                 with self.autocast():
                     losses.append(self.chunks[0](inputs, targets).detach())
+                self.zero.release(0)
+        self.zero.after_update()  # zero 3 with keep_gathered: release
         return self._mean_loss(losses)
 
     # -- the loop ---------------------------------------------------------------------------

@@ -145,6 +145,18 @@ def broadcast(t: torch.Tensor, group: ParallelGroup, src_index: int = 0) -> torc
     return t
 
 
+def isend(t: torch.Tensor, group: ParallelGroup, peer: int):
+    """Asynchronous send to member ``peer`` of ``group``; returns the work handle."""
+    group._record("send", t)
+    return dist.isend(t, dst=group.global_rank(peer), group=group.pg)
+
+
+def irecv(t: torch.Tensor, group: ParallelGroup, peer: int):
+    """Asynchronous receive into ``t`` from member ``peer`` of ``group``."""
+    group._record("recv", t)
+    return dist.irecv(t, src=group.global_rank(peer), group=group.pg)
+
+
 def batch_send_recv(
     sends: list[tuple[torch.Tensor, int]],
     recvs: list[tuple[torch.Tensor, int]],

@@ -14,20 +14,36 @@ def forward_backward_no_pipeline(
     *,
     loss_scale: float,
     autocast=contextlib.nullcontext,
-    on_last_backward=None,
+    param_hooks=None,
 ) -> list[torch.Tensor]:
     """Gradient accumulation: ``loss * loss_scale`` is backpropagated for each microbatch.
 
-    ``on_last_backward`` runs just before the last microbatch's backward (data-parallel layers
-    use it to start reductions only then). Returns the detached per-microbatch losses.
+    ``param_hooks`` (ZeRO 3) gathers a chunk's params before its forward and backward and
+    releases them after. Returns the detached per-microbatch losses.
     """
     (model,) = chunks
+    hooks = param_hooks or NO_PARAM_HOOKS
     losses = []
-    for i, (inputs, targets) in enumerate(microbatches):
+    for inputs, targets in microbatches:
+        hooks.gather(0)
         with autocast():
             loss = model(inputs, targets)
-        if on_last_backward is not None and i == len(microbatches) - 1:
-            on_last_backward()
+        hooks.release(0)
+        hooks.gather(0)
         (loss * loss_scale).backward()
+        hooks.release(0)
         losses.append(loss.detach())
     return losses
+
+
+class _NoParamHooks:
+    """Params are always materialised (ZeRO 0-2)."""
+
+    def gather(self, chunk_index: int) -> None:
+        pass
+
+    def release(self, chunk_index: int) -> None:
+        pass
+
+
+NO_PARAM_HOOKS = _NoParamHooks()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import multiprocessing as mp
+import multiprocessing.connection as mp_connection
 import os
 import pickle
 import socket
@@ -28,7 +29,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child(fn, rank, world, port, queue, collective_timeout, args, kwargs) -> None:
+def _child(fn, rank, world, port, conn, collective_timeout, args, kwargs) -> None:
     code = 0
     try:
         torch.set_num_threads(1)
@@ -44,9 +45,9 @@ def _child(fn, rank, world, port, queue, collective_timeout, args, kwargs) -> No
             timeout=datetime.timedelta(seconds=collective_timeout),
         )
         result = fn(rank, world, *args, **kwargs)
-        queue.put((rank, True, pickle.dumps(result)))
+        conn.send((rank, True, pickle.dumps(result)))  # synchronous: done before we exit
     except BaseException:  # noqa: BLE001 - everything must reach the parent
-        queue.put((rank, False, traceback.format_exc()))
+        conn.send((rank, False, traceback.format_exc()))
         code = 1
     finally:
         try:
@@ -74,32 +75,41 @@ def run_world(
     Returns the per-rank return values in rank order.
     """
     ctx = mp.get_context("fork")
-    queue = ctx.Queue()
     port = free_port()
+    pipes = [ctx.Pipe(duplex=False) for _ in range(world_size)]
     procs = [
         ctx.Process(
             target=_child,
-            args=(fn, r, world_size, port, queue, collective_timeout, args, kwargs),
+            args=(fn, r, world_size, port, pipes[r][1], collective_timeout, args, kwargs),
             daemon=True,
         )
         for r in range(world_size)
     ]
     for p in procs:
         p.start()
+    for _, child_end in pipes:
+        child_end.close()  # so a dead child shows up as EOF
     results: dict[int, Any] = {}
     errors: dict[int, str] = {}
     deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout)
+    waiting = {pipes[r][0]: r for r in range(world_size)}
     try:
-        while len(results) + len(errors) < world_size:
+        while waiting:
             left = (deadline - datetime.datetime.now()).total_seconds()
             if left <= 0:
                 break
-            try:
-                rank, ok, payload = queue.get(timeout=min(left, 1.0))
-            except Exception:  # queue.Empty
-                if errors and all(not p.is_alive() for p in procs):
+            ready = mp_connection.wait(list(waiting), timeout=min(left, 1.0))
+            if not ready:
+                if all(not p.is_alive() for p in procs):
                     break
                 continue
+            conn = ready[0]
+            try:
+                rank, ok, payload = conn.recv()
+            except EOFError:  # the rank died without a word
+                errors[waiting.pop(conn)] = "exited without a result (killed or crashed)"
+                continue
+            waiting.pop(conn)
             if ok:
                 results[rank] = pickle.loads(payload)
             else:

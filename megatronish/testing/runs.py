@@ -61,7 +61,9 @@ def train_layout(rank: int, world: int, overrides: list[str], steps: int = 10):
     data = PatternTokens(spec.vocab_size, spec.seq_length, seed=cfg.trainer.seed)
     trainer = Trainer(cfg, topo, spec, d, chunks, data)
     history = trainer.fit()
-    stats = topo.stats.summary()  # training traffic only, before the gather below
+    stats = topo.stats.summary()  # training traffic only, before the gathers below
+    for i in range(len(chunks)):
+        trainer.zero.gather(i)  # zero 3 keeps only shards between steps
     params = gather_tp_params(chunks, topo)
     keep = topo.coords.tp == 0 and topo.coords.dp == 0
     return [r.loss for r in history], (params if keep else {}), stats

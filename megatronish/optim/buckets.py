@@ -1,0 +1,99 @@
+"""Contiguous flat buffers for parameters and gradients, split into buckets, sharded over dp.
+
+Each bucket owns a flat fp32 region of ``numel`` elements (padded to a multiple of dp); every
+parameter of the bucket is a view into its param buffer and accumulates into a ``main_grad``
+view of its grad buffer. dp rank ``r`` owns elements ``[r * numel/dp, (r+1) * numel/dp)`` of
+every bucket (its ZeRO shard).
+
+Parameters whose grads need a model-parallel sum first (replicated params fed by sequence
+shards, tied embedding copies) go to "late" buckets that are reduced after that sum; all other
+buckets are reduced as soon as their grads are final.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+
+@dataclass
+class Bucket:
+    """A contiguous group of parameters reduced with one collective."""
+
+    params: list[tuple[str, nn.Parameter]]
+    offsets: list[int]
+    numel: int  # padded to a multiple of dp
+    dp: int
+    dp_rank: int
+    late: bool
+    device: torch.device
+    param_flat: torch.Tensor | None = None  # full (zero 0-2) params; None under zero 3
+    param_shard: torch.Tensor | None = None  # this rank's slice (a view, or owned under zero 3)
+    grad_flat: torch.Tensor | None = None  # full grads while accumulating
+    grad_shard: torch.Tensor | None = None  # reduced slice (zero >= 1)
+    decay_mask: torch.Tensor | None = None  # shard: 1 where weight decay applies
+    norm_mask: torch.Tensor | None = None  # shard: 1 where the element counts in the grad norm
+    pending: int = 0  # params whose grads are not yet final this step
+    work: object = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def shard_size(self) -> int:
+        return self.numel // self.dp
+
+    @property
+    def shard_range(self) -> tuple[int, int]:
+        return self.dp_rank * self.shard_size, (self.dp_rank + 1) * self.shard_size
+
+    def views(self, flat: torch.Tensor):
+        """``(name, param, view of flat)`` for every param of the bucket."""
+        for (name, p), off in zip(self.params, self.offsets):
+            yield name, p, flat[off : off + p.numel()].view_as(p)
+
+    def element_mask(self, keep) -> torch.Tensor:
+        """This rank's shard of a flat 0/1 mask: 1 on params where ``keep(name, p)``."""
+        mask = torch.zeros(self.numel, device=self.device)
+        for (name, p), off in zip(self.params, self.offsets):
+            if keep(name, p):
+                mask[off : off + p.numel()] = 1.0
+        lo, hi = self.shard_range
+        return mask[lo:hi].clone()
+
+
+def needs_model_parallel_sum(p: nn.Parameter, tied: bool) -> bool:
+    """Grads summed over tp (sequence-parallel params) or the embedding group (tied copies)."""
+    return bool(getattr(p, "sequence_parallel", False)) or tied
+
+
+def plan_buckets(
+    named_params: list[tuple[str, nn.Parameter]],
+    bucket_bytes: int,
+    dp: int,
+    dp_rank: int,
+    is_tied,
+    device: torch.device,
+) -> list[Bucket]:
+    """Group params into buckets in reverse order (roughly the order backward finishes them)."""
+    groups: dict[bool, list[list[tuple[str, nn.Parameter]]]] = {False: [[]], True: [[]]}
+    sizes = {False: 0, True: 0}
+    for name, p in reversed(named_params):
+        late = needs_model_parallel_sum(p, is_tied(name, p))
+        if groups[late][-1] and sizes[late] + p.numel() * 4 > bucket_bytes:
+            groups[late].append([])
+            sizes[late] = 0
+        groups[late][-1].append((name, p))
+        sizes[late] += p.numel() * 4
+    buckets = []
+    for late in (False, True):
+        for params in groups[late]:
+            if not params:
+                continue
+            offsets, total = [], 0
+            for _, p in params:
+                offsets.append(total)
+                total += p.numel()
+            numel = -(-total // dp) * dp
+            buckets.append(Bucket(params, offsets, numel, dp, dp_rank, late, device))
+    return buckets

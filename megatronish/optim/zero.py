@@ -1,0 +1,229 @@
+"""Data parallelism with ZeRO stages 0-3 over bucketed flat buffers.
+
+- 0: grads all-reduced (averaged) over dp; every rank updates every parameter.
+- 1: grads reduce-scattered; Adam moments only for this rank's shard; params all-gathered.
+- 2: as 1, and the full grad buffer exists only while accumulating (freed after reduction).
+- 3: as 2, and params are kept only as shards: a chunk's full params are gathered before its
+  forward and again before its backward and released after each (or kept for the whole step
+  with ``keep_gathered``).
+
+A bucket's reduction starts from a post-accumulate-grad hook as soon as every param in it has
+received the grads of all microbatches of the step, so nothing is communicated during earlier
+microbatches and reductions overlap the rest of backward. Buckets holding params that need a
+model-parallel sum first (sequence-parallel replicas, tied embeddings) are reduced at the end.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from megatronish.distributed.comm import all_gather_into, all_reduce, reduce_scatter_into
+from megatronish.distributed.topology import Topology
+from megatronish.optim.buckets import Bucket, plan_buckets
+from megatronish.optim.grads import counts_in_norm, flat_all_reduce
+
+
+def _resize(t: torch.Tensor, numel: int) -> None:
+    t.untyped_storage().resize_(numel * t.element_size())
+
+
+class ZeroDataParallel:
+    """Owns params, grads and the reductions of this rank's chunks for one ZeRO stage."""
+
+    def __init__(
+        self,
+        chunks: list[nn.Module],
+        topo: Topology,
+        stage: int,
+        bucket_mb: float,
+        keep_gathered: bool = False,
+    ):
+        self.chunks, self.topo, self.stage = chunks, topo, stage
+        self.keep_gathered = keep_gathered
+        dp = topo.dp_group
+        tied_names = self._tied_names(chunks, topo)
+        self.buckets_of: list[list[Bucket]] = []
+        for chunk in chunks:
+            buckets = plan_buckets(
+                list(chunk.named_parameters()), int(bucket_mb * 2**20), dp.size, dp.rank,
+                lambda n, p, tied=tied_names: n in tied or bool(getattr(p, "tied_to", None)),
+                topo.device,
+            )  # fmt: skip
+            for b in buckets:
+                self._allocate(b)
+            self.buckets_of.append(buckets)
+        self.gathered = [stage < 3] * len(chunks)
+
+    @property
+    def buckets(self) -> list[Bucket]:
+        return [b for bs in self.buckets_of for b in bs]
+
+    @staticmethod
+    def _tied_names(chunks, topo: Topology) -> set[str]:
+        tie = bool(chunks) and chunks[0].spec.tie_embeddings and topo.pp > 1
+        return {"embedding.word.weight"} if tie else set()
+
+    # -- storage ----------------------------------------------------------------------------
+    def _owned(self, b: Bucket) -> tuple[int, int]:
+        return (0, b.numel) if self.stage == 0 else b.shard_range
+
+    @torch.no_grad()
+    def _allocate(self, b: Bucket) -> None:
+        flat = torch.zeros(b.numel, device=b.device)
+        for _, p, view in b.views(flat):
+            view.copy_(p.data)
+            p.data = view
+        lo, hi = self._owned(b)
+        b.param_flat = flat
+        b.param_shard = flat[lo:hi] if self.stage < 3 else flat[lo:hi].clone()
+        if self.stage == 3:
+            _resize(flat, 0)  # params live as shards; gathered on demand
+        if self.stage < 2:
+            self._new_grad_buffer(b)
+        if self.stage >= 2:  # the reduced shard outlives the full buffer
+            b.grad_shard = torch.zeros(hi - lo, device=b.device)
+        b.decay_mask = self._mask(b, lambda n, p: not getattr(p, "no_weight_decay", False))
+        b.norm_mask = self._mask(b, lambda n, p: counts_in_norm(n, p, self.topo))
+        for _, p in b.params:
+            p.register_post_accumulate_grad_hook(self._make_hook(b))
+
+    def _mask(self, b: Bucket, keep) -> torch.Tensor:
+        full = torch.zeros(b.numel, device=b.device)
+        for (name, p), off in zip(b.params, b.offsets):
+            if keep(name, p):
+                full[off : off + p.numel()] = 1.0
+        lo, hi = self._owned(b)
+        return full[lo:hi].clone()
+
+    def _new_grad_buffer(self, b: Bucket) -> None:
+        b.grad_flat = torch.zeros(b.numel, device=b.device)
+        for _, p, view in b.views(b.grad_flat):
+            p.main_grad = view
+        if self.stage == 1:  # reduced in place into this rank's slice
+            lo, hi = b.shard_range
+            b.grad_shard = b.grad_flat[lo:hi]
+
+    # -- zero 3 parameter gathering ----------------------------------------------------------
+    @torch.no_grad()
+    def gather(self, chunk_index: int) -> None:
+        """Materialise a chunk's full params (zero 3)."""
+        if self.stage < 3 or self.gathered[chunk_index]:
+            return
+        for b in self.buckets_of[chunk_index]:
+            _resize(b.param_flat, b.numel)
+            all_gather_into(b.param_flat, b.param_shard, self.topo.dp_group)
+        self.gathered[chunk_index] = True
+
+    def release(self, chunk_index: int, end_of_step: bool = False) -> None:
+        """Free a chunk's full params (zero 3) unless they are kept for the step."""
+        if self.stage < 3 or not self.gathered[chunk_index]:
+            return
+        if self.keep_gathered and not end_of_step:
+            return
+        for b in self.buckets_of[chunk_index]:
+            _resize(b.param_flat, 0)
+        self.gathered[chunk_index] = False
+
+    # -- gradients --------------------------------------------------------------------------
+    def start_step(self, num_microbatches: int) -> None:
+        """Zero grads and arm the hooks for a step of ``num_microbatches``."""
+        for b in self.buckets:
+            if b.grad_flat is None:
+                self._new_grad_buffer(b)
+            else:
+                b.grad_flat.zero_()
+            b.pending = len(b.params) * num_microbatches
+            b.work = None
+
+    def _make_hook(self, b: Bucket):
+        def hook(p: nn.Parameter) -> None:
+            p.main_grad.add_(p.grad)
+            p.grad = None
+            b.pending -= 1
+            if b.pending == 0 and not b.late:
+                self._launch(b)
+
+        return hook
+
+    def _launch(self, b: Bucket, async_op: bool = True) -> None:
+        dp = self.topo.dp_group
+        if self.stage == 0:
+            work = all_reduce(b.grad_flat, dp, async_op=async_op)
+        else:
+            work = reduce_scatter_into(b.grad_shard, b.grad_flat, dp, async_op=async_op)
+        b.work = work if async_op else None
+        b.extra["launched"] = True
+
+    def finish_reduction(self) -> None:
+        """Wait for every reduction; sum late buckets over tp / the embedding group first."""
+        for b in self.buckets:
+            if not b.late and not b.extra.pop("launched", False):
+                self._launch(b)
+        late = [b for b in self.buckets if b.late]
+        sp = [
+            p.main_grad for b in late for _, p in b.params if getattr(p, "sequence_parallel", False)
+        ]
+        flat_all_reduce(sp, self.topo.tp_group)
+        tied = [
+            p.main_grad
+            for b in late
+            for n, p in b.params
+            if n in self._tied_names(self.chunks, self.topo) or getattr(p, "tied_to", None)
+        ]
+        flat_all_reduce(tied, self.topo.embedding_group)  # fmt: skip
+        for b in late:
+            b.extra.pop("launched", None)
+            self._launch(b, async_op=False)
+        scale = 1.0 / self.topo.dp
+        for b in self.buckets:
+            if b.work is not None:
+                b.work.wait()
+            b.work = None
+            self.owned_grad(b).mul_(scale)
+            if self.stage >= 2:  # keep only the reduced shard
+                b.grad_flat = None
+                for _, p in b.params:
+                    p.main_grad = None
+
+    def owned_grad(self, b: Bucket) -> torch.Tensor:
+        return b.grad_flat if self.stage == 0 else b.grad_shard
+
+    # -- norm, clip, update -----------------------------------------------------------------
+    def grad_norm(self) -> torch.Tensor:
+        """Global L2 norm: every parameter element counted exactly once across tp, pp, dp."""
+        sq = torch.zeros((), device=self.topo.device)
+        for b in self.buckets:
+            sq += (self.owned_grad(b).pow(2) * b.norm_mask).sum()
+        group = self.topo.mp_group if self.stage == 0 else self.topo.world_group
+        all_reduce(sq, group)
+        return sq.sqrt()
+
+    def scale_grads(self, coef: float) -> None:
+        for b in self.buckets:
+            self.owned_grad(b).mul_(coef)
+
+    def optimizer_shards(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        return [(b.param_shard, self.owned_grad(b), b.decay_mask) for b in self.buckets]
+
+    @torch.no_grad()
+    def after_update(self) -> None:
+        """Make every rank's params whole again (zero 1/2); zero 3 keeps shards."""
+        if self.stage in (1, 2):
+            for b in self.buckets:
+                all_gather_into(b.param_flat, b.param_shard, self.topo.dp_group)  # in place
+        if self.stage == 3:
+            for i in range(len(self.chunks)):
+                self.release(i, end_of_step=True)
+
+    # -- accounting -------------------------------------------------------------------------
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds for params and grads at a step boundary (optimizer separate)."""
+        params = grads = 0
+        for b in self.buckets:
+            params += b.param_shard.numel() * 4 if self.stage == 3 else b.param_flat.numel() * 4
+            if b.grad_flat is not None:
+                grads += b.grad_flat.numel() * 4
+            if self.stage >= 2:
+                grads += b.grad_shard.numel() * 4
+        return {"params": params, "grads": grads}

@@ -19,7 +19,7 @@ def test_tp_step_moves_the_analytic_volume(arch, sp):
     results = run_world(train_layout, tp, [f"model.arch={arch}", f"parallel.tp={tp}",
                                            f"parallel.sp={str(sp).lower()}",
                                            f"trainer.global_batch_size={micro * mbs}"], 1)  # fmt: skip
-    stats = results[0][2]
+    stats = results[0].stats
     sbh = s * mbs * h * 4  # bytes of one full [s, b, h] fp32 activation
     ce = 3 * s * mbs * 4  # max, target logit and sum of exp: three [s, b] all-reduces
     if not sp:

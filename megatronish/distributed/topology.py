@@ -97,7 +97,10 @@ class Topology:
                 pg = dist.group.WORLD if name == "world" else dist.new_group(ranks)
                 if rank in ranks:
                     mine = pg
-            ranks = group_of(rank, all_groups)
+            # Middle pipeline stages hold no embedding copy: their embedding group is themselves.
+            ranks = [rank] if mine is None and name == "embedding" else group_of(rank, all_groups)
+            if len(ranks) == 1:
+                mine = None
             groups[name] = ParallelGroup(
                 name=name, ranks=tuple(ranks), rank=ranks.index(rank), pg=mine, stats=stats
             )

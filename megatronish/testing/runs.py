@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from megatronish.config.compose import load_config
@@ -33,17 +35,27 @@ TINY_TEST_MODEL = [
 ]
 
 
+@dataclass
+class LayoutRun:
+    """What one rank reports after :func:`train_layout`."""
+
+    losses: list[float]  # per step; nan on ranks that do not hold the loss
+    grad_norms: list[float]  # per step, the global norm before clipping
+    params: dict[str, torch.Tensor] = field(default_factory=dict)  # full tensors (see below)
+    stats: dict = field(default_factory=dict)  # CommStats summary of the training steps
+    state_bytes: dict = field(default_factory=dict)  # params / grads / optimizer bytes held
+
+
 def test_config(overrides: list[str], steps: int):
     """The tiny test config with ``overrides`` (``model.arch=gpt2`` works too)."""
     return load_config([*TINY_TEST_MODEL, f"trainer.max_steps={steps}", *overrides])
 
 
-def train_layout(rank: int, world: int, overrides: list[str], steps: int = 10):
-    """Train ``steps`` steps in the current process world; returns ``(losses, params)``.
+def train_layout(rank: int, world: int, overrides: list[str], steps: int = 10) -> LayoutRun:
+    """Train ``steps`` steps in the current process world.
 
-    ``losses`` is the per-step loss (nan on ranks that do not hold it); ``params`` maps global
-    names to full tensors for the stage this rank belongs to, from tp rank 0 of dp rank 0 (empty
-    elsewhere), so merging every rank's dict gives the whole model.
+    ``params`` maps global names to full tensors for the stage this rank belongs to, from tp rank
+    0 of dp rank 0 (empty elsewhere), so merging every rank's dict gives the whole model.
     """
     from megatronish.checkpoint.gather import gather_tp_params
     from megatronish.job import build_model
@@ -62,24 +74,31 @@ def train_layout(rank: int, world: int, overrides: list[str], steps: int = 10):
     trainer = Trainer(cfg, topo, spec, d, chunks, data)
     history = trainer.fit()
     stats = topo.stats.summary()  # training traffic only, before the gathers below
+    held = {**trainer.zero.state_bytes(), "optimizer": trainer.optimizer.state_bytes()}
     for i in range(len(chunks)):
         trainer.zero.gather(i)  # zero 3 keeps only shards between steps
     params = gather_tp_params(chunks, topo)
     keep = topo.coords.tp == 0 and topo.coords.dp == 0
-    return [r.loss for r in history], (params if keep else {}), stats
+    return LayoutRun(
+        losses=[r.loss for r in history],
+        grad_norms=[r.grad_norm for r in history],
+        params=params if keep else {},
+        stats=stats,
+        state_bytes=held,
+    )
 
 
 def merge_params(results) -> dict[str, torch.Tensor]:
     """Union of every rank's ``params`` from :func:`train_layout` results."""
     merged: dict[str, torch.Tensor] = {}
-    for _, params, _ in results:
-        merged.update(params)
+    for run in results:
+        merged.update(run.params)
     return merged
 
 
 def losses_of(results) -> list[float]:
     """The per-step losses reported by the rank(s) holding the loss (they agree)."""
-    for losses, _, _ in results:
-        if losses and losses[0] == losses[0]:  # not nan
-            return losses
+    for run in results:
+        if run.losses and run.losses[0] == run.losses[0]:  # not nan
+            return run.losses
     raise AssertionError("no rank reported a loss")

@@ -85,4 +85,5 @@ def machine_info() -> dict[str, object]:
         "torch": torch.__version__,
         "python": sys.version.split()[0],
         "platform": platform.platform(),
+        "loadavg_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
     }

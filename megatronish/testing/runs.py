@@ -51,17 +51,16 @@ def test_config(overrides: list[str], steps: int):
     return load_config([*TINY_TEST_MODEL, f"trainer.max_steps={steps}", *overrides])
 
 
-def train_layout(rank: int, world: int, overrides: list[str], steps: int = 10) -> LayoutRun:
-    """Train ``steps`` steps in the current process world.
+def build_trainer(rank: int, world: int, overrides: list[str], steps: int = 10, model=None):
+    """A Trainer for the tiny test model (or ``model`` overrides) in the current world's layout.
 
-    ``params`` maps global names to full tensors for the stage this rank belongs to, from tp rank
-    0 of dp rank 0 (empty elsewhere), so merging every rank's dict gives the whole model.
+    Collective when ``world > 1``. Data is :class:`PatternTokens` (no files).
     """
-    from megatronish.checkpoint.gather import gather_tp_params
     from megatronish.job import build_model
     from megatronish.trainer import Trainer
 
-    cfg = test_config(overrides, steps)
+    cfg = test_config(overrides, steps) if model is None else load_config(
+        [*model, f"trainer.max_steps={steps}", *overrides])  # fmt: skip
     check_config(cfg, world)
     d = derive(cfg, world)
     p = cfg.parallel
@@ -71,7 +70,19 @@ def train_layout(rank: int, world: int, overrides: list[str], steps: int = 10) -
     rng.seed(cfg.trainer.seed, tp_rank=topo.coords.tp, pp_rank=topo.coords.pp)
     chunks = build_model(cfg, topo, d, spec, rng)
     data = PatternTokens(spec.vocab_size, spec.seq_length, seed=cfg.trainer.seed)
-    trainer = Trainer(cfg, topo, spec, d, chunks, data)
+    return Trainer(cfg, topo, spec, d, chunks, data)
+
+
+def train_layout(rank: int, world: int, overrides: list[str], steps: int = 10) -> LayoutRun:
+    """Train ``steps`` steps in the current process world.
+
+    ``params`` maps global names to full tensors for the stage this rank belongs to, from tp rank
+    0 of dp rank 0 (empty elsewhere), so merging every rank's dict gives the whole model.
+    """
+    from megatronish.checkpoint.gather import gather_tp_params
+
+    trainer = build_trainer(rank, world, overrides, steps)
+    topo, chunks = trainer.topo, trainer.chunks
     history = trainer.fit()
     stats = topo.stats.summary()  # training traffic only, before the gathers below
     held = {**trainer.zero.state_bytes(), "optimizer": trainer.optimizer.state_bytes()}

@@ -38,6 +38,15 @@ def median(xs: list[float]) -> float:
     return float(statistics.median(xs))
 
 
+def paired_ratio(numerator: list[float], denominator: list[float]) -> float:
+    """Median over repeats of ``numerator[i] / denominator[i]``.
+
+    Interleaved variants that ran back to back saw the same machine load, so the ratio within a
+    repeat cancels most of a slow phase; its median is steadier than a ratio of medians.
+    """
+    return median([n / d for n, d in zip(numerator, denominator, strict=True)])
+
+
 def interleaved(
     steps: dict[str, Callable[[], object]],
     repeats: int,

@@ -85,7 +85,14 @@ def train_layout(rank: int, world: int, overrides: list[str], steps: int = 10) -
     topo, chunks = trainer.topo, trainer.chunks
     history = trainer.fit()
     stats = topo.stats.summary()  # training traffic only, before the gathers below
-    held = {**trainer.zero.state_bytes(), "optimizer": trainer.optimizer.state_bytes()}
+    held = {
+        **trainer.zero.state_bytes(),
+        "optimizer": trainer.optimizer.state_bytes(),
+        "param_numel": sum(p.numel() for c in chunks for p in c.parameters()),
+        "buffer_numel": sum(b.numel for b in trainer.zero.buckets),
+        "buckets": len(trainer.zero.buckets),
+        "late_buckets": sum(b.late for b in trainer.zero.buckets),
+    }
     for i in range(len(chunks)):
         trainer.zero.gather(i)  # zero 3 keeps only shards between steps
     params = gather_tp_params(chunks, topo)

@@ -74,8 +74,8 @@ def run(quick: bool = False) -> dict:
         m, ref = r["megatronish"], r["reference"]
         rows.append([
             r["threads"], f"{m['tokens_per_s']:,.0f}", f"{ref['tokens_per_s']:,.0f}",
-            f"{r['ratio']:.2f}x", f"{r['paired_ratio']:.2f}x", f"{m['mfu']:.1%}", f"{ref['mfu']:.1%}",
-            f"{r['peak_flops'] / 1e9:.0f}",
+            f"{r['ratio']:.2f}x", f"{r['paired_ratio']:.2f}x",
+            f"{m['mfu']:.1%}", f"{ref['mfu']:.1%}", f"{r['peak_flops'] / 1e9:.0f}",
         ])  # fmt: skip
     loss_rows = [
         [r["threads"], f"{r['ln_vocab']:.4f}"]

@@ -25,7 +25,7 @@ def render_section(section: dict) -> str:
     parts.append("")
     parts.append(
         f"Measured {m.get('date', '?')} on {m.get('cpu', '?')} ({m.get('cores', '?')} cores), "
-        f"torch {m.get('torch', '?')}, 1-minute load average {m.get('loadavg_1m', '?')} at the "
+        f"torch {m.get('torch', '?')}, 1-minute load average {m.get('loadavg_1m') or 0:.1f} at the "
         f"end, in {section.get('seconds', 0):.0f} s"
         + (" (`--quick`)." if section.get("quick") else ".")
     )

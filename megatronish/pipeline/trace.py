@@ -1,0 +1,196 @@
+"""Pipeline timelines as Chrome/Perfetto traces, Gantt charts and measured bubble fractions.
+
+Input is what :class:`megatronish.pipeline.engine.Timeline` records, one list per pipeline rank:
+``{pp_rank: [(name, start_s, end_s), ...]}`` with names like ``"fwd mb3 c1"`` or
+``"recv_act mb0 c2"``. Times may be relative to any origin shared by the ranks (for example raw
+``time.perf_counter()`` values, which are comparable across processes of one machine): every
+output here is re-based so the earliest event of all ranks starts at 0.
+
+Pure Python (matplotlib only inside :func:`gantt_png`), so tests drive it without processes.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+Event = tuple[str, float, float]
+Timelines = dict[int, list[Event]]
+
+_OP = re.compile(r"^(?P<kind>[a-z_]+) mb(?P<mb>\d+) c(?P<chunk>\d+)$")
+COMPUTE = ("fwd", "bwd")
+
+
+def parse_op(name: str) -> tuple[str, int, int] | None:
+    """``"fwd mb3 c1"`` -> ``("fwd", 3, 1)``; None for a name that is not a pipeline op."""
+    m = _OP.match(name)
+    return (m["kind"], int(m["mb"]), int(m["chunk"])) if m else None
+
+
+def phase_of(name: str) -> str:
+    """The category of an op: "fwd", "bwd", "comm" (sends and receives) or "other"."""
+    parsed = parse_op(name)
+    kind = parsed[0] if parsed else name.split(" ", 1)[0]
+    if kind in COMPUTE:
+        return kind
+    if kind.startswith(("send", "recv")):
+        return "comm"
+    return "other"
+
+
+def origin_of(timelines: Timelines) -> float:
+    """The earliest start over every rank (0.0 when there are no events)."""
+    starts = [start for events in timelines.values() for _, start, _ in events]
+    return min(starts, default=0.0)
+
+
+def busy_time(events: list[Event]) -> float:
+    """Seconds a rank spent computing (forward and backward ops)."""
+    return sum(end - start for name, start, end in events if phase_of(name) in COMPUTE)
+
+
+def measured_bubble(events: list[Event], span: tuple[float, float] | None = None) -> float:
+    """``(span - busy compute) / busy compute`` of one rank's events.
+
+    ``span`` defaults to the rank's own first start to last end; pass the step's ``(start, end)``
+    over all ranks to get the paper's definition (the optimizer waits for the slowest rank), which
+    :func:`megatronish.pipeline.schedule.bubble_fraction` uses for simulated schedules. Time in
+    sends and receives, including waiting for a peer, counts as bubble.
+    """
+    busy = busy_time(events)
+    if busy <= 0:
+        raise ValueError("measured_bubble needs at least one fwd or bwd event with a duration.")
+    if span is None:
+        span = (min(s for _, s, _ in events), max(e for _, _, e in events))
+    return (span[1] - span[0] - busy) / busy
+
+
+def step_span(timelines: Timelines) -> tuple[float, float]:
+    """``(first start, last end)`` over every rank: the span of the recorded step."""
+    ends = [end for events in timelines.values() for _, _, end in events]
+    return origin_of(timelines), max(ends, default=0.0)
+
+
+def chrome_trace(timelines: Timelines, process_name: str = "pipeline") -> dict:
+    """A Chrome trace (``chrome://tracing``, https://ui.perfetto.dev) of the pipeline ranks.
+
+    One complete event (``ph: "X"``, ``ts``/``dur`` in microseconds) per op, on thread ``tid`` =
+    pipeline rank of process 0, named as recorded, with category fwd / bwd / comm and the
+    microbatch and chunk as ``args``; metadata events name the threads "pp rank N".
+    """
+    origin = origin_of(timelines)
+    events: list[dict] = [
+        {"ph": "M", "name": "process_name", "pid": 0, "tid": 0, "args": {"name": process_name}}
+    ]
+    for rank in sorted(timelines):
+        events.append(
+            {"ph": "M", "name": "thread_name", "pid": 0, "tid": rank,
+             "args": {"name": f"pp rank {rank}"}}
+        )  # fmt: skip
+        events.append(
+            {"ph": "M", "name": "thread_sort_index", "pid": 0, "tid": rank,
+             "args": {"sort_index": rank}}
+        )  # fmt: skip
+        for name, start, end in timelines[rank]:
+            parsed = parse_op(name)
+            args = {"microbatch": parsed[1], "chunk": parsed[2]} if parsed else {}
+            events.append({
+                "name": name, "cat": phase_of(name), "ph": "X", "pid": 0, "tid": rank,
+                "ts": (start - origin) * 1e6, "dur": max(end - start, 0.0) * 1e6, "args": args,
+            })  # fmt: skip
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def write_chrome_trace(path: str | Path, timelines: Timelines) -> Path:
+    """Write :func:`chrome_trace` as JSON to ``path`` (parents created); returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(chrome_trace(timelines)) + "\n")
+    return path
+
+
+def _stages(events: list[Event]) -> tuple[float, float] | None:
+    """End of warm-up (first backward starts) and start of cool-down (last forward ends)."""
+    fwd_ends = [e for n, _, e in events if phase_of(n) == "fwd"]
+    bwd_starts = [s for n, s, _ in events if phase_of(n) == "bwd"]
+    if not fwd_ends or not bwd_starts:
+        return None
+    return min(bwd_starts), max(fwd_ends)
+
+
+def gantt_png(path: str | Path, timelines: Timelines, title: str = "") -> Path:
+    """Draw one row per pipeline rank: forward, backward and communication bars over time.
+
+    Forward ops are blue and backward ops orange, a darker shade for each later virtual chunk
+    (chunk // number of ranks), with the microbatch written inside; sends and receives are thin
+    grey bars under the row (a long one is a rank waiting on its peer); white is idle. A bracket
+    above each row marks warm-up, steady 1F1B and cool-down, and the right margin gives the
+    rank's measured bubble over the step span.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    ranks = sorted(timelines)
+    pp = max(len(ranks), 1)
+    origin = origin_of(timelines)
+    span = step_span(timelines)
+    total_ms = (span[1] - span[0]) * 1e3
+    chunks = [p[2] for ev in timelines.values() for n, _, _ in ev if (p := parse_op(n))]
+    vpp = max(chunks, default=0) // pp + 1
+    blues, oranges = plt.get_cmap("Blues"), plt.get_cmap("Oranges")
+    shade = lambda v: 0.45 + 0.4 * (v / max(vpp - 1, 1))
+    fig, ax = plt.subplots(figsize=(14, 1.0 + 1.2 * len(ranks)), dpi=110)
+    for row, rank in enumerate(ranks):
+        y = len(ranks) - 1 - row  # rank 0 on top
+        for name, start, end in timelines[rank]:
+            x0, width = (start - origin) * 1e3, (end - start) * 1e3
+            parsed, phase = parse_op(name), phase_of(name)
+            if phase == "comm":
+                ax.barh(y - 0.36, width, left=x0, height=0.08, color="0.55")
+                continue
+            if phase not in COMPUTE:
+                continue
+            v = parsed[2] // pp if parsed else 0
+            color = (blues if phase == "fwd" else oranges)(shade(v))
+            ax.barh(y, width, left=x0, height=0.6, color=color, edgecolor="white", linewidth=0.5)
+            if parsed and width > total_ms / 120:
+                label = f"{'F' if phase == 'fwd' else 'B'}{parsed[1]}"
+                ax.text(x0 + width / 2, y, label, ha="center", va="center", fontsize=7)
+        stages = _stages(timelines[rank])
+        if stages is not None:
+            first_start = min(s for _, s, _ in timelines[rank])
+            marks = [first_start, stages[0], stages[1], max(e for _, _, e in timelines[rank])]
+            marks = [(m - origin) * 1e3 for m in marks]
+            labels = ("warm-up", "1F1B", "cool-down")
+            for (a, b), text in zip(zip(marks, marks[1:]), labels):
+                if b - a <= 0:
+                    continue
+                ax.plot([a, a, b, b], [y + 0.34, y + 0.38, y + 0.38, y + 0.34], color="0.3",
+                        linewidth=0.8)  # fmt: skip
+                ax.text((a + b) / 2, y + 0.40, text, ha="center", va="bottom", fontsize=7)
+            bubble = measured_bubble(timelines[rank], span)
+            ax.text(total_ms * 1.005, y, f"bubble\n{bubble:.1%}", va="center", fontsize=8)
+    ax.set_yticks(range(len(ranks)), [f"pp rank {r}" for r in reversed(ranks)])
+    ax.set_ylim(-0.6, len(ranks) - 0.35)
+    ax.set_xlim(0, total_ms * 1.06 if total_ms > 0 else 1)
+    ax.set_xlabel("time since the step started (ms)")
+    ax.set_title(title)
+    handles = [Patch(color=blues(shade(v)), label=f"forward, virtual chunk {v}") for v in range(vpp)]
+    handles += [Patch(color=oranges(shade(v)), label=f"backward, virtual chunk {v}")
+                for v in range(vpp)]  # fmt: skip
+    handles += [Patch(color="0.55", label="send / recv (incl. waiting)"),
+                Patch(facecolor="white", edgecolor="0.6", label="idle")]  # fmt: skip
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.18 - 0.1 / len(ranks)),
+              ncol=min(len(handles), 6), fontsize=8, frameon=False)  # fmt: skip
+    ax.grid(axis="x", color="0.9", linewidth=0.5)
+    ax.set_axisbelow(True)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path

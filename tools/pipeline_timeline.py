@@ -1,0 +1,145 @@
+"""Record one pipeline-parallel training step on CPU and draw its timeline.
+
+Runs a short pp job on forked gloo ranks (one thread each), records every op of the last step
+on every pipeline rank, and writes OUT.json (a Chrome trace: open it in https://ui.perfetto.dev
+or chrome://tracing) and OUT.png (a Gantt chart: warm-up, steady 1F1B, cool-down and the
+bubbles). Prints each rank's measured bubble next to the paper's (pp-1)/(vpp*m) and the ideal
+schedule simulated with the measured mean forward and backward times.
+
+The model is the tiny llama (hidden 128, 8 layers, vocab 4096, seq 256, micro batch 2) unless
+Hydra overrides say otherwise; tp/dp overrides add ranks (world = tp * pp * dp).
+
+Example:
+    python tools/pipeline_timeline.py --pp 2 --vpp 2 --microbatches 8 --out docs/pipeline
+    python tools/pipeline_timeline.py --pp 2 --vpp 1 model.hidden_size=256 parallel.tp=2
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+try:
+    import megatronish  # noqa: F401
+except ImportError:  # run from a checkout without `pip install -e .`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+# The model every rank builds; the command's overrides come after these and win.
+MODEL = [
+    "+experiment=tiny",
+    "model.num_layers=8",
+    "model.vocab_size=4096",
+    "trainer.micro_batch_size=2",
+    "trainer.eval_interval=0",
+    "trainer.device=cpu",
+    "scheduler.style=constant",
+    "scheduler.warmup_steps=0",
+    "logging.wandb=false",
+    "logging.log_interval=1000000",
+]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line options."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--pp", type=int, default=2, help="pipeline stages (2)")
+    p.add_argument("--vpp", type=int, default=2, help="virtual chunks per stage (2)")
+    p.add_argument("--microbatches", type=int, default=8, help="microbatches per step (8)")
+    p.add_argument("--steps", type=int, default=3, help="steps to run; the last is recorded (3)")
+    p.add_argument("--out", default="docs/pipeline", help="writes OUT.json and OUT.png")
+    p.add_argument("--timeout", type=float, default=600, help="seconds before the run is killed")
+    p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. model.hidden_size=256")
+    return p.parse_args(argv)
+
+
+def job_overrides(args: argparse.Namespace) -> tuple[list[str], int]:
+    """The layout and batch overrides of the run, and its world size."""
+    from megatronish.config.compose import load_config
+
+    layout = [f"parallel.pp={args.pp}", f"parallel.vpp={args.vpp}", *args.overrides]
+    cfg = load_config([*MODEL, *layout])
+    p = cfg.parallel
+    dp = p.dp or 1
+    world = p.tp * p.pp * dp
+    batch = args.microbatches * cfg.trainer.micro_batch_size * dp
+    return [f"trainer.global_batch_size={batch}", *layout], world
+
+
+def _rank(rank: int, world: int, overrides: list[str], steps: int) -> tuple[int, list] | None:
+    """Train ``steps`` steps, recording the last; pipeline rank and absolute-time events."""
+    import torch.distributed as dist
+
+    from megatronish.pipeline.engine import Timeline
+    from megatronish.testing.runs import build_trainer
+
+    trainer = build_trainer(rank, world, overrides, steps, model=MODEL)
+    for _ in range(steps - 1):
+        trainer.train_step()
+    dist.barrier()
+    trainer.timeline = timeline = Timeline()
+    trainer.train_step()
+    trainer.timeline = None
+    dist.barrier()  # ranks leave together
+    c = trainer.topo.coords
+    if c.tp != 0 or c.dp != 0:
+        return None
+    return c.pp, [(n, s + timeline.origin, e + timeline.origin) for n, s, e in timeline.events]
+
+
+def summary(timelines: dict, pp: int, vpp: int, m: int) -> list[str]:
+    """Lines comparing each rank's measured bubble with the analytic and simulated ones."""
+    from megatronish.pipeline.schedule import analytic_bubble, bubble_fraction, simulate
+    from megatronish.pipeline.trace import busy_time, measured_bubble, phase_of, step_span
+
+    span = step_span(timelines)
+    durations = {k: [e - s for ev in timelines.values() for n, s, e in ev if phase_of(n) == k]
+                 for k in ("fwd", "bwd")}  # fmt: skip
+    fwd, bwd = (sum(d) / len(d) for d in durations.values())
+    sim = simulate(pp, vpp, m, fwd_time=fwd, bwd_time=bwd)
+    lines = [
+        f"step {(span[1] - span[0]) * 1e3:.0f} ms; mean chunk op fwd {fwd * 1e3:.1f} ms, "
+        f"bwd {bwd * 1e3:.1f} ms; analytic bubble (pp-1)/(vpp*m) = "
+        f"{analytic_bubble(pp, vpp, m):.1%}",
+        f"{'rank':>4}  {'busy ms':>8}  {'measured':>8}  {'simulated':>9}",
+    ]
+    for r in sorted(timelines):
+        ev = timelines[r]
+        lines.append(
+            f"{r:>4}  {busy_time(ev) * 1e3:8.0f}  {measured_bubble(ev, span):8.1%}  "
+            f"{bubble_fraction(sim, r):9.1%}"
+        )
+    lines.append("measured: (step span - rank's fwd+bwd time) / rank's fwd+bwd time; simulated: "
+                 "the same schedule with the mean op times, balanced chunks, free comm.")  # fmt: skip
+    return lines
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.steps < 1:
+        raise SystemExit(f"--steps={args.steps} must be at least 1 (the last step is recorded).")
+    os.environ.setdefault("WANDB_MODE", "disabled")
+    from megatronish.pipeline.trace import gantt_png, write_chrome_trace
+    from megatronish.testing.multiproc import run_world
+
+    overrides, world = job_overrides(args)
+    print(f"running pp={args.pp} vpp={args.vpp} m={args.microbatches} on {world} ranks: "
+          f"{' '.join(overrides)}", flush=True)  # fmt: skip
+    t0 = time.perf_counter()
+    results = run_world(_rank, world, overrides, args.steps, timeout=args.timeout)
+    timelines = dict(r for r in results if r is not None)
+    out = args.out
+    trace = write_chrome_trace(Path(f"{out}.json"), timelines)
+    title = (f"Interleaved 1F1B, pp={args.pp} vpp={args.vpp}, {args.microbatches} microbatches "
+             f"(one CPU thread per rank, gloo)")  # fmt: skip
+    if args.vpp == 1:
+        title = title.replace("Interleaved 1F1B", "1F1B")
+    png = gantt_png(Path(f"{out}.png"), timelines, title)
+    print("\n".join(summary(timelines, args.pp, args.vpp, args.microbatches)))
+    print(f"wrote {trace} and {png} ({time.perf_counter() - t0:.1f} s)")
+
+
+if __name__ == "__main__":
+    main()

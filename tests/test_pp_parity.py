@@ -10,7 +10,7 @@ from megatronish.pipeline.engine import PipelineShape, Timeline, forward_backwar
 from megatronish.tensor_parallel.context import TPContext
 from megatronish.testing.compare import assert_parity
 from megatronish.testing.multiproc import run_world
-from megatronish.testing.runs import train_layout
+from megatronish.testing.runs import build_trainer, train_layout
 
 REFERENCE: dict[tuple, list] = {}
 
@@ -66,3 +66,30 @@ def test_timeline_records_every_op_in_schedule_order():
             f"{op.kind} mb{op.microbatch} c{op.chunk}" for op in schedule_ops(2, 2, 4, rank)
         ]
         assert recorded == expected
+
+
+def test_uneven_layer_split_matches_serial():
+    got = run_world(train_layout, 2, ["parallel.pp=2", "parallel.pipeline_layer_split=[1,3]"])
+    assert_parity(reference("llama", 4), got)
+
+
+def _freed(rank, world):
+    import megatronish.pipeline.engine as engine
+
+    freed = []
+    original = engine._free_data
+
+    def spy(t):
+        original(t)
+        freed.append(t.untyped_storage().nbytes())
+
+    engine._free_data = spy
+    trainer = build_trainer(rank, world, ["parallel.pp=2"], 1)
+    trainer.train_step()
+    return freed
+
+
+def test_outputs_are_freed_after_sending():
+    first, last = run_world(_freed, 2)
+    assert len(first) == 4 and all(n <= 4 for n in first)  # 4 microbatches sent, 1 float kept
+    assert last == []  # the last stage sends grads, not outputs

@@ -34,6 +34,18 @@ TP = 2
 VARIANTS = ("megatronish tp=2", "megatronish tp=2 sp", "DTensor tp=2", "DTensor tp=2 sp")
 
 
+# Checked by listing the tensors each block saves (2026-11); re-check when the model changes.
+WHY_MORE = (
+    "Why megatronish saves more than the fp32 formula (2026-11, by listing the saved tensors): "
+    "its RMSNorm is unfused and saves x, x*rsqrt(mean(x^2)) and its output (3 tensors of the "
+    "norm's input size, the formula counts 1 plus the linear input); SwiGLU keeps gate|up (2f), "
+    "SiLU(gate) (f) and the product (f) = 11h per token for f = 2.75h instead of GeLU's 8h; "
+    "GQA's K and V are saved after repeat_interleave, at full head count; and with sp the "
+    "column-parallel linears save their all-gathered (full-sequence) input instead of the "
+    "shard that Megatron-LM keeps and re-gathers in backward."
+)
+
+
 def _dtensor_run(sp: bool, cfg, spec, data):
     """The reference GPT with megatronish's initial weights, sharded by DTensor over the world."""
     model = ReferenceGPT(RefConfig.from_spec(spec, fused=False))
@@ -193,7 +205,7 @@ def run(quick: bool = False) -> dict:
                 mem_rows,
             ),
         ],
-        "notes": [mem_method, f"ln(vocab) = {math.log(4096):.4f}."],
+        "notes": [mem_method, WHY_MORE, f"ln(vocab) = {math.log(4096):.4f}."],
         "raw": {
             "step_times_s": step_times,
             "paired_ratios": {

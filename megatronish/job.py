@@ -6,7 +6,6 @@ import os
 from dataclasses import dataclass
 
 import torch
-from omegaconf import OmegaConf
 
 from megatronish.config.derived import Derived, derive
 from megatronish.config.validate import ConfigError, config_errors
@@ -96,7 +95,3 @@ def build_job(cfg, launch: LaunchEnv) -> Job:
     rng.seed(cfg.trainer.seed, tp_rank=topo.coords.tp, pp_rank=topo.coords.pp)
     chunks = build_model(cfg, topo, derived, spec, rng)
     return Job(cfg, launch, topo, derived, spec, chunks, rng, train_data, valid_data, tokenizer)
-
-
-def config_dict(cfg) -> dict:
-    return OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else dict(cfg)

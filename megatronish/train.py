@@ -16,6 +16,7 @@ import hydra
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
+from megatronish.checkpoint.format import CheckpointError
 from megatronish.config.compose import CONFIG_DIR
 from megatronish.config.derived import derive, pad_vocab
 from megatronish.config.schema import register_configs
@@ -64,8 +65,10 @@ def dry_run_report(cfg, world_size: int) -> str:
 
 def run(cfg):
     """Train with a composed config; returns the trainer's step results on this rank."""
-    from megatronish.checkpoint.simple import save_final_weights
-    from megatronish.job import build_job, config_dict
+    from megatronish.checkpoint.format import read_metadata, resolve_step_dir
+    from megatronish.checkpoint.load import find_resume_path, load_into
+    from megatronish.checkpoint.save import CheckpointSaver, clean_stale
+    from megatronish.job import build_job
     from megatronish.metrics import device_peak_flops
     from megatronish.progress import ProgressLogger
     from megatronish.trainer import Trainer
@@ -73,24 +76,37 @@ def run(cfg):
     launch = detect_launch()
     job = build_job(cfg, launch)
     topo = job.topo
+    ckpt = cfg.checkpoint
+    resume = find_resume_path(ckpt.resume, ckpt.dir)
+    run_id = f"{cfg.name}-{launch.run_id or 'local'}"
+    if resume:
+        run_id = read_metadata(resolve_step_dir(resume)).trainer.get("run_id") or run_id
     loss_rank = topo.is_last_stage and topo.coords.tp == 0 and topo.coords.dp == 0
-    logger = ProgressLogger(cfg, enabled=loss_rank, run_dir=cfg.out_dir, run_id=launch.run_id)
+    logger = ProgressLogger(cfg, enabled=loss_rank, run_dir=cfg.out_dir, run_id=run_id)
     peak = device_peak_flops(topo.device, cfg.trainer.precision, cfg.trainer.peak_tflops)
     trainer = Trainer(
         cfg, topo, job.spec, job.derived, job.chunks, job.train_data, job.valid_data,
         logger=logger, peak_flops=peak,
     )  # fmt: skip
+    if ckpt.dir:
+        if topo.rank == 0:
+            for stale in clean_stale(ckpt.dir):
+                logger.info(f"removed {stale}, left by an interrupted save")
+        trainer.saver = CheckpointSaver(cfg, trainer, job.rng, run_id)
+    if resume:
+        meta = load_into(trainer, resume, job.rng, cfg.trainer.seed)
+        logger.info(f"resumed from {resume} at step {meta.step} (saved with {meta.layout})")
     logger.info(
         f"training {job.spec.arch} ({sum(p.numel() for c in job.chunks for p in c.parameters()):,}"
         f" params on this rank) for {cfg.trainer.max_steps} steps, "
         f"{job.derived.tokens_per_step:,} tokens/step, device {topo.device}"
     )
     history = trainer.fit()
-    if cfg.checkpoint.dir and cfg.checkpoint.save_final:
-        path = save_final_weights(
-            job.chunks, topo, cfg.checkpoint.dir, trainer.state.step, config_dict(cfg)
-        )
-        logger.info(f"saved final weights to {path}")
+    if trainer.saver is not None:
+        trainer.saver.wait()
+        done = trainer.saver.last_published or ""
+        if ckpt.save_final and not done.endswith(f"{trainer.state.step:07d}") and history:
+            logger.info(f"saved checkpoint {trainer.saver.save(blocking=True)}")
     logger.close()
     return history
 
@@ -123,7 +139,7 @@ def main_with_config(cfg) -> int:
     except ConfigError as e:
         print(f"{prefix}{e}", file=sys.stderr, flush=True)
         return EXIT_CONFIG
-    except (PeerError, FileNotFoundError) as e:
+    except (PeerError, FileNotFoundError, CheckpointError) as e:
         print(f"{prefix}error: {e}", file=sys.stderr, flush=True)
         return EXIT_DATA
     finally:

@@ -81,6 +81,7 @@ class Trainer:
         self.timeline: Timeline | None = None
         self.forward_backward = forward_backward or self._default_forward_backward()
         self.state = TrainState()
+        self.saver = None  # a CheckpointSaver: periodic and asynchronous saves from fit()
         self.holds_loss = topo.is_last_stage
         self.flops_per_step = flops_per_token(spec) * derived.tokens_per_step
 
@@ -198,7 +199,19 @@ class Trainer:
             if t.eval_interval and (step % t.eval_interval == 0 or step == t.max_steps):
                 self.logger.log_eval(step, self.evaluate())
                 window_start = time.perf_counter()
+            if self.saver is not None:
+                self._checkpoint(step)
         return self.state.history
+
+    def _checkpoint(self, step: int) -> None:
+        published = self.saver.poll()
+        if published:
+            self.logger.info(f"saved checkpoint {published}")
+        interval = self.cfg.checkpoint.interval
+        if interval and step % interval == 0 and step < self.cfg.trainer.max_steps:
+            published = self.saver.save()
+            if published:
+                self.logger.info(f"saved checkpoint {published}")
 
     def _log(self, r: StepResult, step_time: float) -> None:
         tokens_per_s = self.derived.tokens_per_step / step_time

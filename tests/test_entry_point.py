@@ -52,8 +52,13 @@ def test_default_pipeline_trains_and_saves_on_the_stdlib_corpus(tmp_path):
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("step")]
     assert len(lines) == 3 and "tok/s" in lines[-1] and "MFU" in lines[-1]
     assert "valid loss" in r.stdout
-    step_dir = tmp_path / "out" / "checkpoints" / "step_0000010"
-    assert (step_dir / "model-pp00.safetensors").exists() and (step_dir / "metadata.json").exists()
+    ckpt = tmp_path / "out" / "checkpoints"
+    assert (ckpt / "latest").read_text() == "step_0000010"
+    assert (ckpt / "step_0000010" / "metadata.json").exists()
+    again = run_train([*SMALL, "trainer.max_steps=12"], tmp_path)  # resumes from latest
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resumed from" in again.stdout and "step     12/12" in again.stdout
+    assert (ckpt / "latest").read_text() == "step_0000012"
 
 
 @pytest.mark.slow

@@ -82,7 +82,9 @@ def _record_step(rank, world):
 def test_real_pp2_vpp2_step_records_every_schedule_op(tmp_path):
     timelines = dict(enumerate(run_world(_record_step, 2)))
     for rank, events in timelines.items():
-        expected = [f"{op.kind} mb{op.microbatch} c{op.chunk}" for op in schedule_ops(2, 2, 4, rank)]
+        expected = [
+            f"{op.kind} mb{op.microbatch} c{op.chunk}" for op in schedule_ops(2, 2, 4, rank)
+        ]
         assert [n for n, _, _ in events] == expected
         assert all(end >= start for _, start, end in events)
         assert measured_bubble(events) >= 0

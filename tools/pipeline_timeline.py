@@ -6,8 +6,9 @@ or chrome://tracing) and OUT.png (a Gantt chart: warm-up, steady 1F1B, cool-down
 bubbles). Prints each rank's measured bubble next to the paper's (pp-1)/(vpp*m) and the ideal
 schedule simulated with the measured mean forward and backward times.
 
-The model is the tiny llama (hidden 128, 8 layers, vocab 4096, seq 256, micro batch 2) unless
-Hydra overrides say otherwise; tp/dp overrides add ranks (world = tp * pp * dp).
+The model is the tiny llama with 8 layers (hidden 128, vocab 4096, seq 256, micro batch 1, as in
+tools/bench/bench_pp.py) unless Hydra overrides say otherwise; tp/dp overrides add ranks
+(world = tp * pp * dp).
 
 Example:
     python tools/pipeline_timeline.py --pp 2 --vpp 2 --microbatches 8 --out docs/pipeline
@@ -32,7 +33,7 @@ MODEL = [
     "+experiment=tiny",
     "model.num_layers=8",
     "model.vocab_size=4096",
-    "trainer.micro_batch_size=2",
+    "trainer.micro_batch_size=1",
     "trainer.eval_interval=0",
     "trainer.device=cpu",
     "scheduler.style=constant",
@@ -90,29 +91,28 @@ def _rank(rank: int, world: int, overrides: list[str], steps: int) -> tuple[int,
 
 
 def summary(timelines: dict, pp: int, vpp: int, m: int) -> list[str]:
-    """Lines comparing each rank's measured bubble with the analytic and simulated ones."""
-    from megatronish.pipeline.schedule import analytic_bubble, bubble_fraction, simulate
-    from megatronish.pipeline.trace import busy_time, measured_bubble, phase_of, step_span
+    """Lines comparing each rank's measured bubble with the paper's formula."""
+    from megatronish.pipeline.schedule import analytic_bubble
+    from megatronish.pipeline.trace import busy_time, measured_bubble, phase_time, step_span
 
     span = step_span(timelines)
-    durations = {k: [e - s for ev in timelines.values() for n, s, e in ev if phase_of(n) == k]
-                 for k in ("fwd", "bwd")}  # fmt: skip
-    fwd, bwd = (sum(d) / len(d) for d in durations.values())
-    sim = simulate(pp, vpp, m, fwd_time=fwd, bwd_time=bwd)
     lines = [
-        f"step {(span[1] - span[0]) * 1e3:.0f} ms; mean chunk op fwd {fwd * 1e3:.1f} ms, "
-        f"bwd {bwd * 1e3:.1f} ms; analytic bubble (pp-1)/(vpp*m) = "
-        f"{analytic_bubble(pp, vpp, m):.1%}",
-        f"{'rank':>4}  {'busy ms':>8}  {'measured':>8}  {'simulated':>9}",
+        f"step {(span[1] - span[0]) * 1e3:.0f} ms (forward/backward only); analytic bubble "
+        f"(pp-1)/(vpp*m) = {analytic_bubble(pp, vpp, m):.1%}",
+        f"{'rank':>4}  {'fwd ms':>7}  {'bwd ms':>7}  {'send/recv ms':>12}  {'bubble':>7}",
     ]
     for r in sorted(timelines):
         ev = timelines[r]
         lines.append(
-            f"{r:>4}  {busy_time(ev) * 1e3:8.0f}  {measured_bubble(ev, span):8.1%}  "
-            f"{bubble_fraction(sim, r):9.1%}"
+            f"{r:>4}  {phase_time(ev, 'fwd') * 1e3:7.0f}  {phase_time(ev, 'bwd') * 1e3:7.0f}  "
+            f"{phase_time(ev, 'comm') * 1e3:12.0f}  {measured_bubble(ev, span):7.1%}"
         )
-    lines.append("measured: (step span - rank's fwd+bwd time) / rank's fwd+bwd time; simulated: "
-                 "the same schedule with the mean op times, balanced chunks, free comm.")  # fmt: skip
+    lines.append(
+        "bubble: (step span - the rank's fwd+bwd time) / that time; waiting in a receive counts "
+        f"as bubble. Busy {', '.join(f'{busy_time(timelines[r]) * 1e3:.0f}' for r in timelines)}"
+        " ms: unequal ranks (the last chunk also runs the head and loss) wait for the slowest; "
+        "parallel.pipeline_layer_split=[...] moves layers between chunks."
+    )
     return lines
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 Event = tuple[str, float, float]
@@ -45,9 +46,14 @@ def origin_of(timelines: Timelines) -> float:
     return min(starts, default=0.0)
 
 
+def phase_time(events: list[Event], *phases: str) -> float:
+    """Seconds a rank spent in ops of the given phases ("fwd", "bwd", "comm", "other")."""
+    return sum(end - start for name, start, end in events if phase_of(name) in phases)
+
+
 def busy_time(events: list[Event]) -> float:
     """Seconds a rank spent computing (forward and backward ops)."""
-    return sum(end - start for name, start, end in events if phase_of(name) in COMPUTE)
+    return phase_time(events, *COMPUTE)
 
 
 def measured_bubble(events: list[Event], span: tuple[float, float] | None = None) -> float:
@@ -119,13 +125,44 @@ def _stages(events: list[Event]) -> tuple[float, float] | None:
     return min(bwd_starts), max(fwd_ends)
 
 
+def _draw_ops(
+    ax, y: float, events: list[Event], origin: float, color: Callable, min_label_ms: float
+) -> None:
+    """One rank's compute bars (labelled F/B + microbatch) and thin communication bars."""
+    for name, start, end in events:
+        x0, width = (start - origin) * 1e3, (end - start) * 1e3
+        parsed, phase = parse_op(name), phase_of(name)
+        if phase == "comm":
+            ax.barh(y - 0.36, width, left=x0, height=0.08, color="0.55")
+        elif phase in COMPUTE:
+            chunk = parsed[2] if parsed else 0
+            ax.barh(y, width, left=x0, height=0.6, color=color(phase, chunk),
+                    edgecolor="white", linewidth=0.5)  # fmt: skip
+            if parsed and width > min_label_ms:
+                label = f"{'F' if phase == 'fwd' else 'B'}{parsed[1]}"
+                ax.text(x0 + width / 2, y, label, ha="center", va="center", fontsize=7)
+
+
+def _draw_stages(ax, y: float, events: list[Event], origin: float) -> None:
+    """Brackets above a rank's row: warm-up, steady 1F1B, cool-down."""
+    stages = _stages(events)
+    if stages is None:
+        return
+    marks = [min(s for _, s, _ in events), *stages, max(e for _, _, e in events)]
+    marks = [(m - origin) * 1e3 for m in marks]
+    for a, b, text in zip(marks, marks[1:], ("warm-up", "1F1B", "cool-down")):
+        if b > a:
+            ax.plot([a, a, b, b], [y + 0.34, y + 0.38, y + 0.38, y + 0.34], color="0.3", lw=0.8)
+            ax.text((a + b) / 2, y + 0.40, text, ha="center", va="bottom", fontsize=7)
+
+
 def gantt_png(path: str | Path, timelines: Timelines, title: str = "") -> Path:
     """Draw one row per pipeline rank: forward, backward and communication bars over time.
 
     Forward ops are blue and backward ops orange, a darker shade for each later virtual chunk
     (chunk // number of ranks), with the microbatch written inside; sends and receives are thin
-    grey bars under the row (a long one is a rank waiting on its peer); white is idle. A bracket
-    above each row marks warm-up, steady 1F1B and cool-down, and the right margin gives the
+    grey bars under the row (a long one is a rank waiting on its peer); white is idle. Brackets
+    above each row mark warm-up, steady 1F1B and cool-down, and the right margin gives the
     rank's measured bubble over the step span.
     """
     import matplotlib
@@ -138,42 +175,20 @@ def gantt_png(path: str | Path, timelines: Timelines, title: str = "") -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     ranks = sorted(timelines)
     pp = max(len(ranks), 1)
-    origin = origin_of(timelines)
-    span = step_span(timelines)
+    origin, span = origin_of(timelines), step_span(timelines)
     total_ms = (span[1] - span[0]) * 1e3
     chunks = [p[2] for ev in timelines.values() for n, _, _ in ev if (p := parse_op(n))]
     vpp = max(chunks, default=0) // pp + 1
-    blues, oranges = plt.get_cmap("Blues"), plt.get_cmap("Oranges")
+    maps = {"fwd": plt.get_cmap("Blues"), "bwd": plt.get_cmap("Oranges")}
     shade = lambda v: 0.45 + 0.4 * (v / max(vpp - 1, 1))
+    color = lambda phase, chunk: maps[phase](shade(chunk // pp))
+
     fig, ax = plt.subplots(figsize=(14, 1.0 + 1.2 * len(ranks)), dpi=110)
     for row, rank in enumerate(ranks):
         y = len(ranks) - 1 - row  # rank 0 on top
-        for name, start, end in timelines[rank]:
-            x0, width = (start - origin) * 1e3, (end - start) * 1e3
-            parsed, phase = parse_op(name), phase_of(name)
-            if phase == "comm":
-                ax.barh(y - 0.36, width, left=x0, height=0.08, color="0.55")
-                continue
-            if phase not in COMPUTE:
-                continue
-            v = parsed[2] // pp if parsed else 0
-            color = (blues if phase == "fwd" else oranges)(shade(v))
-            ax.barh(y, width, left=x0, height=0.6, color=color, edgecolor="white", linewidth=0.5)
-            if parsed and width > total_ms / 120:
-                label = f"{'F' if phase == 'fwd' else 'B'}{parsed[1]}"
-                ax.text(x0 + width / 2, y, label, ha="center", va="center", fontsize=7)
-        stages = _stages(timelines[rank])
-        if stages is not None:
-            first_start = min(s for _, s, _ in timelines[rank])
-            marks = [first_start, stages[0], stages[1], max(e for _, _, e in timelines[rank])]
-            marks = [(m - origin) * 1e3 for m in marks]
-            labels = ("warm-up", "1F1B", "cool-down")
-            for (a, b), text in zip(zip(marks, marks[1:]), labels):
-                if b - a <= 0:
-                    continue
-                ax.plot([a, a, b, b], [y + 0.34, y + 0.38, y + 0.38, y + 0.34], color="0.3",
-                        linewidth=0.8)  # fmt: skip
-                ax.text((a + b) / 2, y + 0.40, text, ha="center", va="bottom", fontsize=7)
+        _draw_ops(ax, y, timelines[rank], origin, color, min_label_ms=total_ms / 120)
+        _draw_stages(ax, y, timelines[rank], origin)
+        if busy_time(timelines[rank]) > 0:
             bubble = measured_bubble(timelines[rank], span)
             ax.text(total_ms * 1.005, y, f"bubble\n{bubble:.1%}", va="center", fontsize=8)
     ax.set_yticks(range(len(ranks)), [f"pp rank {r}" for r in reversed(ranks)])
@@ -181,12 +196,14 @@ def gantt_png(path: str | Path, timelines: Timelines, title: str = "") -> Path:
     ax.set_xlim(0, total_ms * 1.06 if total_ms > 0 else 1)
     ax.set_xlabel("time since the step started (ms)")
     ax.set_title(title)
-    handles = [Patch(color=blues(shade(v)), label=f"forward, virtual chunk {v}") for v in range(vpp)]
-    handles += [Patch(color=oranges(shade(v)), label=f"backward, virtual chunk {v}")
-                for v in range(vpp)]  # fmt: skip
+    handles = [
+        Patch(color=maps[k](shade(v)), label=f"{word}, virtual chunk {v}")
+        for k, word in (("fwd", "forward"), ("bwd", "backward"))
+        for v in range(vpp)
+    ]
     handles += [Patch(color="0.55", label="send / recv (incl. waiting)"),
                 Patch(facecolor="white", edgecolor="0.6", label="idle")]  # fmt: skip
-    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.18 - 0.1 / len(ranks)),
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.18 - 0.1 / pp),
               ncol=min(len(handles), 6), fontsize=8, frameon=False)  # fmt: skip
     ax.grid(axis="x", color="0.9", linewidth=0.5)
     ax.set_axisbelow(True)

@@ -73,17 +73,33 @@ def build_trainer(rank: int, world: int, overrides: list[str], steps: int = 10, 
     return Trainer(cfg, topo, spec, d, chunks, data)
 
 
-def train_layout(rank: int, world: int, overrides: list[str], steps: int = 10) -> LayoutRun:
-    """Train ``steps`` steps in the current process world.
+def train_layout(
+    rank: int,
+    world: int,
+    overrides: list[str],
+    steps: int = 10,
+    load: str | None = None,
+    save: str | None = None,
+) -> LayoutRun:
+    """Train until step ``steps`` in the current process world.
 
-    ``params`` maps global names to full tensors for the stage this rank belongs to, from tp rank
-    0 of dp rank 0 (empty elsewhere), so merging every rank's dict gives the whole model.
+    ``load`` resumes from a checkpoint first (any layout); ``save`` writes one to that
+    ``checkpoint.dir`` at the end. ``params`` maps global names to full tensors for the stage
+    this rank belongs to, from tp rank 0 of dp rank 0 (empty elsewhere), so merging every rank's
+    dict gives the whole model.
     """
     from megatronish.checkpoint.gather import gather_tp_params
+    from megatronish.checkpoint.load import load_into
+    from megatronish.checkpoint.save import CheckpointSaver
 
-    trainer = build_trainer(rank, world, overrides, steps)
+    extra = [f"checkpoint.dir={save}"] if save else []
+    trainer = build_trainer(rank, world, [*overrides, *extra], steps)
     topo, chunks = trainer.topo, trainer.chunks
+    if load:
+        load_into(trainer, load)
     history = trainer.fit()
+    if save:
+        CheckpointSaver(trainer.cfg, trainer).save(blocking=True)
     stats = topo.stats.summary()  # training traffic only, before the gathers below
     held = {
         **trainer.zero.state_bytes(),

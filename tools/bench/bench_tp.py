@@ -60,10 +60,8 @@ def activation_bytes(run) -> dict[str, int]:
     """Saved-for-backward bytes per block of one microbatch forward of a megatronish run."""
     (chunk,) = run.chunks
     inputs, targets = batch(run.data, 0, run.cfg.trainer.micro_batch_size)
-    chunk(inputs, targets).backward()  # builds the rope tables
-    exclude = [*chunk.parameters(), *chunk._rope]
-    for c in run.chunks:
-        c.zero_grad(set_to_none=False)
+    chunk(inputs, targets).backward()  # builds the cached rope tables
+    exclude = [*chunk.parameters(), *(getattr(chunk, "_rope", None) or ())]
     return measure_forward(lambda: chunk(inputs, targets), dict(chunk.layers.items()), exclude)
 
 

@@ -29,6 +29,7 @@ HERE = Path(__file__).resolve().parent
 BENCHMARKS = {
     "single": "bench_single.py",
     "tp": "bench_tp.py",
+    "pp": "bench_pp.py",
 }
 
 

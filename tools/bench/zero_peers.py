@@ -12,10 +12,13 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from mish import full_weights
+from mish import bench_config, full_weights
 from reference_gpt import RefConfig, ReferenceGPT, build_adamw
 from torch import nn
 from weight_map import load_megatronish_weights
+
+from megatronish.model.spec import ModelSpec
+from megatronish.testing.synthetic import PatternTokens
 
 
 @dataclass
@@ -54,10 +57,20 @@ class DataParallelRun:
         return mean.item() / self.world
 
 
-def reference_model(spec) -> ReferenceGPT:
-    """The reference GPT of ``spec``'s shape holding megatronish's initial global weights."""
+def peer_setup(extra: list[str] | None = None):
+    """``(cfg, spec, data)`` of the benchmark config with ``extra``, without building a model."""
+    cfg = bench_config(extra)
+    spec = ModelSpec.from_config(cfg.model, cfg.model.vocab_size)
+    return cfg, spec, PatternTokens(spec.vocab_size, spec.seq_length, seed=cfg.trainer.seed)
+
+
+def reference_model(spec, extra: list[str] | None = None) -> ReferenceGPT:
+    """The reference GPT of ``spec``'s shape with megatronish's initial global weights.
+
+    ``extra``: the Hydra overrides the megatronish run was built with (its model shape).
+    """
     model = ReferenceGPT(RefConfig.from_spec(spec, fused=True))
-    load_megatronish_weights(model, full_weights())
+    load_megatronish_weights(model, full_weights(extra))
     return model
 
 
@@ -69,19 +82,19 @@ def _run(model: nn.Module, cfg, data, rank: int, world: int) -> DataParallelRun:
     )
 
 
-def ddp_run(cfg, spec, data, rank: int, world: int) -> DataParallelRun:
+def ddp_run(cfg, spec, data, rank: int, world: int, extra=None) -> DataParallelRun:
     """``DistributedDataParallel`` (gloo, default buckets) around the reference GPT."""
-    model = nn.parallel.DistributedDataParallel(reference_model(spec))
+    model = nn.parallel.DistributedDataParallel(reference_model(spec, extra))
     return _run(model, cfg, data, rank, world)
 
 
-def fsdp2_run(cfg, spec, data, rank: int, world: int) -> DataParallelRun:
+def fsdp2_run(cfg, spec, data, rank: int, world: int, extra=None) -> DataParallelRun:
     """FSDP2 ``fully_shard`` on every block, then the root, over a 1-D CPU mesh."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh("cpu", (world,))
-    model = reference_model(spec)
+    model = reference_model(spec, extra)
     for block in model.layers:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)

@@ -1,0 +1,114 @@
+"""Loading any checkpoint into any layout (tp, pp, vpp, dp, ZeRO stage, sp on or off).
+
+Each rank works out the rectangles of the global tensors its parameters cover in the *current*
+layout, reads just those slices (safetensors slicing) from the shards that intersect them, and
+installs params and Adam moments into its ZeRO buffers. The trainer state (step, consumed
+samples) continues at the same global sample. RNG states are restored when the layout is the
+one that saved them; otherwise every rank is re-seeded from the seed and the step.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from safetensors.torch import load_file
+
+from megatronish.checkpoint.format import (
+    CheckpointError,
+    Metadata,
+    ShardReader,
+    read_metadata,
+    resolve_step_dir,
+)
+from megatronish.checkpoint.pieces import param_rects, saved_name
+from megatronish.model.spec import ModelSpec
+
+KINDS = ("model", "exp_avg", "exp_avg_sq")
+SHAPE_KEYS = ("arch", "num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
+              "ffn_hidden_size")  # fmt: skip
+
+
+def check_compatible(meta: Metadata, spec: ModelSpec, where: str) -> None:
+    """Refuse a checkpoint whose model shape or vocabulary does not fit ``spec``."""
+    saved = meta.config.get("model", {})
+    mine = {
+        "arch": spec.arch, "num_layers": spec.num_layers, "hidden_size": spec.hidden_size,
+        "num_attention_heads": spec.num_heads, "num_query_groups": spec.num_kv_heads,
+        "ffn_hidden_size": spec.ffn_hidden_size,
+    }  # fmt: skip
+    wrong = []
+    for key in SHAPE_KEYS:
+        theirs = saved.get(key)
+        if key == "num_query_groups" and theirs is None:
+            theirs = saved.get("num_attention_heads")
+        if theirs is not None and theirs != mine[key]:
+            wrong.append(f"model.{key}: checkpoint {theirs}, config {mine[key]}")
+    emb = meta.tensors.get("model/embedding.word.weight")
+    if emb is not None and emb.shape != [spec.padded_vocab_size, spec.hidden_size]:
+        wrong.append(
+            f"vocabulary: checkpoint embedding {emb.shape}, config "
+            f"[{spec.padded_vocab_size}, {spec.hidden_size}] (padded vocab)"
+        )
+    if wrong:
+        raise CheckpointError(
+            f"checkpoint {where} does not fit this model: "
+            + "; ".join(wrong)
+            + ". Use the checkpoint's model config or set checkpoint.resume=never."
+        )
+
+
+@torch.no_grad()
+def load_into(trainer, path: str, rng=None, seed: int = 0) -> Metadata:
+    """Load the checkpoint at ``path`` (a dir with ``latest`` or a step dir) into ``trainer``."""
+    step_dir = resolve_step_dir(path)
+    meta = read_metadata(step_dir)
+    check_compatible(meta, trainer.spec, step_dir)
+    reader = ShardReader(step_dir, meta)
+    zero, topo, opt = trainer.zero, trainer.topo, trainer.optimizer
+    for i, bucket in enumerate(zero.buckets):
+        flats = [torch.zeros(bucket.numel) for _ in KINDS]
+        for (name, p), offset in zip(bucket.params, bucket.offsets):
+            gname = saved_name(name, p)
+            for rect in param_rects(p, topo.coords.tp, topo.tp):
+                for kind, flat in zip(KINDS, flats):
+                    local = flat[offset : offset + p.numel()].view(p.shape)
+                    rect.take(local).copy_(reader.read(f"{kind}/{gname}", rect.offsets))
+        lo, hi = zero._owned(bucket)
+        if zero.stage < 3:
+            bucket.param_flat.copy_(flats[0].to(bucket.param_flat.device))
+        else:
+            bucket.param_shard.copy_(flats[0][lo:hi].to(bucket.param_shard.device))
+        opt.exp_avg[i].copy_(flats[1][lo:hi].to(opt.exp_avg[i].device))
+        opt.exp_avg_sq[i].copy_(flats[2][lo:hi].to(opt.exp_avg_sq[i].device))
+    opt.step_count = int(meta.trainer["optimizer_steps"])
+    trainer.state.step = meta.step
+    trainer.state.consumed_samples = meta.consumed_samples
+    trainer.state.skipped_steps = int(meta.trainer.get("skipped_steps", 0))
+    if rng is not None:
+        _restore_rng(rng, step_dir, meta, topo, seed)
+    return meta
+
+
+def _restore_rng(rng, step_dir: str, meta: Metadata, topo, seed: int) -> None:
+    layout = meta.layout
+    same = (layout.get("tp"), layout.get("pp"), layout.get("dp")) == (topo.tp, topo.pp, topo.dp)
+    path = os.path.join(step_dir, f"rng-rank{topo.rank:05d}.safetensors")
+    if same and os.path.exists(path):
+        rng.load_state_dict(load_file(path))
+    else:  # a new layout cannot replay the old masks; continue from a fresh, seeded stream
+        rng.seed(seed + meta.step, tp_rank=topo.coords.tp, pp_rank=topo.coords.pp)
+
+
+def find_resume_path(resume: str, ckpt_dir: str | None) -> str | None:
+    """The checkpoint to resume from: ``auto`` (latest in checkpoint.dir, if any), ``never``,
+    or an explicit path (which must exist)."""
+    if resume == "never":
+        return None
+    if resume == "auto":
+        if ckpt_dir and os.path.exists(os.path.join(os.path.expanduser(ckpt_dir), "latest")):
+            return os.path.expanduser(ckpt_dir)
+        return None
+    if not os.path.exists(os.path.expanduser(resume)):
+        raise CheckpointError(f"checkpoint.resume={resume} does not exist")
+    return os.path.expanduser(resume)

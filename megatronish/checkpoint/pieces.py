@@ -1,0 +1,78 @@
+"""What part of which global tensor this rank holds: rectangles of params and Adam moments.
+
+Both saving and loading walk the same pieces: for each local parameter, the rectangles of its
+global tensor that its tensor-parallel shard covers (one per fused block), with the matching
+slice of the local tensor. Under ZeRO the Adam moments (and, for stage 3, the params) are sharded
+over dp; :func:`full_local_values` materialises the whole local tensors for a bucket at a time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from megatronish.distributed.comm import all_gather_into
+from megatronish.optim.buckets import Bucket
+from megatronish.tensor_parallel.sharding import global_shape
+
+
+@dataclass
+class Rect:
+    """``local.narrow(dim, local_start, length)`` is global rectangle ``offsets``."""
+
+    offsets: list[list[int]]
+    dim: int
+    local_start: int
+    length: int
+
+    def take(self, local: torch.Tensor) -> torch.Tensor:
+        return local.narrow(self.dim, self.local_start, self.length)
+
+
+def param_rects(p: nn.Parameter, tp_rank: int, tp: int) -> list[Rect]:
+    """The global rectangles covered by this rank's shard of ``p``."""
+    shape = global_shape(p, tp)
+    shard = getattr(p, "tp_shard", None)
+    if shard is None:
+        return [Rect([[0, n] for n in shape], 0, 0, shape[0] if shape else 1)]
+    rects, local = [], 0
+    for start, n in shard.ranges(tp_rank, tp):
+        offsets = [[0, s] for s in shape]
+        offsets[shard.dim] = [start, n]
+        rects.append(Rect(offsets, shard.dim, local, n))
+        local += n
+    return rects
+
+
+def saved_name(name: str, p: nn.Parameter) -> str:
+    """The global name a parameter is stored under (a tied head copy is its embedding)."""
+    return getattr(p, "tied_to", None) or name
+
+
+def writes(name: str, p: nn.Parameter, bucket: Bucket, offset: int, tp_rank: int) -> bool:
+    """Whether this rank writes ``p``: each unique shard exactly once.
+
+    Tied head copies are never written (the embedding is); tp-replicated params by tp rank 0;
+    among dp replicas, the rank whose ZeRO shard holds the param's first element.
+    """
+    if getattr(p, "tied_to", None):
+        return False
+    if getattr(p, "tp_shard", None) is None and tp_rank != 0:
+        return False
+    return min(offset // bucket.shard_size, bucket.dp - 1) == bucket.dp_rank
+
+
+@torch.no_grad()
+def full_local_values(zero, optimizer, index: int, bucket: Bucket):
+    """Full flat ``(params, exp_avg, exp_avg_sq)`` of one bucket on this rank (collective)."""
+    dp = zero.topo.dp_group
+    if zero.stage == 0:
+        return bucket.param_flat, optimizer.exp_avg[index], optimizer.exp_avg_sq[index]
+    out = []
+    for shard in (bucket.param_shard, optimizer.exp_avg[index], optimizer.exp_avg_sq[index]):
+        full = torch.empty(bucket.numel, device=shard.device)
+        all_gather_into(full, shard, dp)
+        out.append(full)
+    return tuple(out)

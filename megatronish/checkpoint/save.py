@@ -1,0 +1,228 @@
+"""Saving: every rank writes its unique shards, then one rename publishes the step.
+
+1. Rank 0 creates ``checkpoint.dir/.tmp_step_XXXXXXX``; every rank snapshots its pieces (the
+   collectives that un-shard ZeRO state run here, in the training thread) and writes its
+   safetensors files plus a small index, flushed to disk.
+2. When every rank has written (one all-reduce), rank 0 merges the indexes into
+   ``metadata.json``, renames the directory to ``step_XXXXXXX``, updates ``latest`` and prunes
+   old steps beyond ``checkpoint.keep_last``.
+
+With ``async_save`` step 1's file writing runs in a background thread; the trainer polls at each
+step boundary and publishes once every rank has finished. A crash before the rename leaves only a
+``.tmp_`` directory, which the next start removes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+
+import torch
+from omegaconf import OmegaConf
+from safetensors.torch import save_file
+
+from megatronish.checkpoint.format import (
+    FORMAT_VERSION,
+    LATEST,
+    METADATA,
+    STEP_PREFIX,
+    TMP_PREFIX,
+    Metadata,
+    Shard,
+    TensorEntry,
+    crc32_of,
+    step_dir_name,
+)
+from megatronish.checkpoint.pieces import full_local_values, param_rects, saved_name, writes
+from megatronish.distributed.agree import agree
+from megatronish.distributed.comm import all_reduce
+from megatronish.tensor_parallel.sharding import global_shape
+
+KINDS = ("model", "exp_avg", "exp_avg_sq")
+
+
+def snapshot(trainer, rng) -> tuple[dict[str, dict[str, torch.Tensor]], list[dict]]:
+    """This rank's tensors to write (CPU copies) and their index entries. Collective."""
+    zero, topo = trainer.zero, trainer.topo
+    tensors: dict[str, dict[str, torch.Tensor]] = {"model": {}, "optim": {}, "rng": {}}
+    index = []
+    for i, bucket in enumerate(zero.buckets):
+        flats = full_local_values(zero, trainer.optimizer, i, bucket)
+        for (name, p), offset in zip(bucket.params, bucket.offsets):
+            if not writes(name, p, bucket, offset, topo.coords.tp):
+                continue
+            gname = saved_name(name, p)
+            for r, rect in enumerate(param_rects(p, topo.coords.tp, topo.tp)):
+                for kind, flat in zip(KINDS, flats):
+                    local = flat[offset : offset + p.numel()].view(p.shape)
+                    piece = rect.take(local).detach().to("cpu", copy=True).contiguous()
+                    key = f"{kind}/{gname}@{r}"
+                    tensors["model" if kind == "model" else "optim"][key] = piece
+                    index.append({"name": f"{kind}/{gname}", "key": key, "offsets": rect.offsets,
+                                  "shape": list(global_shape(p, topo.tp)), "dtype": "float32",
+                                  "file": "model" if kind == "model" else "optim"})  # fmt: skip
+    if rng is not None:
+        tensors["rng"] = {k: v.clone() for k, v in rng.state_dict().items()}
+    return tensors, index
+
+
+def write_rank_files(tmp_dir: str, rank: int, tensors, index) -> None:
+    """Write this rank's safetensors files and index, flushed to disk."""
+    names = {kind: f"{kind}-rank{rank:05d}.safetensors" for kind in tensors}
+    for kind, group in tensors.items():
+        path = os.path.join(tmp_dir, names[kind])
+        save_file(group, path)
+        _fsync(path)
+    for entry in index:
+        group = tensors[entry["file"]]
+        entry["crc32"] = crc32_of(group[entry["key"]])
+        entry["file"] = names[entry["file"]]
+    path = os.path.join(tmp_dir, f"index-rank{rank:05d}.json")
+    with open(path, "w") as f:
+        json.dump(index, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def merge_and_publish(ckpt_dir: str, tmp_dir: str, step: int, world: int, header: dict,
+                      keep_last: int) -> str:  # fmt: skip
+    """Rank 0: build metadata.json from the indexes, rename, update ``latest``, prune."""
+    tensors: dict[str, TensorEntry] = {}
+    for rank in range(world):
+        path = os.path.join(tmp_dir, f"index-rank{rank:05d}.json")
+        with open(path) as f:
+            for e in json.load(f):
+                entry = tensors.setdefault(e["name"], TensorEntry(e["shape"], e["dtype"]))
+                entry.shards.append(Shard(e["file"], e["key"], e["offsets"], e["crc32"]))
+        os.remove(path)
+    meta = Metadata(format_version=FORMAT_VERSION, tensors=tensors, **header)
+    with open(os.path.join(tmp_dir, METADATA), "w") as f:
+        f.write(meta.to_json())
+        f.flush()
+        os.fsync(f.fileno())
+    final = os.path.join(ckpt_dir, step_dir_name(step))
+    if os.path.exists(final):  # re-saving a step (e.g. after a resume) replaces it
+        shutil.rmtree(final)
+    os.rename(tmp_dir, final)
+    latest_tmp = os.path.join(ckpt_dir, f"{TMP_PREFIX}{LATEST}")
+    with open(latest_tmp, "w") as f:
+        f.write(step_dir_name(step))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(latest_tmp, os.path.join(ckpt_dir, LATEST))
+    prune(ckpt_dir, keep_last)
+    return final
+
+
+def prune(ckpt_dir: str, keep_last: int) -> None:
+    """Remove published steps beyond the newest ``keep_last`` (0 keeps all)."""
+    if keep_last <= 0:
+        return
+    steps = sorted(d for d in os.listdir(ckpt_dir) if d.startswith(STEP_PREFIX))
+    for old in steps[:-keep_last]:
+        shutil.rmtree(os.path.join(ckpt_dir, old), ignore_errors=True)
+
+
+def clean_stale(ckpt_dir: str) -> list[str]:
+    """Remove temporary directories left by a crash during a save; returns their names."""
+    if not os.path.isdir(ckpt_dir):
+        return []
+    stale = [d for d in os.listdir(ckpt_dir) if d.startswith(TMP_PREFIX)]
+    for d in stale:
+        path = os.path.join(ckpt_dir, d)
+        shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.remove(path)
+    return stale
+
+
+class CheckpointSaver:
+    """Periodic, final and asynchronous saves of a Trainer's state."""
+
+    def __init__(self, cfg, trainer, rng=None, run_id: str | None = None):
+        self.cfg, self.trainer, self.rng = cfg, trainer, rng
+        self.dir = os.path.expanduser(cfg.checkpoint.dir)
+        self.run_id = run_id
+        self.config_dict = OmegaConf.to_container(cfg, resolve=True)
+        self.pending: tuple[int, str, threading.Thread, dict] | None = None
+        self.last_published: str | None = None
+
+    def _header(self) -> dict:
+        t, p = self.trainer, self.cfg.parallel
+        return {
+            "step": t.state.step,
+            "consumed_samples": t.state.consumed_samples,
+            "layout": {"tp": t.topo.tp, "pp": t.topo.pp, "dp": t.topo.dp, "vpp": p.vpp,
+                       "sp": bool(p.sp), "zero_stage": p.zero_stage,
+                       "world_size": t.topo.world_size},  # fmt: skip
+            "config": self.config_dict,
+            "trainer": {"skipped_steps": t.state.skipped_steps,
+                        "optimizer_steps": t.optimizer.step_count, "run_id": self.run_id},
+        }  # fmt: skip
+
+    def save(self, blocking: bool | None = None) -> str | None:
+        """Save the current step. Collective. Returns the published path (None while async)."""
+        self.wait()
+        topo, step = self.trainer.topo, self.trainer.state.step
+        blocking = (not self.cfg.checkpoint.async_save) if blocking is None else blocking
+        tmp_dir = os.path.join(self.dir, TMP_PREFIX + step_dir_name(step))
+        if topo.rank == 0:
+            os.makedirs(self.dir, exist_ok=True)
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+            os.makedirs(tmp_dir)
+        all_reduce(torch.zeros(1), topo.world_group)  # the directory exists for everyone
+        tensors, index = snapshot(self.trainer, self.rng)
+        header = self._header()
+        errors: list[str] = []
+
+        def write() -> None:
+            try:
+                write_rank_files(tmp_dir, topo.rank, tensors, index)
+            except OSError as e:
+                errors.append(f"writing checkpoint step {step} to {tmp_dir} failed: {e}")
+
+        thread = threading.Thread(target=write, daemon=True)
+        thread.start()
+        self.pending = (step, tmp_dir, thread, header, errors)
+        if blocking:
+            return self.wait()
+        return None
+
+    def poll(self) -> str | None:
+        """At a step boundary: publish a finished async save once every rank has written."""
+        if self.pending is None:
+            return None
+        done = torch.tensor([0.0 if self.pending[2].is_alive() else 1.0])
+        all_reduce(done, self.trainer.topo.world_group, op="min")
+        return self._publish() if done.item() == 1.0 else None
+
+    def wait(self) -> str | None:
+        """Finish a pending save (every rank waits for its writer, then it is published)."""
+        if self.pending is None:
+            return None
+        self.pending[2].join()
+        return self._publish()
+
+    def _publish(self) -> str:
+        step, tmp_dir, _, header, errors = self.pending
+        self.pending = None
+        topo = self.trainer.topo
+        agree(errors[0] if errors else None, topo.world_group)  # every rank's files are on disk
+        path, error = os.path.join(self.dir, step_dir_name(step)), None
+        if topo.rank == 0:
+            try:
+                path = merge_and_publish(self.dir, tmp_dir, step, topo.world_size, header,
+                                         self.cfg.checkpoint.keep_last)  # fmt: skip
+            except OSError as e:
+                error = f"publishing checkpoint step {step} failed: {e}"
+        agree(error, topo.world_group)  # published before anyone reads it
+        self.last_published = path
+        return path

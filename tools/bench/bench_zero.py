@@ -1,0 +1,191 @@
+"""Data parallelism and ZeRO on 2 ranks: megatronish vs torch DDP and FSDP2, scaling, memory.
+
+A forked 2-rank gloo world (one thread per rank) holds four variants that train the same model
+on the same global batches from the same initial weights: megatronish's Trainer with
+``parallel.zero_stage=0`` and ``=3``, ``DistributedDataParallel`` and FSDP2 ``fully_shard``
+around the plain reference GPT. A second, one-rank world trains megatronish on the same global
+batch alone (two microbatches accumulated). Both worlds stay alive and their steps are timed
+interleaved (``zero_worlds.py``), which gives the step-time ratios and the data-parallel scaling
+efficiency. Then every ZeRO stage, DDP and FSDP2 run in fresh worlds to measure memory per rank
+(``zero_memory.py``).
+
+Run alone: ``.venv/bin/python tools/bench/bench_zero.py [--quick]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+
+import zero_memory
+from common import machine_info, median, paired_ratio
+from mish import build_run
+from sections import write_section
+from zero_peers import ddp_run, fsdp2_run, peer_setup
+from zero_tables import loss_table, memory_table, scaling_table, time_table
+from zero_worlds import World, interleaved_worlds, step_time
+
+NAME = "zero"
+TITLE = "Data parallelism and ZeRO, 2 ranks: megatronish vs torch DDP and FSDP2"
+GLOBAL_BATCH = ["trainer.global_batch_size=16"]  # micro batch 8: one microbatch per rank at dp=2
+# Memory model: wider and shorter than the timing model, so parameters, grads and Adam state
+# (what ZeRO shards) outweigh activations, as in the large models ZeRO is for.
+MEMORY_MODEL = [
+    "model.hidden_size=512", "model.num_attention_heads=8", "model.num_query_groups=4",
+    "model.ffn_hidden_size=1408", "model.seq_length=64",
+    "trainer.micro_batch_size=1", "trainer.global_batch_size=2",
+]  # fmt: skip
+MEMORY_VARIANTS = ("zero 0", "zero 1", "zero 2", "zero 3", "DDP", "FSDP2")
+Z0, Z3, DDP, FSDP2, SINGLE = (
+    "megatronish zero 0", "megatronish zero 3", "DDP", "FSDP2", "megatronish 1 rank",
+)  # fmt: skip
+PEERS = {Z0: DDP, Z3: FSDP2}
+
+
+def _two_ranks(rank: int, world: int) -> dict:
+    """The 2-rank variants (collective: every rank builds them in the same order)."""
+    z0 = build_run([*GLOBAL_BATCH, "parallel.zero_stage=0"], rank, world)
+    z3 = build_run([*GLOBAL_BATCH, "parallel.zero_stage=3"], rank, world)
+    ddp = ddp_run(z0.cfg, z0.spec, z0.data, rank, world, GLOBAL_BATCH)
+    fsdp = fsdp2_run(z0.cfg, z0.spec, z0.data, rank, world, GLOBAL_BATCH)
+    return {Z0: z0.step, DDP: ddp.step, Z3: z3.step, FSDP2: fsdp.step}
+
+
+def _one_rank(rank: int, world: int) -> dict:
+    return {SINGLE: build_run(GLOBAL_BATCH, rank, world).step}
+
+
+def _preload() -> None:
+    """Import what DDP and FSDP2 import lazily (torch._dynamo: ~10 s on a busy machine) once,
+    in the parent, so forked ranks do not pay for it inside the benchmark."""
+    import torch._dynamo  # noqa: F401
+    import torch.distributed.fsdp  # noqa: F401
+    import torch.distributed.tensor  # noqa: F401
+
+
+def timing(repeats: int, steps: int) -> dict:
+    """Interleaved step times and losses of every variant."""
+    single = World(1, _one_rank)
+    pair = World(2, _two_ranks)
+    variants = {name: (pair, steps) for name in (Z0, DDP, Z3, FSDP2)}
+    variants[SINGLE] = (single, steps)
+    measures = interleaved_worlds(variants, repeats)
+    losses = {**pair.close()[0]["losses"], **single.close()[0]["losses"]}
+    return {"measures": measures, "losses": losses}
+
+
+def scaling(measures: dict) -> dict:
+    """Per 2-rank variant: wall-clock and CPU-time scaling efficiency vs the one-rank run, and
+    how the ranks' main threads spent a step (medians over repeats, means over ranks)."""
+    one = measures[SINGLE]
+    out = {}
+    for name in (Z0, Z3, DDP, FSDP2):
+        reps = measures[name]
+        wall = [step_time(s) / (2 * step_time(p)) for s, p in zip(one, reps, strict=True)]
+        cpu = [
+            s[0]["process_cpu"] / sum(r["process_cpu"] for r in p)
+            for s, p in zip(one, reps, strict=True)
+        ]
+        out[name] = {"wall": median(wall), "cpu": median(cpu)}
+    for name, reps in measures.items():
+        out.setdefault(name, {})["main_thread"] = {
+            k: median([sum(r[k] for r in ranks) / len(ranks) for ranks in reps])
+            for k in ("on_cpu", "cpu_wait", "blocked", "process_cpu")
+        }
+    return out
+
+
+def memory(steps: int) -> dict:
+    """Per-rank memory reports of every ZeRO stage and both peers (fresh world each)."""
+    return {v: zero_memory.measure(v, MEMORY_MODEL, steps) for v in MEMORY_VARIANTS}
+
+
+def run(quick: bool = False) -> dict:
+    """The section result (see ``sections.py``)."""
+    t0 = time.perf_counter()
+    _preload()
+    repeats, steps = (3, 1) if quick else (9, 1)
+    timed = timing(repeats, steps)
+    mem = memory(2)
+    cfg, spec, _ = peer_setup(GLOBAL_BATCH)
+    tokens = cfg.trainer.global_batch_size * spec.seq_length
+    measures, losses = timed["measures"], timed["losses"]
+    times = {n: [step_time(ranks) for ranks in reps] for n, reps in measures.items()}
+    med = {n: median(ts) for n, ts in times.items()}
+    ratios = {n: paired_ratio(times[n], times[p]) for n, p in PEERS.items()}
+    efficiency = scaling(measures)
+    method = (
+        f"Two forked gloo ranks, one intra-op thread each, fp32. Timing model: the tiny llama "
+        f"(4 layers, hidden {spec.hidden_size}, 4 heads, 2 kv heads, ffn 352, vocab 4096, seq "
+        f"{spec.seq_length}), global batch {cfg.trainer.global_batch_size} = micro batch "
+        f"{cfg.trainer.micro_batch_size} per rank ({tokens} tokens per step), AdamW (decay on "
+        f"matrices only), clip {cfg.optimizer.grad_clip}, constant lr, all from megatronish's "
+        f"initial weights on the same synthetic batches. DDP (default 25 MB buckets) and FSDP2 "
+        f"(`fully_shard` on every block, then the root, 1-D CPU mesh) wrap the plain reference "
+        f"GPT (`reference_gpt.py`, fused q|k|v and gate|up) with `torch.optim.AdamW` and "
+        f"`clip_grad_norm_`. A one-rank world trains megatronish on the same global batch "
+        f"(2 microbatches accumulated) for the scaling efficiency = tokens/s with 2 ranks / "
+        f"(2 x tokens/s with 1), and its CPU-time analogue = process CPU seconds per step with "
+        f"1 rank / the sum over the 2 ranks (all threads, `time.process_time`). Both worlds "
+        f"stay alive and take turns: {repeats} interleaved repeats of {steps} step(s) per "
+        f"variant after 2 warm-up steps, barrier before each, a repeat's time is the slower "
+        f"rank's; medians, and medians of per-repeat ratios."
+    )
+    psi = mem["zero 0"][0]["psi"]
+    notes = [
+        f"Memory model: hidden 512, 8 heads, 4 kv heads, ffn 1408, 4 layers, vocab 4096, seq "
+        f"64, micro batch 1 per rank (Ψ = {psi / 1e6:.2f} M parameters per rank), so that "
+        f"parameter state outweighs activations. 'State' columns are "
+        f"`trainer.zero.state_bytes()` + `trainer.optimizer.state_bytes()` at a step boundary; "
+        f"the formulas are ZeRO's for fp32 training (4 bytes params + 4 grads + 8 Adam per "
+        f"parameter; no separate master copy). 'Masks' are ZeRO's per-element fp32 weight-decay "
+        f"and grad-norm masks, which state_bytes() leaves out. Peak RSS: each variant in a "
+        f"fresh forked world; glibc's mmap threshold pinned to 256 KiB (`mallopt`) so freed "
+        f"tensors leave the RSS, VmHWM reset (`/proc/self/clear_refs`) after building and "
+        f"trimming, then 2 training steps; 'above start' subtracts the rank's RSS right after "
+        f"the fork (Python + torch + the parent's pages, about "
+        f"{mem['zero 0'][0]['rss_start'] / 2**20:.0f} MiB).",
+        f"ln(vocab) = {math.log(4096):.4f}.",
+    ]
+    tables = [
+        time_table(med, ratios, tokens, PEERS),
+        scaling_table(med, efficiency, tokens),
+        loss_table(losses, Z0),
+        memory_table(mem, zero_memory.zero_formula),
+    ]
+    return {
+        "name": NAME,
+        "title": TITLE,
+        "method": method,
+        "quick": quick,
+        "tables": tables,
+        "notes": notes,
+        "raw": {
+            "step_times_s": times,
+            "measures": measures,
+            "median_step_s": med,
+            "paired_ratios": ratios,
+            "scaling_efficiency": efficiency,
+            "losses": losses,
+            "memory": mem,
+            "tokens_per_step": tokens,
+        },
+        "seconds": time.perf_counter() - t0,
+        "machine": machine_info(),
+    }
+
+
+def main() -> None:
+    from report import render_section
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer repeats (a smoke run)")
+    args = parser.parse_args()
+    section = run(args.quick)
+    print(render_section(section))
+    print(f"wrote {write_section(section)}")
+
+
+if __name__ == "__main__":
+    main()

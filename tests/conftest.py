@@ -11,3 +11,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 
 torch.testing.assert_close(torch.zeros(1), torch.zeros(1))
+
+# Single-process runs in the test process use one thread, like every forked rank: results do not
+# depend on the thread count, and a busy machine does not stall multi-threaded kernels.
+torch.set_num_threads(1)

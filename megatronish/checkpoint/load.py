@@ -66,12 +66,16 @@ def load_into(trainer, path: str, rng=None, seed: int = 0) -> Metadata:
     check_compatible(meta, trainer.spec, step_dir)
     reader = ShardReader(step_dir, meta)
     zero, topo, opt = trainer.zero, trainer.topo, trainer.optimizer
+    has_moments = any(name.startswith("exp_avg/") for name in meta.tensors)
+    if not has_moments and int(meta.trainer.get("optimizer_steps", 0)) > 0:
+        raise CheckpointError(f"{step_dir} has optimizer steps but no Adam moments")
+    kinds = KINDS if has_moments else KINDS[:1]  # weights-only (e.g. imported) checkpoints
     for i, bucket in enumerate(zero.buckets):
         flats = [torch.zeros(bucket.numel) for _ in KINDS]
         for (name, p), offset in zip(bucket.params, bucket.offsets):
             gname = saved_name(name, p)
             for rect in param_rects(p, topo.coords.tp, topo.tp):
-                for kind, flat in zip(KINDS, flats):
+                for kind, flat in zip(kinds, flats):
                     local = flat[offset : offset + p.numel()].view(p.shape)
                     rect.take(local).copy_(reader.read(f"{kind}/{gname}", rect.offsets))
         lo, hi = zero._owned(bucket)
@@ -81,7 +85,7 @@ def load_into(trainer, path: str, rng=None, seed: int = 0) -> Metadata:
             bucket.param_shard.copy_(flats[0][lo:hi].to(bucket.param_shard.device))
         opt.exp_avg[i].copy_(flats[1][lo:hi].to(opt.exp_avg[i].device))
         opt.exp_avg_sq[i].copy_(flats[2][lo:hi].to(opt.exp_avg_sq[i].device))
-    opt.step_count = int(meta.trainer["optimizer_steps"])
+    opt.step_count = int(meta.trainer.get("optimizer_steps", 0))
     trainer.state.step = meta.step
     trainer.state.consumed_samples = meta.consumed_samples
     trainer.state.skipped_steps = int(meta.trainer.get("skipped_steps", 0))

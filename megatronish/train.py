@@ -10,6 +10,7 @@ Exit codes: 0 done, 2 invalid config, 3 bad data or a failure reported by anothe
 
 from __future__ import annotations
 
+import os
 import sys
 
 import hydra
@@ -76,6 +77,9 @@ def run(cfg):
     launch = detect_launch()
     job = build_job(cfg, launch)
     topo = job.topo
+    if topo.rank == 0:  # the only file written outside checkpoints and logging
+        os.makedirs(cfg.out_dir, exist_ok=True)
+        OmegaConf.save(cfg, os.path.join(cfg.out_dir, "config.yaml"), resolve=True)
     ckpt = cfg.checkpoint
     resume = find_resume_path(ckpt.resume, ckpt.dir)
     run_id = f"{cfg.name}-{launch.run_id or 'local'}"

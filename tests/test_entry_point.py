@@ -52,6 +52,7 @@ def test_default_pipeline_trains_and_saves_on_the_stdlib_corpus(tmp_path):
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("step")]
     assert len(lines) == 3 and "tok/s" in lines[-1] and "MFU" in lines[-1]
     assert "valid loss" in r.stdout
+    assert "hidden_size: 64" in (tmp_path / "out" / "config.yaml").read_text()
     ckpt = tmp_path / "out" / "checkpoints"
     assert (ckpt / "latest").read_text() == "step_0000010"
     assert (ckpt / "step_0000010" / "metadata.json").exists()

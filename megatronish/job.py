@@ -15,6 +15,7 @@ from megatronish.distributed.rank_math import rank_map_table
 from megatronish.distributed.topology import Topology
 from megatronish.model.build import build_chunks
 from megatronish.model.spec import ModelSpec
+from megatronish.recompute import apply_recompute
 from megatronish.tensor_parallel.context import TPContext
 from megatronish.tensor_parallel.random import RNGTracker
 
@@ -60,7 +61,7 @@ def build_data(cfg, topo: Topology, launch: LaunchEnv):
 
 def build_model(cfg, topo: Topology, derived: Derived, spec: ModelSpec, rng: RNGTracker):
     tp_ctx = TPContext(group=topo.tp_group, sp=cfg.parallel.sp, rng=rng)
-    return build_chunks(
+    chunks = build_chunks(
         spec,
         tp_ctx,
         derived.layers_per_chunk,
@@ -70,6 +71,9 @@ def build_model(cfg, topo: Topology, derived: Derived, spec: ModelSpec, rng: RNG
         seed=cfg.trainer.seed,
         device=topo.device,
     )
+    t = cfg.trainer
+    apply_recompute(chunks, t.recompute, t.recompute_method, t.recompute_num_layers, rng)
+    return chunks
 
 
 def build_job(cfg, launch: LaunchEnv) -> Job:

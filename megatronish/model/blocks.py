@@ -80,6 +80,18 @@ class Attention(nn.Module):
             spec.num_heads * d, h, tp.group, bias=spec.bias, sequence_parallel=sp,
             init_std=out_std, device=device,
         )  # fmt: skip
+        self.core_runner = None  # selective recompute wraps the attention core
+
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal softmax(q k^T / sqrt(d)) v with attention dropout, ``[b, heads, s, d]``."""
+        if self.kv_heads != self.q_heads:
+            rep = self.q_heads // self.kv_heads
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        p = self.spec.attention_dropout if self.training else 0.0
+        if p > 0 and self.tp.rng is not None and self.tp.size > 1:
+            with self.tp.rng.fork("tp"):  # each rank drops its own heads' probabilities
+                return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None):
         d = self.spec.head_dim
@@ -93,15 +105,10 @@ class Attention(nn.Module):
             cos, sin = rope[0][:s], rope[1][:s]
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
-        if self.kv_heads != self.q_heads:
-            rep = self.q_heads // self.kv_heads
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        p = self.spec.attention_dropout if self.training else 0.0
-        if p > 0 and self.tp.rng is not None and self.tp.size > 1:
-            with self.tp.rng.fork("tp"):  # each rank drops its own heads' probabilities
-                out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        if self.core_runner is not None:
+            out = self.core_runner(self.core, q, k, v)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+            out = self.core(q, k, v)
         out = out.permute(2, 0, 1, 3).reshape(s, b, self.q_heads * d)
         return self.proj(out)
 

@@ -13,6 +13,7 @@ from torch import nn
 
 from megatronish.model.blocks import Norm, TransformerBlock, rope_tables
 from megatronish.model.spec import ModelSpec
+from megatronish.recompute import checkpointed
 from megatronish.tensor_parallel.context import TPContext
 from megatronish.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatronish.tensor_parallel.layers import VocabParallelEmbedding
@@ -115,7 +116,9 @@ class GPTChunk(nn.Module):
         self.embedding = Embedding(spec, tp, device) if first else None
         self.layers = nn.ModuleDict({str(i): TransformerBlock(spec, tp, device) for i in layer_ids})
         self.head = Head(spec, tp, self.embedding, device) if last else None
-        self.block_runner = None  # set by activation checkpointing (recompute policies)
+        # (start, end, checkpointed) runs of layers; see megatronish.recompute.
+        self.segments = [(0, len(self.layers), False)]
+        self.recompute_rng = None
         self._rope = None
 
     def rope(self, device) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -131,11 +134,15 @@ class GPTChunk(nn.Module):
         if self.first:
             x = self.embedding(x)
         rope = self.rope(x.device)
-        for i, block in self.layers.items():
-            if self.block_runner is not None:
-                x = self.block_runner(int(i), block, x, rope)
-            else:
-                x = block(x, rope)
+        blocks = list(self.layers.values())
+        for start, end, recompute in self.segments:
+
+            def run(h, group=blocks[start:end]):
+                for block in group:
+                    h = block(h, rope)
+                return h
+
+            x = checkpointed(run, x, rng=self.recompute_rng) if recompute else run(x)
         if self.last and targets is not None:
             return self.head(x, targets)
         return x

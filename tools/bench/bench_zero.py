@@ -22,6 +22,7 @@ import zero_memory
 from common import machine_info, median, paired_ratio
 from mish import build_run
 from sections import write_section
+from zero_notes import memory_findings, memory_method, scaling_finding, timing_finding
 from zero_peers import ddp_run, fsdp2_run, peer_setup
 from zero_tables import loss_table, memory_table, scaling_table, time_table
 from zero_worlds import World, interleaved_worlds, step_time
@@ -105,7 +106,7 @@ def run(quick: bool = False) -> dict:
     """The section result (see ``sections.py``)."""
     t0 = time.perf_counter()
     _preload()
-    repeats, steps = (3, 1) if quick else (9, 1)
+    repeats, steps = (3, 1) if quick else (11, 1)
     timed = timing(repeats, steps)
     mem = memory(2)
     cfg, spec, _ = peer_setup(GLOBAL_BATCH)
@@ -132,20 +133,11 @@ def run(quick: bool = False) -> dict:
         f"variant after 2 warm-up steps, barrier before each, a repeat's time is the slower "
         f"rank's; medians, and medians of per-repeat ratios."
     )
-    psi = mem["zero 0"][0]["psi"]
     notes = [
-        f"Memory model: hidden 512, 8 heads, 4 kv heads, ffn 1408, 4 layers, vocab 4096, seq "
-        f"64, micro batch 1 per rank (Ψ = {psi / 1e6:.2f} M parameters per rank), so that "
-        f"parameter state outweighs activations. 'State' columns are "
-        f"`trainer.zero.state_bytes()` + `trainer.optimizer.state_bytes()` at a step boundary; "
-        f"the formulas are ZeRO's for fp32 training (4 bytes params + 4 grads + 8 Adam per "
-        f"parameter; no separate master copy). 'Masks' are ZeRO's per-element fp32 weight-decay "
-        f"and grad-norm masks, which state_bytes() leaves out. Peak RSS: each variant in a "
-        f"fresh forked world; glibc's mmap threshold pinned to 256 KiB (`mallopt`) so freed "
-        f"tensors leave the RSS, VmHWM reset (`/proc/self/clear_refs`) after building and "
-        f"trimming, then 2 training steps; 'above start' subtracts the rank's RSS right after "
-        f"the fork (Python + torch + the parent's pages, about "
-        f"{mem['zero 0'][0]['rss_start'] / 2**20:.0f} MiB).",
+        timing_finding(times, PEERS),
+        scaling_finding(efficiency, Z0, SINGLE),
+        memory_method(mem),
+        *memory_findings(mem),
         f"ln(vocab) = {math.log(4096):.4f}.",
     ]
     tables = [

@@ -30,6 +30,7 @@ BENCHMARKS = {
     "single": "bench_single.py",
     "tp": "bench_tp.py",
     "pp": "bench_pp.py",
+    "zero": "bench_zero.py",
 }
 
 

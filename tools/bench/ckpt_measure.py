@@ -1,0 +1,139 @@
+"""megatronish's side of the checkpoint benchmark: save, load, async stall and interference.
+
+A :class:`CkptRig` holds a trained Trainer with its :class:`CheckpointSaver` and a second,
+freshly built Trainer of the same layout to load into. Every function returns seconds of one
+operation; published step directories are removed by the caller, outside the timings.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+
+from mish import MishRun, build_run
+from safetensors.torch import load_file
+
+import megatronish.checkpoint.save as save_mod
+from megatronish.checkpoint.load import load_into
+from megatronish.checkpoint.save import CheckpointSaver
+
+# ~27.8M params: 333 MB of fp32 params + 2 Adam moments. Short sequences keep a step ~0.5 s.
+MODEL = [
+    "model.hidden_size=512", "model.num_layers=8", "model.num_attention_heads=8",
+    "model.num_query_groups=4", "model.ffn_hidden_size=1408", "model.seq_length=128",
+    "trainer.micro_batch_size=1", "trainer.global_batch_size=1",
+    "checkpoint.keep_last=0",  # the bench removes old steps itself, outside the timings
+]  # fmt: skip
+MODEL_TEXT = (
+    "llama, 8 layers, hidden 512, 8 heads, 4 kv heads, ffn 1408, vocab 4096, seq 128, batch 1"
+)
+
+
+@dataclass
+class CkptRig:
+    """The trainer that saves, its saver, and a fresh trainer that loads."""
+
+    run: MishRun
+    fresh: MishRun
+    saver: CheckpointSaver
+    dir: str
+    writer_ends: list[float] = field(default_factory=list)  # perf_counter at each writer's end
+
+    @property
+    def params(self) -> int:
+        return sum(p.numel() for c in self.run.chunks for p in c.parameters())
+
+
+def build_rig(ckpt_dir: str) -> CkptRig:
+    """Build both trainers (one process) and take 2 steps so Adam's moments are nonzero."""
+    overrides = [*MODEL, f"checkpoint.dir={ckpt_dir}"]
+    run, fresh = build_run(overrides), build_run(overrides)
+    for _ in range(2):
+        run.step()
+    rig = CkptRig(run, fresh, CheckpointSaver(run.cfg, run.trainer), ckpt_dir)
+    _record_writer_ends(rig)
+    return rig
+
+
+def _record_writer_ends(rig: CkptRig) -> None:
+    """Note when each background writer finishes (wraps the module's writer function)."""
+    original = save_mod.write_rank_files
+
+    def write_rank_files(*args, **kwargs):
+        try:
+            return original(*args, **kwargs)
+        finally:
+            rig.writer_ends.append(time.perf_counter())
+
+    save_mod.write_rank_files = write_rank_files
+
+
+def timed_save(rig: CkptRig) -> tuple[float, str]:
+    """Seconds of ``save(blocking=True)`` and the published step directory."""
+    t0 = time.perf_counter()
+    path = rig.saver.save(blocking=True)
+    return time.perf_counter() - t0, path
+
+
+def timed_load(rig: CkptRig, path: str) -> float:
+    """Seconds of ``load_into`` of ``path`` into the fresh trainer."""
+    t0 = time.perf_counter()
+    load_into(rig.fresh.trainer, path)
+    return time.perf_counter() - t0
+
+
+def timed_load_file(files: list[str]) -> float:
+    """Seconds of plain ``safetensors.torch.load_file`` of ``files`` (a library reference)."""
+    t0 = time.perf_counter()
+    for f in files:
+        if f.endswith(".safetensors"):
+            load_file(f)
+    return time.perf_counter() - t0
+
+
+def timed_step(rig: CkptRig) -> tuple[float, float]:
+    """Start and end (perf_counter) of one training step."""
+    t0 = time.perf_counter()
+    rig.run.step()
+    return t0, time.perf_counter()
+
+
+def async_round(rig: CkptRig, baseline_steps: int) -> dict:
+    """Normal steps, then an async save with steps running while its writer works.
+
+    Returns the normal step times, the step-boundary stall (``save(blocking=False)``, and the
+    ``poll()`` that publishes once the writer is done), the writer's duration, and each step
+    that started while the writer ran with the fraction of it that overlapped the writer.
+    """
+    normal = [end - start for start, end in (timed_step(rig) for _ in range(baseline_steps))]
+    t0 = time.perf_counter()
+    rig.saver.save(blocking=False)
+    t1 = time.perf_counter()
+    thread = rig.saver.pending[2]
+    steps = []
+    while thread.is_alive():
+        steps.append(timed_step(rig))
+    thread.join()
+    t2 = time.perf_counter()
+    path = rig.saver.poll()
+    publish = time.perf_counter() - t2
+    writer_end = rig.writer_ends[-1]
+    during = [
+        {"seconds": e - s, "overlap": max(0.0, min(e, writer_end) - s) / (e - s)} for s, e in steps
+    ]
+    return {
+        "normal_steps_s": normal,
+        "snapshot_s": t1 - t0,
+        "publish_s": publish,
+        "writer_s": writer_end - t1,
+        "steps_during_writer": during,
+        "path": path,
+    }
+
+
+def remove(path: str | None) -> None:
+    """Delete a published step (and ``latest``), so the next save starts from the same state."""
+    if path and os.path.isdir(path):
+        shutil.rmtree(path)

@@ -1,0 +1,81 @@
+"""The interleaved repeats of the checkpoint benchmark.
+
+Each repeat runs the write variants (raw write, blocking save, async save with training steps
+during its writer), then the read variants (raw read, ``load_into``, plain safetensors
+``load_file``), each cold (pages evicted first) and warm (files read once, untimed, first). The
+order of the variants is reversed on every other repeat. Reads use the files written in the same
+repeat; everything written is removed at the end of the repeat, outside the timings.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+from ckpt_disk import dir_bytes, dir_files, evict, host_buffer, payload, raw_read, raw_write
+from ckpt_measure import CkptRig, async_round, remove, timed_load, timed_load_file, timed_save
+
+WRITES = ("raw write", "save", "async save")
+READS = ("raw read", "load", "load_file")
+
+
+def warm_up(rig: CkptRig) -> int:
+    """One untimed save and load (first-call costs); returns the bytes of a step directory."""
+    _, path = timed_save(rig)
+    nbytes = dir_bytes(path)
+    timed_load(rig, path)
+    remove(path)
+    return nbytes
+
+
+def _prime(files: list[str], buf: memoryview) -> None:
+    for f in files:
+        raw_read(f, buf)
+
+
+def _read_round(
+    rig: CkptRig, raw_path: str, ckpt: str, buf: memoryview, flip: bool
+) -> dict[str, float]:
+    """Seconds of each read variant, cold and warm, in one repeat."""
+    raw_files, ckpt_files = [raw_path], dir_files(ckpt)
+    ops: dict[str, tuple[list[str], Callable[[], float]]] = {
+        "raw read": (raw_files, lambda: raw_read(raw_path, buf)),
+        "load": (ckpt_files, lambda: timed_load(rig, ckpt)),
+        "load_file": (ckpt_files, lambda: timed_load_file(ckpt_files)),
+    }
+    out: dict[str, float] = {}
+    for cache in ("cold", "warm") if not flip else ("warm", "cold"):
+        for name in READS if not flip else reversed(READS):
+            files, op = ops[name]
+            evict(files) if cache == "cold" else _prime(files, buf)
+            out[f"{name} {cache}"] = op()
+    return out
+
+
+def rounds(rig: CkptRig, nbytes: int, repeats: int, baseline_steps: int) -> dict:
+    """Every repeat's timings: ``{variant: [seconds per repeat]}`` plus the async details."""
+    data, buf = payload(), host_buffer(nbytes + (1 << 20))
+    raw_path = os.path.join(rig.dir, "raw.bin")
+    times: dict[str, list[float]] = {}
+    saved_bytes: list[int] = []
+    asyncs: list[dict] = []
+    for r in range(repeats):
+        flip = r % 2 == 1
+        ckpt = None
+        for name in WRITES if not flip else reversed(WRITES):
+            if name == "raw write":
+                seconds = raw_write(raw_path, nbytes, data)
+            elif name == "save":
+                seconds, ckpt = timed_save(rig)
+                saved_bytes.append(dir_bytes(ckpt))
+            else:
+                result = async_round(rig, baseline_steps)
+                remove(result.pop("path"))
+                asyncs.append(result)
+                seconds = result["snapshot_s"] + result["publish_s"]
+            times.setdefault(name, []).append(seconds)
+        for name, seconds in _read_round(rig, raw_path, ckpt, buf, flip).items():
+            times.setdefault(name, []).append(seconds)
+        remove(ckpt)
+        os.remove(raw_path)
+    return {"times": times, "saved_bytes": saved_bytes, "async": asyncs}

@@ -155,24 +155,3 @@ def irecv(t: torch.Tensor, group: ParallelGroup, peer: int):
     """Asynchronous receive into ``t`` from member ``peer`` of ``group``."""
     group._record("recv", t)
     return dist.irecv(t, src=group.global_rank(peer), group=group.pg)
-
-
-def batch_send_recv(
-    sends: list[tuple[torch.Tensor, int]],
-    recvs: list[tuple[torch.Tensor, int]],
-    group: ParallelGroup,
-) -> list:
-    """Post sends and receives together (``batch_isend_irecv``) and return the work handles.
-
-    Peers are indices in ``group``. Shapes of received tensors must be known in advance.
-    """
-    ops = []
-    for t, peer in sends:
-        group._record("send", t)
-        ops.append(dist.P2POp(dist.isend, t, group.global_rank(peer), group.pg))
-    for t, peer in recvs:
-        group._record("recv", t)
-        ops.append(dist.P2POp(dist.irecv, t, group.global_rank(peer), group.pg))
-    if not ops:
-        return []
-    return dist.batch_isend_irecv(ops)

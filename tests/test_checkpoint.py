@@ -135,3 +135,24 @@ def test_mismatched_model_is_refused_with_the_difference(tmp_path):
     json.dump(raw, open(meta_path, "w"))
     with pytest.raises(CheckpointError, match="format version 99"):
         load_into(build_trainer(0, 1, [], 1), str(tmp_path))
+
+
+def test_tensors_that_would_be_cut_or_dropped_are_refused(tmp_path):
+    run(1, ["model.arch=gpt2"], 1, save=str(tmp_path / "gpt2"))
+    longer = build_trainer(0, 1, ["model.arch=gpt2", "model.max_position_embeddings=32"], 1)
+    with pytest.raises(CheckpointError, match=r"embedding.position: checkpoint \[16, 64\]"):
+        load_into(longer, str(tmp_path / "gpt2"))
+    run(1, [], 1, save=str(tmp_path / "llama"))
+    tied = build_trainer(0, 1, ["model.tie_embeddings=true"], 1)
+    with pytest.raises(CheckpointError, match="not in this model: head.weight"):
+        load_into(tied, str(tmp_path / "llama"))
+
+
+def test_resaving_an_older_step_keeps_latest_and_its_directory(tmp_path):
+    trainer = build_trainer(0, 1, ["checkpoint.keep_last=1", f"checkpoint.dir={tmp_path}"], 3)
+    saver = CheckpointSaver(trainer.cfg, trainer)
+    trainer.train_step()
+    saver.save(blocking=True)
+    saver.save(blocking=True)  # the same step again replaces it in place
+    assert (tmp_path / "latest").read_text() == "step_0000001"
+    assert sorted(os.listdir(tmp_path)) == ["latest", "step_0000001"]

@@ -58,6 +58,32 @@ def check_compatible(meta: Metadata, spec: ModelSpec, where: str) -> None:
         )
 
 
+def check_tensor_shapes(meta: Metadata, trainer, where: str) -> None:
+    """Every model tensor of the checkpoint has this model's global shape, and none is left over.
+
+    A whole model is compared: this rank's parameters plus the names and shapes every other rank
+    would read (parameter names are global), so a tensor that would be cut or dropped is caught.
+    """
+    from megatronish.model.build import build_chunks
+    from megatronish.tensor_parallel.context import TPContext
+
+    full = build_chunks(trainer.spec, TPContext(), [trainer.spec.num_layers], device="meta")[0]
+    wanted = {f"model/{n}": list(p.shape) for n, p in full.named_parameters()}
+    stored = {n: e.shape for n, e in meta.tensors.items() if n.startswith("model/")}
+    wrong = [f"{n[6:]}: checkpoint {stored[n]}, model {shape}"
+             for n, shape in wanted.items() if n in stored and stored[n] != shape]  # fmt: skip
+    missing = sorted(n[6:] for n in wanted if n not in stored)
+    extra = sorted(n[6:] for n in stored if n not in wanted)
+    if wrong or missing or extra:
+        parts = wrong + [f"missing in checkpoint: {', '.join(missing)}"] * bool(missing)
+        parts += [f"not in this model: {', '.join(extra)}"] * bool(extra)
+        raise CheckpointError(
+            f"checkpoint {where} does not fit this model: "
+            + "; ".join(parts)
+            + ". Use the checkpoint's model config or set checkpoint.resume=never."
+        )
+
+
 @torch.no_grad()
 def load_into(trainer, path: str, rng=None, seed: int = 0) -> Metadata:
     """Load the checkpoint at ``path`` (a dir with ``latest`` or a step dir) into ``trainer``."""
@@ -70,6 +96,7 @@ def load_into(trainer, path: str, rng=None, seed: int = 0) -> Metadata:
     if not has_moments and int(meta.trainer.get("optimizer_steps", 0)) > 0:
         raise CheckpointError(f"{step_dir} has optimizer steps but no Adam moments")
     kinds = KINDS if has_moments else KINDS[:1]  # weights-only (e.g. imported) checkpoints
+    check_tensor_shapes(meta, trainer, step_dir)
     for i, bucket in enumerate(zero.buckets):
         flats = [torch.zeros(bucket.numel) for _ in KINDS]
         for (name, p), offset in zip(bucket.params, bucket.offsets):
@@ -90,13 +117,14 @@ def load_into(trainer, path: str, rng=None, seed: int = 0) -> Metadata:
     trainer.state.consumed_samples = meta.consumed_samples
     trainer.state.skipped_steps = int(meta.trainer.get("skipped_steps", 0))
     if rng is not None:
-        _restore_rng(rng, step_dir, meta, topo, seed)
+        _restore_rng(rng, step_dir, meta, topo, trainer.cfg.parallel.vpp, seed)
     return meta
 
 
-def _restore_rng(rng, step_dir: str, meta: Metadata, topo, seed: int) -> None:
+def _restore_rng(rng, step_dir: str, meta: Metadata, topo, vpp: int, seed: int) -> None:
     layout = meta.layout
-    same = (layout.get("tp"), layout.get("pp"), layout.get("dp")) == (topo.tp, topo.pp, topo.dp)
+    saved = (layout.get("tp"), layout.get("pp"), layout.get("dp"), layout.get("vpp"))
+    same = saved == (topo.tp, topo.pp, topo.dp, vpp)
     path = os.path.join(step_dir, f"rng-rank{topo.rank:05d}.safetensors")
     if same and os.path.exists(path):
         rng.load_state_dict(load_file(path))

@@ -111,8 +111,10 @@ def merge_and_publish(ckpt_dir: str, tmp_dir: str, step: int, world: int, header
         f.flush()
         os.fsync(f.fileno())
     final = os.path.join(ckpt_dir, step_dir_name(step))
+    old = None
     if os.path.exists(final):  # re-saving a step (e.g. after a resume) replaces it
-        shutil.rmtree(final)
+        old = os.path.join(ckpt_dir, f"{TMP_PREFIX}old_{step_dir_name(step)}")
+        os.rename(final, old)
     os.rename(tmp_dir, final)
     latest_tmp = os.path.join(ckpt_dir, f"{TMP_PREFIX}{LATEST}")
     with open(latest_tmp, "w") as f:
@@ -120,16 +122,20 @@ def merge_and_publish(ckpt_dir: str, tmp_dir: str, step: int, world: int, header
         f.flush()
         os.fsync(f.fileno())
     os.replace(latest_tmp, os.path.join(ckpt_dir, LATEST))
-    prune(ckpt_dir, keep_last)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    prune(ckpt_dir, keep_last, keep=step_dir_name(step))
     return final
 
 
-def prune(ckpt_dir: str, keep_last: int) -> None:
-    """Remove published steps beyond the newest ``keep_last`` (0 keeps all)."""
+def prune(ckpt_dir: str, keep_last: int, keep: str | None = None) -> None:
+    """Remove published steps beyond the newest ``keep_last`` (0 keeps all); never ``keep``
+    (the step ``latest`` names)."""
     if keep_last <= 0:
         return
-    steps = sorted(d for d in os.listdir(ckpt_dir) if d.startswith(STEP_PREFIX))
-    for old in steps[:-keep_last]:
+    steps = sorted(d for d in os.listdir(ckpt_dir) if d.startswith(STEP_PREFIX) and d != keep)
+    kept = keep_last - (keep is not None)
+    for old in steps[: len(steps) - kept] if kept > 0 else steps:
         shutil.rmtree(os.path.join(ckpt_dir, old), ignore_errors=True)
 
 
@@ -152,7 +158,10 @@ class CheckpointSaver:
         self.dir = os.path.expanduser(cfg.checkpoint.dir)
         self.run_id = run_id
         self.config_dict = OmegaConf.to_container(cfg, resolve=True)
-        self.pending: tuple[int, str, threading.Thread, dict] | None = None
+        # The real vocabulary (the tokenizer's when model.vocab_size is null) for exports.
+        self.config_dict["model"]["vocab_size"] = trainer.spec.vocab_size
+        # (step, tmp dir, writer thread, metadata header, writer errors) of an unpublished save
+        self.pending: tuple[int, str, threading.Thread, dict, list[str]] | None = None
         self.last_published: str | None = None
 
     def _header(self) -> dict:

@@ -33,8 +33,10 @@ class Bucket:
     param_shard: torch.Tensor | None = None  # this rank's slice (a view, or owned under zero 3)
     grad_flat: torch.Tensor | None = None  # full grads while accumulating
     grad_shard: torch.Tensor | None = None  # reduced slice (zero >= 1)
-    decay_mask: torch.Tensor | None = None  # shard: 1 where weight decay applies
-    norm_mask: torch.Tensor | None = None  # shard: 1 where the element counts in the grad norm
+    # [lo, hi) ranges of the owned part (relative to its start) where weight decay applies, and
+    # where elements count in the global grad norm: contiguous params make them few and free.
+    decay_ranges: list[tuple[int, int]] = field(default_factory=list)
+    norm_ranges: list[tuple[int, int]] = field(default_factory=list)
     pending: int = 0  # params whose grads are not yet final this step
     work: object = None
     extra: dict = field(default_factory=dict)
@@ -52,14 +54,19 @@ class Bucket:
         for (name, p), off in zip(self.params, self.offsets):
             yield name, p, flat[off : off + p.numel()].view_as(p)
 
-    def element_mask(self, keep) -> torch.Tensor:
-        """This rank's shard of a flat 0/1 mask: 1 on params where ``keep(name, p)``."""
-        mask = torch.zeros(self.numel, device=self.device)
+    def ranges(self, keep, lo: int, hi: int) -> list[tuple[int, int]]:
+        """Merged ``[start, end)`` ranges within ``[lo, hi)`` (relative to ``lo``) covering the
+        params where ``keep(name, p)``."""
+        out: list[tuple[int, int]] = []
         for (name, p), off in zip(self.params, self.offsets):
-            if keep(name, p):
-                mask[off : off + p.numel()] = 1.0
-        lo, hi = self.shard_range
-        return mask[lo:hi].clone()
+            a, b = max(off, lo), min(off + p.numel(), hi)
+            if a >= b or not keep(name, p):
+                continue
+            if out and out[-1][1] == a - lo:
+                out[-1] = (out[-1][0], b - lo)
+            else:
+                out.append((a - lo, b - lo))
+        return out
 
 
 def needs_model_parallel_sum(p: nn.Parameter, tied: bool) -> bool:

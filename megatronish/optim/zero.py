@@ -83,18 +83,10 @@ class ZeroDataParallel:
             self._new_grad_buffer(b)
         if self.stage >= 2:  # the reduced shard outlives the full buffer
             b.grad_shard = torch.zeros(hi - lo, device=b.device)
-        b.decay_mask = self._mask(b, lambda n, p: not getattr(p, "no_weight_decay", False))
-        b.norm_mask = self._mask(b, lambda n, p: counts_in_norm(n, p, self.topo))
+        b.decay_ranges = b.ranges(lambda n, p: not getattr(p, "no_weight_decay", False), lo, hi)
+        b.norm_ranges = b.ranges(lambda n, p: counts_in_norm(n, p, self.topo), lo, hi)
         for _, p in b.params:
             p.register_post_accumulate_grad_hook(self._make_hook(b))
-
-    def _mask(self, b: Bucket, keep) -> torch.Tensor:
-        full = torch.zeros(b.numel, device=b.device)
-        for (name, p), off in zip(b.params, b.offsets):
-            if keep(name, p):
-                full[off : off + p.numel()] = 1.0
-        lo, hi = self._owned(b)
-        return full[lo:hi].clone()
 
     def _new_grad_buffer(self, b: Bucket) -> None:
         b.grad_flat = torch.zeros(b.numel, device=b.device)
@@ -194,7 +186,9 @@ class ZeroDataParallel:
         """Global L2 norm: every parameter element counted exactly once across tp, pp, dp."""
         sq = torch.zeros((), device=self.topo.device)
         for b in self.buckets:
-            sq += (self.owned_grad(b).pow(2) * b.norm_mask).sum()
+            grad = self.owned_grad(b)
+            for lo, hi in b.norm_ranges:
+                sq += grad[lo:hi].square().sum()  # torch's cascade sum keeps round-off small
         group = self.topo.mp_group if self.stage == 0 else self.topo.world_group
         all_reduce(sq, group)
         return sq.sqrt()
@@ -204,7 +198,7 @@ class ZeroDataParallel:
             self.owned_grad(b).mul_(coef)
 
     def optimizer_shards(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        return [(b.param_shard, self.owned_grad(b), b.decay_mask) for b in self.buckets]
+        return [(b.param_shard, self.owned_grad(b), b.decay_ranges) for b in self.buckets]
 
     @torch.no_grad()
     def after_update(self) -> None:

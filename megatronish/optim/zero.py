@@ -92,6 +92,7 @@ class ZeroDataParallel:
         b.grad_flat = torch.zeros(b.numel, device=b.device)
         for _, p, view in b.views(b.grad_flat):
             p.main_grad = view
+            p.grad = view  # autograd accumulates in place into the bucket (no extra copy)
         if self.stage == 1:  # reduced in place into this rank's slice
             lo, hi = b.shard_range
             b.grad_shard = b.grad_flat[lo:hi]
@@ -130,8 +131,10 @@ class ZeroDataParallel:
 
     def _make_hook(self, b: Bucket):
         def hook(p: nn.Parameter) -> None:
-            p.main_grad.add_(p.grad)
-            p.grad = None
+            if p.grad.data_ptr() != p.main_grad.data_ptr():
+                # Autograd replaced the view with a new tensor holding the accumulated grad.
+                p.main_grad.copy_(p.grad)
+                p.grad = p.main_grad
             b.pending -= 1
             if b.pending == 0 and not b.late:
                 self._launch(b)
@@ -176,7 +179,7 @@ class ZeroDataParallel:
             if self.stage >= 2:  # keep only the reduced shard
                 b.grad_flat = None
                 for _, p in b.params:
-                    p.main_grad = None
+                    p.main_grad = p.grad = None
 
     def owned_grad(self, b: Bucket) -> torch.Tensor:
         return b.grad_flat if self.stage == 0 else b.grad_shard

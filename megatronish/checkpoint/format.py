@@ -140,13 +140,17 @@ class ShardReader:
                 raise CheckpointError(f"cannot open {path}: {e}") from e
         return self._files[file]
 
-    def read(self, name: str, offsets: list[list[int]] | None = None) -> torch.Tensor:
-        """The rectangle ``offsets`` (default: all) of global tensor ``name``."""
+    def read(
+        self, name: str, offsets: list[list[int]] | None = None, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The rectangle ``offsets`` (default: all) of global tensor ``name``, written into
+        ``out`` when given (any device; shaped like the rectangle)."""
         entry = self.meta.tensors.get(name)
         if entry is None:
             raise CheckpointError(f"{self.step_dir} has no tensor {name!r}")
         offsets = offsets or [[0, n] for n in entry.shape]
-        out = torch.empty([n for _, n in offsets], dtype=getattr(torch, entry.dtype))
+        if out is None:
+            out = torch.empty([n for _, n in offsets], dtype=getattr(torch, entry.dtype))
         covered = 0
         for shard in entry.shards:
             lo = [max(a, s) for (a, _), (s, _) in zip(offsets, shard.offsets)]

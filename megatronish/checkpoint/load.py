@@ -21,10 +21,9 @@ from megatronish.checkpoint.format import (
     read_metadata,
     resolve_step_dir,
 )
-from megatronish.checkpoint.pieces import param_rects, saved_name
+from megatronish.checkpoint.pieces import copy_threads, param_rects, saved_name
 from megatronish.model.spec import ModelSpec
 
-KINDS = ("model", "exp_avg", "exp_avg_sq")
 SHAPE_KEYS = ("arch", "num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
               "ffn_hidden_size")  # fmt: skip
 
@@ -95,23 +94,17 @@ def load_into(trainer, path: str, rng=None, seed: int = 0) -> Metadata:
     has_moments = any(name.startswith("exp_avg/") for name in meta.tensors)
     if not has_moments and int(meta.trainer.get("optimizer_steps", 0)) > 0:
         raise CheckpointError(f"{step_dir} has optimizer steps but no Adam moments")
-    kinds = KINDS if has_moments else KINDS[:1]  # weights-only (e.g. imported) checkpoints
     check_tensor_shapes(meta, trainer, step_dir)
-    for i, bucket in enumerate(zero.buckets):
-        flats = [torch.zeros(bucket.numel) for _ in KINDS]
-        for (name, p), offset in zip(bucket.params, bucket.offsets):
-            gname = saved_name(name, p)
-            for rect in param_rects(p, topo.coords.tp, topo.tp):
-                for kind, flat in zip(kinds, flats):
-                    local = flat[offset : offset + p.numel()].view(p.shape)
-                    rect.take(local).copy_(reader.read(f"{kind}/{gname}", rect.offsets))
-        lo, hi = zero._owned(bucket)
-        if zero.stage < 3:
-            bucket.param_flat.copy_(flats[0].to(bucket.param_flat.device))
-        else:
-            bucket.param_shard.copy_(flats[0][lo:hi].to(bucket.param_shard.device))
-        opt.exp_avg[i].copy_(flats[1][lo:hi].to(opt.exp_avg[i].device))
-        opt.exp_avg_sq[i].copy_(flats[2][lo:hi].to(opt.exp_avg_sq[i].device))
+    with copy_threads():
+        for i, bucket in enumerate(zero.buckets):
+            if zero.stage < 3:  # every rank holds the whole bucket's params
+                _fill(reader, "model", bucket, bucket.param_flat, 0, bucket.numel, topo)
+            else:
+                _fill(reader, "model", bucket, bucket.param_shard, *bucket.shard_range, topo)
+            if has_moments:
+                lo, hi = zero._owned(bucket)
+                _fill(reader, "exp_avg", bucket, opt.exp_avg[i], lo, hi, topo)
+                _fill(reader, "exp_avg_sq", bucket, opt.exp_avg_sq[i], lo, hi, topo)
     opt.step_count = int(meta.trainer.get("optimizer_steps", 0))
     trainer.state.step = meta.step
     trainer.state.consumed_samples = meta.consumed_samples
@@ -119,6 +112,26 @@ def load_into(trainer, path: str, rng=None, seed: int = 0) -> Metadata:
     if rng is not None:
         _restore_rng(rng, step_dir, meta, topo, trainer.cfg.parallel.vpp, seed)
     return meta
+
+
+def _fill(reader: ShardReader, kind: str, bucket, dest: torch.Tensor, lo: int, hi: int, topo):
+    """Read elements ``[lo, hi)`` of a bucket's flat ``kind`` into ``dest`` (``hi - lo`` long).
+
+    A parameter inside the range is read straight into its view of ``dest``; one that straddles
+    the range's edge (a ZeRO shard boundary) goes through a temporary.
+    """
+    for (name, p), offset in zip(bucket.params, bucket.offsets):
+        start, end = offset, offset + p.numel()
+        if end <= lo or start >= hi:
+            continue
+        inside = lo <= start and end <= hi
+        local = dest[start - lo : end - lo].view(p.shape) if inside else torch.empty(p.shape)
+        gname = saved_name(name, p)
+        for rect in param_rects(p, topo.coords.tp, topo.tp):
+            reader.read(f"{kind}/{gname}", rect.offsets, out=rect.take(local))
+        if not inside:
+            a, b = max(start, lo), min(end, hi)
+            dest[a - lo : b - lo].copy_(local.reshape(-1)[a - start : b - start])
 
 
 def _restore_rng(rng, step_dir: str, meta: Metadata, topo, vpp: int, seed: int) -> None:

@@ -35,7 +35,13 @@ from megatronish.checkpoint.format import (
     crc32_of,
     step_dir_name,
 )
-from megatronish.checkpoint.pieces import full_local_values, param_rects, saved_name, writes
+from megatronish.checkpoint.pieces import (
+    copy_threads,
+    full_local_values,
+    param_rects,
+    saved_name,
+    writes,
+)
 from megatronish.distributed.agree import agree
 from megatronish.distributed.comm import all_reduce
 from megatronish.tensor_parallel.sharding import global_shape
@@ -48,8 +54,16 @@ def snapshot(trainer, rng) -> tuple[dict[str, dict[str, torch.Tensor]], list[dic
     zero, topo = trainer.zero, trainer.topo
     tensors: dict[str, dict[str, torch.Tensor]] = {"model": {}, "optim": {}, "rng": {}}
     index = []
+    with copy_threads():
+        _snapshot_buckets(zero, trainer.optimizer, topo, tensors, index)
+    if rng is not None:
+        tensors["rng"] = {k: v.clone() for k, v in rng.state_dict().items()}
+    return tensors, index
+
+
+def _snapshot_buckets(zero, optimizer, topo, tensors, index) -> None:
     for i, bucket in enumerate(zero.buckets):
-        flats = full_local_values(zero, trainer.optimizer, i, bucket)
+        flats = full_local_values(zero, optimizer, i, bucket)
         for (name, p), offset in zip(bucket.params, bucket.offsets):
             if not writes(name, p, bucket, offset, topo.coords.tp):
                 continue
@@ -63,9 +77,6 @@ def snapshot(trainer, rng) -> tuple[dict[str, dict[str, torch.Tensor]], list[dic
                     index.append({"name": f"{kind}/{gname}", "key": key, "offsets": rect.offsets,
                                   "shape": list(global_shape(p, topo.tp)), "dtype": "float32",
                                   "file": "model" if kind == "model" else "optim"})  # fmt: skip
-    if rng is not None:
-        tensors["rng"] = {k: v.clone() for k, v in rng.state_dict().items()}
-    return tensors, index
 
 
 def write_rank_files(tmp_dir: str, rank: int, tensors, index) -> None:

@@ -38,10 +38,8 @@ class Norm(nn.Module):
             )  # fmt: skip
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.rms:
-            xf = x.float()
-            xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-            return xf.to(x.dtype) * self.weight
+        if self.rms:  # normalised in fp32, as in HF Llama; torch's fused kernel
+            return F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype) * self.weight
         return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
 
 
@@ -84,14 +82,13 @@ class Attention(nn.Module):
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Causal softmax(q k^T / sqrt(d)) v with attention dropout, ``[b, heads, s, d]``."""
-        if self.kv_heads != self.q_heads:
-            rep = self.q_heads // self.kv_heads
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        # Grouped-query attention inside SDPA: K and V are not copied to every query head.
+        gqa = {"enable_gqa": True} if self.kv_heads != self.q_heads else {}
         p = self.spec.attention_dropout if self.training else 0.0
         if p > 0 and self.tp.rng is not None and self.tp.size > 1:
             with self.tp.rng.fork("tp"):  # each rank drops its own heads' probabilities
-                return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+                return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, **gqa)
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, **gqa)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None):
         d = self.spec.head_dim

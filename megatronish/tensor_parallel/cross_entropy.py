@@ -9,6 +9,7 @@ tp and equals the loss of the unpadded model.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from megatronish.distributed.comm import ParallelGroup, all_reduce
 
@@ -57,4 +58,7 @@ def vocab_parallel_cross_entropy(
     logits: torch.Tensor, target: torch.Tensor, group: ParallelGroup, vocab_size: int
 ) -> torch.Tensor:
     """Per-token loss from local logits ``[..., V/tp]`` and global target ids ``[...]``."""
+    if group.size == 1:  # the whole vocabulary is here: torch's fused kernel is faster
+        flat = logits[..., :vocab_size].float().reshape(-1, vocab_size)
+        return F.cross_entropy(flat, target.reshape(-1), reduction="none").view(target.shape)
     return _VocabParallelCrossEntropy.apply(logits, target, group, vocab_size)

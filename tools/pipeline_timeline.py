@@ -3,8 +3,8 @@
 Runs a short pp job on forked gloo ranks (one thread each), records every op of the last step
 on every pipeline rank, and writes OUT.json (a Chrome trace: open it in https://ui.perfetto.dev
 or chrome://tracing) and OUT.png (a Gantt chart: warm-up, steady 1F1B, cool-down and the
-bubbles). Prints each rank's measured bubble next to the paper's (pp-1)/(vpp*m) and the ideal
-schedule simulated with the measured mean forward and backward times.
+bubbles). Prints each rank's forward, backward and send/recv time and its measured bubble next
+to the paper's (pp-1)/(vpp*m).
 
 The model is the tiny llama with 8 layers (hidden 128, vocab 4096, seq 256, micro batch 1, as in
 tools/bench/bench_pp.py) unless Hydra overrides say otherwise; tp/dp overrides add ranks

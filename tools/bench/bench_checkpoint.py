@@ -27,6 +27,7 @@ from ckpt_rounds import rounds, warm_up
 from ckpt_tables import (
     TARGET,
     async_table,
+    copies_table,
     interference_table,
     profile_table,
     summarize,
@@ -62,7 +63,7 @@ def profiles(rig, nbytes: int) -> dict:
 def run(quick: bool = False, force_profile: bool = False, base: str | None = None) -> dict:
     """The section result (see ``sections.py``)."""
     t0 = time.perf_counter()
-    repeats, baseline_steps = (3, 1) if quick else (7, 2)
+    repeats, baseline_steps = (3, 1) if quick else (5, 2)
     work = tempfile.mkdtemp(prefix="megatronish-ckpt-bench-", dir=base)
     try:
         rig = build_rig(work)
@@ -75,7 +76,7 @@ def run(quick: bool = False, force_profile: bool = False, base: str | None = Non
         params = rig.params
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    tables = [throughput_table(s), async_table(s), interference_table(s)]
+    tables = [throughput_table(s), async_table(s), interference_table(s), copies_table(s)]
     if prof is not None:
         parts = ", ".join(f"{k} {v:.2f} s" for k, v in prof["save"]["parts_s"].items())
         tables.append(profile_table(f"Where a save goes ({parts})", prof["save"]["wall_s"],
@@ -86,19 +87,23 @@ def run(quick: bool = False, force_profile: bool = False, base: str | None = Non
         f"One process ({torch.get_num_threads()} threads), model: {MODEL_TEXT} "
         f"({params / 1e6:.1f}M params; a checkpoint is {nbytes / 1e6:.0f} MB: fp32 params + 2 Adam "
         f"moments, ZeRO 0, tp=pp=dp=1). In a fresh directory on {filesystem(work)}, {repeats} "
-        "interleaved repeats (order reversed every other repeat), medians. Raw write: one file "
+        "interleaved repeats (order reversed every other repeat), medians (in brackets: the best "
+        "repeat, closest to an unloaded machine). Raw write: one file "
         "of the checkpoint's size in 16 MiB buffered writes + fsync; save: "
         "`CheckpointSaver.save(blocking=True)` (snapshot, safetensors + CRC32 + index, fsync, "
         "metadata, rename), GB/s = bytes of the step directory / seconds. Raw read: that file "
         "read into a preallocated buffer in 16 MiB `readinto`s; load: `load_into` of the step "
-        "directory into a second, freshly built trainer of the same layout; `load_file`: "
-        "safetensors' own whole-file load of the same files, for reference. Cold = the files' "
+        "directory into a second, freshly built trainer of the same layout (also at 1 intra-op "
+        "thread); reference: safetensors' `load_file` of the same files with every tensor "
+        "copied once into a preallocated buffer. Cold = the files' "
         "pages evicted with posix_fadvise(DONTNEED) after fsync (the host's cache below the VM "
         "may still serve them); warm = read once, untimed, first. Async: `save(blocking=False)` "
         "plus the `poll()` that publishes, vs the blocking save in the same repeat; then "
         "`train_step`s run back to back until the writer thread ends, compared with "
         f"{baseline_steps} normal steps of the same repeat (a step counts as during the writer "
-        "when at least half of it overlapped)."
+        "when at least half of it overlapped). Host memory: megatronish's `snapshot` vs one "
+        "`copy_` per bucket and kind into buffers allocated and touched once, at 2 and 1 "
+        "threads."
     )
     return {
         "name": NAME, "title": TITLE, "method": method, "quick": quick, "tables": tables,

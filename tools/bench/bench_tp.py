@@ -17,6 +17,7 @@ import math
 import time
 
 import dtensor_tp
+import torch
 import torch.distributed as dist
 from actmem import ADAPTATION, korthikanti_16bit, korthikanti_fp32_no_dropout, measure_forward
 from common import interleaved, machine_info, median, paired_ratio
@@ -65,7 +66,14 @@ def activation_bytes(run) -> dict[str, int]:
     return measure_forward(lambda: chunk(inputs, targets), dict(chunk.layers.items()), exclude)
 
 
-def _rank(rank: int, world: int, repeats: int, steps: int) -> dict:
+def _any_rank(flag: bool) -> bool:
+    """True on every rank when it is true on any rank."""
+    t = torch.tensor([float(flag)])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def _rank(rank: int, world: int, repeats: int, steps: int, budget_s: float) -> dict:
     """One rank of the world: build every variant, time them interleaved, measure memory."""
     runs = {
         VARIANTS[0]: build_run(["parallel.tp=2"], rank, world),
@@ -81,8 +89,9 @@ def _rank(rank: int, world: int, repeats: int, steps: int) -> dict:
         return lambda: losses[name].append(steppers[name]())
 
     times = interleaved(
-        {n: recorder(n) for n in VARIANTS}, repeats, steps, sync=lambda: dist.barrier()
-    )
+        {n: recorder(n) for n in VARIANTS}, repeats, steps, sync=lambda: dist.barrier(),
+        budget_s=budget_s, agree=_any_rank,
+    )  # fmt: skip
     memory = {name: activation_bytes(runs[name]) for name in VARIANTS[:2]}
     dist.barrier()  # ranks leave together (a rank exiting early can hang gloo shutdown)
     return {"times": times, "losses": losses, "memory": memory}
@@ -96,18 +105,17 @@ def _single_memory() -> dict[str, int]:
 def run(quick: bool = False) -> dict:
     """The section result (see ``sections.py``)."""
     t0 = time.perf_counter()
-    repeats, steps = (3, 2) if quick else (9, 2)
+    repeats, steps, budget = (3, 2, 30.0) if quick else (9, 2, 100.0)
     tp1_memory = _single_memory()
-    ranks = run_world(_rank, TP, repeats, steps, timeout=900, collective_timeout=300)
+    ranks = run_world(_rank, TP, repeats, steps, budget, timeout=900, collective_timeout=300)
     cfg = build_run().cfg
     m = cfg.model
     s, b, h, a = m.seq_length, cfg.trainer.micro_batch_size, m.hidden_size, m.num_attention_heads
     num_layers = m.num_layers
 
     # A step takes as long as its slowest rank.
-    step_times = {
-        n: [max(r["times"][n][i] for r in ranks) for i in range(repeats)] for n in VARIANTS
-    }
+    done = len(ranks[0]["times"][VARIANTS[0]])
+    step_times = {n: [max(r["times"][n][i] for r in ranks) for i in range(done)] for n in VARIANTS}
     med = {n: median(ts) for n, ts in step_times.items()}
     tokens = cfg.trainer.global_batch_size * s
     base = {"megatronish tp=2": "DTensor tp=2", "megatronish tp=2 sp": "DTensor tp=2 sp"}
@@ -155,7 +163,8 @@ def run(quick: bool = False) -> dict:
         f"`SequenceParallel` norms plus `PrepareModuleInput` all-gathers (the torchtitan plan); "
         f"their global grad norm is computed over the local shards with one all-reduce (torch's "
         f"`clip_grad_norm_` rejects the mix of DTensor and plain norm weights without sp). "
-        f"{repeats} interleaved repeats of {steps} steps after 2 warm-up steps, barrier before "
+        f"{done} interleaved repeats (up to {repeats}; no new repeat after {budget:.0f} s) of "
+        f"{steps} steps after 2 warm-up steps, barrier before "
         f"each timing; a repeat's time is the slower rank's; medians."
     )
     mem_method = (

@@ -19,12 +19,19 @@ import math
 import time
 
 import zero_memory
+import zero_optim
 from common import machine_info, median, paired_ratio
 from mish import build_run
 from sections import write_section
-from zero_notes import memory_findings, memory_method, scaling_finding, timing_finding
-from zero_peers import ddp_run, fsdp2_run, peer_setup
-from zero_tables import loss_table, memory_table, scaling_table, time_table
+from zero_notes import (
+    memory_findings,
+    memory_method,
+    optimizer_finding,
+    scaling_finding,
+    timing_finding,
+)
+from zero_peers import ddp_run, fsdp2_run, peer_setup, plain_run
+from zero_tables import loss_table, memory_table, optimizer_table, scaling_table, time_table
 from zero_worlds import World, interleaved_worlds, step_time
 
 NAME = "zero"
@@ -38,10 +45,12 @@ MEMORY_MODEL = [
     "trainer.micro_batch_size=1", "trainer.global_batch_size=2",
 ]  # fmt: skip
 MEMORY_VARIANTS = ("zero 0", "zero 1", "zero 2", "zero 3", "DDP", "FSDP2")
-Z0, Z3, DDP, FSDP2, SINGLE = (
+Z0, Z3, DDP, FSDP2, SINGLE, REF1 = (
     "megatronish zero 0", "megatronish zero 3", "DDP", "FSDP2", "megatronish 1 rank",
+    "reference 1 rank",
 )  # fmt: skip
-PEERS = {Z0: DDP, Z3: FSDP2}
+PEERS = {Z0: DDP, Z3: FSDP2, SINGLE: REF1}  # the 1-rank pair: the model without data parallelism
+BASELINE = {Z0: SINGLE, Z3: SINGLE, DDP: REF1, FSDP2: REF1}  # whose 1-rank run each scales from
 
 
 def _two_ranks(rank: int, world: int) -> dict:
@@ -54,7 +63,9 @@ def _two_ranks(rank: int, world: int) -> dict:
 
 
 def _one_rank(rank: int, world: int) -> dict:
-    return {SINGLE: build_run(GLOBAL_BATCH, rank, world).step}
+    """megatronish and the plain reference GPT alone, 2 microbatches accumulated per step."""
+    mish = build_run(GLOBAL_BATCH, rank, world)
+    return {SINGLE: mish.step, REF1: plain_run(mish.cfg, mish.spec, mish.data, GLOBAL_BATCH).step}
 
 
 def _preload() -> None:
@@ -70,19 +81,19 @@ def timing(repeats: int, steps: int) -> dict:
     single = World(1, _one_rank)
     pair = World(2, _two_ranks)
     variants = {name: (pair, steps) for name in (Z0, DDP, Z3, FSDP2)}
-    variants[SINGLE] = (single, steps)
-    measures = interleaved_worlds(variants, repeats)
+    variants[SINGLE] = variants[REF1] = (single, steps)
+    measures = interleaved_worlds(variants, repeats, warmup=1)
     losses = {**pair.close()[0]["losses"], **single.close()[0]["losses"]}
     return {"measures": measures, "losses": losses}
 
 
 def scaling(measures: dict) -> dict:
-    """Per 2-rank variant: wall-clock and CPU-time scaling efficiency vs the one-rank run, and
-    how the ranks' main threads spent a step (medians over repeats, means over ranks)."""
-    one = measures[SINGLE]
+    """Per 2-rank variant: wall-clock and CPU-time scaling efficiency vs the same implementation's
+    one-rank run, and how the ranks' main threads spent a step (medians over repeats, means over
+    ranks)."""
     out = {}
-    for name in (Z0, Z3, DDP, FSDP2):
-        reps = measures[name]
+    for name, base in BASELINE.items():
+        reps, one = measures[name], measures[base]
         wall = [step_time(s) / (2 * step_time(p)) for s, p in zip(one, reps, strict=True)]
         cpu = [
             s[0]["process_cpu"] / sum(r["process_cpu"] for r in p)
@@ -106,15 +117,20 @@ def run(quick: bool = False) -> dict:
     """The section result (see ``sections.py``)."""
     t0 = time.perf_counter()
     _preload()
-    repeats, steps = (3, 1) if quick else (11, 1)
+    repeats, steps = (3, 1) if quick else (7, 1)
     timed = timing(repeats, steps)
     mem = memory(2)
+    optim = zero_optim.measure(GLOBAL_BATCH)
     cfg, spec, _ = peer_setup(GLOBAL_BATCH)
     tokens = cfg.trainer.global_batch_size * spec.seq_length
     measures, losses = timed["measures"], timed["losses"]
     times = {n: [step_time(ranks) for ranks in reps] for n, reps in measures.items()}
     med = {n: median(ts) for n, ts in times.items()}
     ratios = {n: paired_ratio(times[n], times[p]) for n, p in PEERS.items()}
+    cpu = {
+        n: [sum(r["process_cpu"] for r in ranks) for ranks in reps] for n, reps in measures.items()
+    }
+    cpu_ratios = {n: paired_ratio(cpu[n], cpu[p]) for n, p in PEERS.items()}
     efficiency = scaling(measures)
     method = (
         f"Two forked gloo ranks, one intra-op thread each, fp32. Timing model: the tiny llama "
@@ -125,26 +141,29 @@ def run(quick: bool = False) -> dict:
         f"initial weights on the same synthetic batches. DDP (default 25 MB buckets) and FSDP2 "
         f"(`fully_shard` on every block, then the root, 1-D CPU mesh) wrap the plain reference "
         f"GPT (`reference_gpt.py`, fused q|k|v and gate|up) with `torch.optim.AdamW` and "
-        f"`clip_grad_norm_`. A one-rank world trains megatronish on the same global batch "
-        f"(2 microbatches accumulated) for the scaling efficiency = tokens/s with 2 ranks / "
-        f"(2 x tokens/s with 1), and its CPU-time analogue = process CPU seconds per step with "
+        f"`clip_grad_norm_`. A one-rank world trains megatronish and the reference GPT on the "
+        f"same global batch (2 microbatches accumulated) for the scaling efficiency = tokens/s "
+        f"with 2 ranks / (2 x tokens/s of the same implementation with 1), and its CPU-time "
+        f"analogue = process CPU seconds per step with "
         f"1 rank / the sum over the 2 ranks (all threads, `time.process_time`). Both worlds "
         f"stay alive and take turns: {repeats} interleaved repeats of {steps} step(s) per "
-        f"variant after 2 warm-up steps, barrier before each, a repeat's time is the slower "
+        f"variant after 1 warm-up step, barrier before each, a repeat's time is the slower "
         f"rank's; medians, and medians of per-repeat ratios."
     )
     notes = [
-        timing_finding(times, PEERS),
+        timing_finding(times, cpu_ratios, PEERS),
+        optimizer_finding(optim, efficiency[Z0]["main_thread"]["on_cpu"] * 1000),
         scaling_finding(efficiency, Z0, SINGLE),
         memory_method(mem),
         *memory_findings(mem),
         f"ln(vocab) = {math.log(4096):.4f}.",
     ]
     tables = [
-        time_table(med, ratios, tokens, PEERS),
+        time_table(med, ratios, cpu_ratios, tokens, PEERS),
         scaling_table(med, efficiency, tokens),
         loss_table(losses, Z0),
         memory_table(mem, zero_memory.zero_formula),
+        optimizer_table(optim),
     ]
     return {
         "name": NAME,
@@ -158,9 +177,11 @@ def run(quick: bool = False) -> dict:
             "measures": measures,
             "median_step_s": med,
             "paired_ratios": ratios,
+            "paired_cpu_ratios": cpu_ratios,
             "scaling_efficiency": efficiency,
             "losses": losses,
             "memory": mem,
+            "optimizer_ms": optim,
             "tokens_per_step": tokens,
         },
         "seconds": time.perf_counter() - t0,

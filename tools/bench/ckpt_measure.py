@@ -12,22 +12,25 @@ import shutil
 import time
 from dataclasses import dataclass, field
 
+import torch
 from mish import MishRun, build_run
 from safetensors.torch import load_file
 
 import megatronish.checkpoint.save as save_mod
 from megatronish.checkpoint.load import load_into
-from megatronish.checkpoint.save import CheckpointSaver
+from megatronish.checkpoint.pieces import full_local_values, param_rects
+from megatronish.checkpoint.save import CheckpointSaver, snapshot
 
-# ~27.8M params: 333 MB of fp32 params + 2 Adam moments. Short sequences keep a step ~0.5 s.
+# ~27.8M params: 333 MB of fp32 params + 2 Adam moments. Short sequences keep a step short
+# (~0.25 s on a quiet machine), so several steps run during one background write.
 MODEL = [
     "model.hidden_size=512", "model.num_layers=8", "model.num_attention_heads=8",
-    "model.num_query_groups=4", "model.ffn_hidden_size=1408", "model.seq_length=128",
+    "model.num_query_groups=4", "model.ffn_hidden_size=1408", "model.seq_length=64",
     "trainer.micro_batch_size=1", "trainer.global_batch_size=1",
     "checkpoint.keep_last=0",  # the bench removes old steps itself, outside the timings
 ]  # fmt: skip
 MODEL_TEXT = (
-    "llama, 8 layers, hidden 512, 8 heads, 4 kv heads, ffn 1408, vocab 4096, seq 128, batch 1"
+    "llama, 8 layers, hidden 512, 8 heads, 4 kv heads, ffn 1408, vocab 4096, seq 64, batch 1"
 )
 
 
@@ -84,13 +87,54 @@ def timed_load(rig: CkptRig, path: str) -> float:
     return time.perf_counter() - t0
 
 
-def timed_load_file(files: list[str]) -> float:
-    """Seconds of plain ``safetensors.torch.load_file`` of ``files`` (a library reference)."""
+def timed_load_file(files: list[str], dest: torch.Tensor) -> float:
+    """Seconds to ``safetensors.torch.load_file`` ``files`` and copy every tensor once into
+    ``dest`` (a preallocated uint8 buffer): the floor of a loader that reads through safetensors
+    (``load_file`` alone only maps the file; the copy is what reads it)."""
     t0 = time.perf_counter()
+    pos = 0
     for f in files:
-        if f.endswith(".safetensors"):
-            load_file(f)
+        if not f.endswith(".safetensors"):
+            continue
+        for t in load_file(f).values():
+            flat = t.reshape(-1).view(torch.uint8)
+            dest[pos : pos + flat.numel()].copy_(flat)
+            pos += flat.numel()
     return time.perf_counter() - t0
+
+
+def timed_snapshot(rig: CkptRig) -> float:
+    """Seconds of megatronish's ``snapshot`` (what ``save(blocking=False)`` stalls on)."""
+    t0 = time.perf_counter()
+    snapshot(rig.run.trainer, None)
+    return time.perf_counter() - t0
+
+
+class PersistentCopy:
+    """The proposed snapshot: one ``copy_`` per bucket and kind into host buffers allocated and
+    touched once (the same bytes as megatronish's snapshot at ZeRO 0). ``piecewise`` copies the
+    same bytes one piece (parameter or fused block) at a time, as the snapshot does, which
+    separates the cost of fresh memory from the cost per copy."""
+
+    def __init__(self, rig: CkptRig):
+        t = rig.run.trainer
+        self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.pieces: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for i, bucket in enumerate(t.zero.buckets):
+            for src in full_local_values(t.zero, t.optimizer, i, bucket):
+                dst = torch.ones_like(src, device="cpu")
+                self.pairs.append((dst, src))
+                for (_, p), offset in zip(bucket.params, bucket.offsets, strict=True):
+                    span = slice(offset, offset + p.numel())
+                    for rect in param_rects(p, t.topo.coords.tp, t.topo.tp):  # as snapshot
+                        pair = (dst[span].view(p.shape), src[span].view(p.shape))
+                        self.pieces.append((rect.take(pair[0]), rect.take(pair[1])))
+
+    def timed(self, piecewise: bool = False) -> float:
+        t0 = time.perf_counter()
+        for dst, src in self.pieces if piecewise else self.pairs:
+            dst.copy_(src)
+        return time.perf_counter() - t0
 
 
 def timed_step(rig: CkptRig) -> tuple[float, float]:

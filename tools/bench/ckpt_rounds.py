@@ -2,9 +2,11 @@
 
 Each repeat runs the write variants (raw write, blocking save, async save with training steps
 during its writer), then the read variants (raw read, ``load_into``, plain safetensors
-``load_file``), each cold (pages evicted first) and warm (files read once, untimed, first). The
-order of the variants is reversed on every other repeat. Reads use the files written in the same
-repeat; everything written is removed at the end of the repeat, outside the timings.
+``load_file``; ``load_into`` also at 1 intra-op thread), each cold (pages evicted first) and
+warm (files read once, untimed, first), then megatronish's snapshot and the proposed
+persistent-buffer copy at 2 and 1 threads. The order of the variants is reversed on every other
+repeat. Reads use the files written in the same repeat; everything written is removed at the end
+of the repeat, outside the timings.
 """
 
 from __future__ import annotations
@@ -12,11 +14,23 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
+import torch
 from ckpt_disk import dir_bytes, dir_files, evict, host_buffer, payload, raw_read, raw_write
-from ckpt_measure import CkptRig, async_round, remove, timed_load, timed_load_file, timed_save
+from ckpt_measure import (
+    CkptRig,
+    PersistentCopy,
+    async_round,
+    remove,
+    timed_load,
+    timed_load_file,
+    timed_save,
+    timed_snapshot,
+)
+from common import threads
 
 WRITES = ("raw write", "save", "async save")
-READS = ("raw read", "load", "load_file")
+READS = ("raw read", "load", "load 1 thread", "load_file")
+COPIES = ("snapshot", "piecewise copy", "persistent copy")  # each at 2 and 1 intra-op threads
 
 
 def warm_up(rig: CkptRig) -> int:
@@ -38,10 +52,12 @@ def _read_round(
 ) -> dict[str, float]:
     """Seconds of each read variant, cold and warm, in one repeat."""
     raw_files, ckpt_files = [raw_path], dir_files(ckpt)
+    dest = torch.frombuffer(buf, dtype=torch.uint8)
     ops: dict[str, tuple[list[str], Callable[[], float]]] = {
         "raw read": (raw_files, lambda: raw_read(raw_path, buf)),
         "load": (ckpt_files, lambda: timed_load(rig, ckpt)),
-        "load_file": (ckpt_files, lambda: timed_load_file(ckpt_files)),
+        "load 1 thread": (ckpt_files, lambda: _one_thread(lambda: timed_load(rig, ckpt))),
+        "load_file": (ckpt_files, lambda: timed_load_file(ckpt_files, dest)),
     }
     out: dict[str, float] = {}
     for cache in ("cold", "warm") if not flip else ("warm", "cold"):
@@ -52,9 +68,30 @@ def _read_round(
     return out
 
 
+def _one_thread(op: Callable[[], float]) -> float:
+    with threads(1):
+        return op()
+
+
+def _copy_round(rig: CkptRig, persistent: PersistentCopy, flip: bool) -> dict[str, float]:
+    """Seconds of the snapshot and of the persistent-buffer copies at 2 and 1 threads."""
+    ops = {
+        "snapshot": lambda: timed_snapshot(rig),
+        "piecewise copy": lambda: persistent.timed(piecewise=True),
+        "persistent copy": persistent.timed,
+    }
+    out: dict[str, float] = {}
+    for n in (2, 1) if not flip else (1, 2):
+        with threads(n):
+            for name in COPIES if not flip else reversed(COPIES):
+                out[f"{name} {n}t"] = ops[name]()
+    return out
+
+
 def rounds(rig: CkptRig, nbytes: int, repeats: int, baseline_steps: int) -> dict:
     """Every repeat's timings: ``{variant: [seconds per repeat]}`` plus the async details."""
     data, buf = payload(), host_buffer(nbytes + (1 << 20))
+    persistent = PersistentCopy(rig)
     raw_path = os.path.join(rig.dir, "raw.bin")
     times: dict[str, list[float]] = {}
     saved_bytes: list[int] = []
@@ -74,8 +111,11 @@ def rounds(rig: CkptRig, nbytes: int, repeats: int, baseline_steps: int) -> dict
                 asyncs.append(result)
                 seconds = result["snapshot_s"] + result["publish_s"]
             times.setdefault(name, []).append(seconds)
-        for name, seconds in _read_round(rig, raw_path, ckpt, buf, flip).items():
+        measured = _read_round(rig, raw_path, ckpt, buf, flip)
+        measured.update(_copy_round(rig, persistent, flip))
+        for name, seconds in measured.items():
             times.setdefault(name, []).append(seconds)
         remove(ckpt)
         os.remove(raw_path)
-    return {"times": times, "saved_bytes": saved_bytes, "async": asyncs}
+    copies = {"piecewise copy": len(persistent.pieces), "persistent copy": len(persistent.pairs)}
+    return {"times": times, "saved_bytes": saved_bytes, "async": asyncs, "copies": copies}

@@ -53,19 +53,33 @@ def interleaved(
     steps_per_repeat: int,
     warmup: int = 2,
     sync: Callable[[], None] | None = None,
+    *,
+    budget_s: float | None = None,
+    min_repeats: int = 3,
+    agree: Callable[[bool], bool] | None = None,
 ) -> dict[str, list[float]]:
     """Seconds per step of each variant, one entry per repeat.
 
     Every variant first runs ``warmup`` untimed steps. Then each repeat times
     ``steps_per_repeat`` consecutive steps of every variant in turn; odd repeats run the variants
     in reverse order (A B, B A, A B, ...). ``sync`` (e.g. a barrier) runs before each timing.
+
+    With ``budget_s``, no new repeat starts once the timed repeats took that long and at least
+    ``min_repeats`` ran (a loaded machine then yields fewer repeats, not a longer run). In a
+    multi-rank world ``agree`` must turn each rank's stop flag into one decision (e.g. an
+    all-reduce MAX) so that every rank runs the same steps.
     """
     for fn in steps.values():
         for _ in range(warmup):
             fn()
     names = list(steps)
     times: dict[str, list[float]] = {n: [] for n in names}
+    start = time.perf_counter()
     for r in range(repeats):
+        if budget_s is not None and r >= min_repeats:
+            stop = time.perf_counter() - start > budget_s
+            if agree(stop) if agree is not None else stop:
+                break
         for name in names if r % 2 == 0 else reversed(names):
             if sync is not None:
                 sync()

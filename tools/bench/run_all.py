@@ -31,25 +31,29 @@ BENCHMARKS = {
     "tp": "bench_tp.py",
     "pp": "bench_pp.py",
     "zero": "bench_zero.py",
+    "checkpoint": "bench_checkpoint.py",
 }
 
 
-def run_one(name: str, quick: bool) -> float:
-    """Run benchmark ``name`` in a fresh interpreter; returns its wall time in seconds."""
+def run_one(name: str, quick: bool) -> tuple[float, bool]:
+    """Run benchmark ``name`` in a fresh interpreter; returns (wall seconds, succeeded)."""
     cmd = [sys.executable, str(HERE / BENCHMARKS[name]), *(["--quick"] if quick else [])]
     print(f"== {name}: {' '.join(cmd[1:])}", flush=True)
     t0 = time.perf_counter()
-    subprocess.run(cmd, cwd=ROOT, check=True)
-    return time.perf_counter() - t0
+    ok = subprocess.run(cmd, cwd=ROOT).returncode == 0
+    if not ok:
+        print(f"== {name} FAILED (its stored section, if any, is kept)", flush=True)
+    return time.perf_counter() - t0, ok
 
 
-def assemble(ran: dict[str, float], total: float) -> dict:
+def assemble(ran: dict[str, float], failed: list[str], total: float) -> dict:
     """The contents of docs/benchmarks.json from every stored section."""
     sections = {n: s for n in BENCHMARKS if (s := read_section(n)) is not None}
     return {
         "generated": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": machine_info(),
         "ran_now": ran,
+        "failed": failed,
         "total_seconds": total,
         "sections": sections,
     }
@@ -64,14 +68,24 @@ def main() -> None:
     )  # fmt: skip
     args = parser.parse_args()
     t0 = time.perf_counter()
-    ran = {name: run_one(name, args.quick) for name in (args.only or BENCHMARKS)}
+    ran, failed = {}, []
+    for name in args.only or BENCHMARKS:  # one failure does not stop the others
+        ran[name], ok = run_one(name, args.quick)
+        if not ok:
+            failed.append(name)
     total = time.perf_counter() - t0
-    doc = assemble(ran, total)
+    doc = assemble(ran, failed, total)
     (DOCS / "benchmarks.json").write_text(json.dumps(doc, indent=2) + "\n")
     page = render(list(doc["sections"].values()), doc["machine"])
     page += f"\nThis run: {', '.join(ran)} in {total:.0f} s total.\n"
+    if failed:
+        page += (
+            f"Failed this run (sections above are from their last good run): {', '.join(failed)}.\n"
+        )
     (DOCS / "benchmarks.md").write_text(page)
     print(f"wrote docs/benchmarks.json and docs/benchmarks.md ({total:.0f} s)")
+    if failed:
+        sys.exit(f"failed: {', '.join(failed)}")
 
 
 if __name__ == "__main__":

@@ -96,7 +96,8 @@ def _rank(rank: int, world: int, variant: str, extra: list[str], steps: int) -> 
     out["rss_peak"] = _status_kib("VmHWM") * 1024
     if zero is not None:
         out["state"] = {**zero.state_bytes(), "optimizer": run.trainer.optimizer.state_bytes()}
-        out["masks"] = sum((b.decay_mask.numel() + b.norm_mask.numel()) * 4 for b in zero.buckets)
+        # Weight-decay and grad-norm selections are (start, end) ranges: two ints per range.
+        out["masks"] = sum(16 * (len(b.decay_ranges) + len(b.norm_ranges)) for b in zero.buckets)
     return out
 
 

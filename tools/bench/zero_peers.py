@@ -26,7 +26,8 @@ class DataParallelRun:
     """``step()``: this rank's batch -> forward -> backward -> clip -> AdamW; returns the loss.
 
     The returned loss is the mean over the global batch (one scalar all-reduce, as megatronish's
-    Trainer does for the loss it reports).
+    Trainer does for the loss it reports). ``micro_batch`` splits the rank's batch into
+    microbatches whose grads accumulate (for the plain model only: DDP would sync every one).
     """
 
     model: nn.Module
@@ -36,6 +37,7 @@ class DataParallelRun:
     rank: int
     world: int
     grad_clip: float = 1.0
+    micro_batch: int | None = None
     step_index: int = field(default=0)
 
     def batch(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,13 +49,19 @@ class DataParallelRun:
     def step(self) -> float:
         inputs, targets = self.batch()
         self.optimizer.zero_grad(set_to_none=True)
-        loss = self.model(inputs, targets)
-        loss.backward()
+        size = self.micro_batch or len(inputs)
+        losses = []
+        for mb_in, mb_target in zip(inputs.split(size), targets.split(size), strict=True):
+            mb_loss = self.model(mb_in, mb_target)
+            (mb_loss * (size / len(inputs))).backward()
+            losses.append(mb_loss.detach())
+        loss = torch.stack(losses).mean()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
         self.optimizer.step()
         self.step_index += 1
         mean = loss.detach().clone()
-        dist.all_reduce(mean)
+        if self.world > 1:
+            dist.all_reduce(mean)
         return mean.item() / self.world
 
 
@@ -74,12 +82,17 @@ def reference_model(spec, extra: list[str] | None = None) -> ReferenceGPT:
     return model
 
 
-def _run(model: nn.Module, cfg, data, rank: int, world: int) -> DataParallelRun:
+def _run(model: nn.Module, cfg, data, rank: int, world: int, micro=None) -> DataParallelRun:
     o = cfg.optimizer
     opt = build_adamw(model, o.lr, o.weight_decay, (o.beta1, o.beta2), o.eps)
     return DataParallelRun(
-        model, opt, data, cfg.trainer.global_batch_size, rank, world, o.grad_clip
+        model, opt, data, cfg.trainer.global_batch_size, rank, world, o.grad_clip, micro
     )
+
+
+def plain_run(cfg, spec, data, extra=None) -> DataParallelRun:
+    """The reference GPT alone (a world of one), accumulating microbatches like the Trainer."""
+    return _run(reference_model(spec, extra), cfg, data, 0, 1, cfg.trainer.micro_batch_size)
 
 
 def ddp_run(cfg, spec, data, rank: int, world: int, extra=None) -> DataParallelRun:

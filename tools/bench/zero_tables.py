@@ -10,9 +10,14 @@ MIB = 2**20
 
 
 def time_table(
-    med: dict[str, float], ratios: dict[str, float], tokens: int, peers: dict[str, str]
+    med: dict[str, float],
+    ratios: dict[str, float],
+    cpu_ratios: dict[str, float],
+    tokens: int,
+    peers: dict[str, str],
 ) -> dict:
-    """Median step time and tokens/s of every 2-rank variant, megatronish / peer ratios."""
+    """Median step time and tokens/s of every variant, megatronish / peer ratios (wall clock
+    and CPU time)."""
     rows = []
     for name, step in med.items():
         if name not in peers and name not in peers.values():
@@ -22,10 +27,19 @@ def time_table(
             name, f"{step * 1000:.0f}", f"{tokens / step:,.0f}",
             f"{step / med[peer]:.2f}x vs {peer}" if peer else "",
             f"{ratios[name]:.2f}x" if peer else "",
+            f"{cpu_ratios[name]:.2f}x" if peer else "",
         ])  # fmt: skip
     return table(
-        "Step time, 2 ranks (median over repeats; target: megatronish <= 1.00x its peer)",
-        ["variant", "step ms", "tokens/s", "step time / peer's", "median of per-repeat ratios"],
+        "Step time (median over repeats; target: megatronish <= 1.00x its peer). The 1-rank "
+        "pair is the model and trainer without data parallelism",
+        [
+            "variant",
+            "step ms",
+            "tokens/s",
+            "step time / peer's",
+            "median of per-repeat ratios",
+            "CPU time / peer's (all ranks and threads, median of per-repeat ratios)",
+        ],  # fmt: skip
         rows,
     )
 
@@ -46,7 +60,8 @@ def scaling_table(med: dict[str, float], scaling: dict[str, dict], tokens: int) 
     rows.sort(key=lambda r: r[1])
     return table(
         "Data-parallel scaling at the same global batch: 1 rank vs 2 ranks (efficiencies are "
-        "medians of per-repeat ratios to megatronish's 1-rank run)",
+        "medians of per-repeat ratios to the same implementation's 1-rank run: megatronish's "
+        "for zero 0/3, the reference GPT's for DDP/FSDP2)",
         ["variant", "ranks", "step ms", "tokens/s", "wall-clock efficiency",
          "CPU-time efficiency", "CPU ms per step per rank (all threads)",
          "main thread ms per step: on CPU / waiting for a CPU / blocked"],
@@ -98,3 +113,12 @@ def memory_table(mem: dict[str, list[dict]], formula: Callable[[int, int, int], 
          "masks (extra)", "RSS after build, above start", "peak RSS in steps, above start"],
         rows,
     )  # fmt: skip
+
+
+def optimizer_table(optim: dict[str, float]) -> dict:
+    """Thread-CPU milliseconds of the optimizer-side candidates (``zero_optim.py``)."""
+    return table(
+        "Optimizer-side work of one step, tiny model, zero 0, one thread (thread CPU ms, median)",
+        ["operation", "ms"],
+        [[name, f"{ms:.1f}"] for name, ms in optim.items()],
+    )

@@ -13,7 +13,6 @@ Run alone: ``.venv/bin/python tools/bench/bench_pp.py [--quick]``.
 
 from __future__ import annotations
 
-import argparse
 import math
 import time
 
@@ -23,7 +22,7 @@ import torch.nn.functional as F
 from common import interleaved, machine_info, median, paired_ratio
 from mish import batch, bench_config, build_run, full_weights
 from reference_gpt import RefConfig, ReferenceGPT, build_adamw
-from sections import table, write_section
+from sections import bench_cli, table
 from torch import nn
 from weight_map import load_megatronish_weights
 
@@ -255,14 +254,7 @@ def run(quick: bool = False) -> dict:
 
 
 def main() -> None:
-    from report import render_section
-
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer repeats (a smoke run)")
-    args = parser.parse_args()
-    section = run(args.quick)
-    print(render_section(section))
-    print(f"wrote {write_section(section)}")
+    bench_cli(run, __doc__.splitlines()[0])
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ Run alone: ``.venv/bin/python tools/bench/bench_single.py [--quick]``.
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import time
@@ -19,7 +18,7 @@ from common import interleaved, machine_info, median, paired_ratio, threads
 from mish import build_run, full_weights
 from reference_gpt import RefConfig, ReferenceGPT
 from reference_run import make_reference_run
-from sections import table, write_section
+from sections import bench_cli, table
 from weight_map import load_megatronish_weights
 
 from megatronish.metrics import flops_per_token, measure_matmul_peak
@@ -161,14 +160,7 @@ def run(quick: bool = False) -> dict:
 
 
 def main() -> None:
-    from report import render_section
-
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer repeats (a smoke run)")
-    args = parser.parse_args()
-    section = run(args.quick)
-    print(render_section(section))
-    print(f"wrote {write_section(section)}")
+    bench_cli(run, __doc__.splitlines()[0])
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ Run alone: ``.venv/bin/python tools/bench/bench_tp.py [--quick]``.
 
 from __future__ import annotations
 
-import argparse
 import math
 import time
 
@@ -24,7 +23,7 @@ from common import interleaved, machine_info, median, paired_ratio
 from mish import batch, build_run, full_weights
 from reference_gpt import RefConfig, ReferenceGPT
 from reference_run import make_reference_run
-from sections import table, write_section
+from sections import bench_cli, table
 from weight_map import load_megatronish_weights
 
 from megatronish.testing.multiproc import run_world
@@ -230,14 +229,7 @@ def run(quick: bool = False) -> dict:
 
 
 def main() -> None:
-    from report import render_section
-
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer repeats (a smoke run)")
-    args = parser.parse_args()
-    section = run(args.quick)
-    print(render_section(section))
-    print(f"wrote {write_section(section)}")
+    bench_cli(run, __doc__.splitlines()[0])
 
 
 if __name__ == "__main__":

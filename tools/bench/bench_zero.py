@@ -14,7 +14,6 @@ Run alone: ``.venv/bin/python tools/bench/bench_zero.py [--quick]``.
 
 from __future__ import annotations
 
-import argparse
 import math
 import time
 
@@ -22,7 +21,7 @@ import zero_memory
 import zero_optim
 from common import machine_info, median, paired_ratio
 from mish import build_run
-from sections import write_section
+from sections import bench_cli
 from zero_notes import (
     memory_findings,
     memory_method,
@@ -190,14 +189,7 @@ def run(quick: bool = False) -> dict:
 
 
 def main() -> None:
-    from report import render_section
-
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer repeats (a smoke run)")
-    args = parser.parse_args()
-    section = run(args.quick)
-    print(render_section(section))
-    print(f"wrote {write_section(section)}")
+    bench_cli(run, __doc__.splitlines()[0])
 
 
 if __name__ == "__main__":

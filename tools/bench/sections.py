@@ -39,3 +39,17 @@ def read_section(name: str) -> dict | None:
 def table(caption: str, columns: list[str], rows: list[list[object]]) -> dict:
     """A table of a section (cells are formatted with ``str``)."""
     return {"caption": caption, "columns": columns, "rows": [[str(c) for c in r] for r in rows]}
+
+
+def bench_cli(run, description: str) -> None:
+    """The command line of a benchmark script: ``[--quick]``, run it, print and store it."""
+    import argparse
+
+    from report import render_section
+
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--quick", action="store_true", help="fewer repeats (a smoke run)")
+    args = parser.parse_args()
+    section = run(args.quick)
+    print(render_section(section))
+    print(f"wrote {write_section(section)}")

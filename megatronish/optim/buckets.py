@@ -69,6 +69,9 @@ class Bucket:
         return out
 
 
+FIRST_BUCKET_BYTES = 1 << 20
+
+
 def needs_model_parallel_sum(p: nn.Parameter, tied: bool) -> bool:
     """Grads summed over tp (sequence-parallel params) or the embedding group (tied copies)."""
     return bool(getattr(p, "sequence_parallel", False)) or tied
@@ -87,7 +90,9 @@ def plan_buckets(
     sizes = {False: 0, True: 0}
     for name, p in reversed(named_params):
         late = needs_model_parallel_sum(p, is_tied(name, p))
-        if groups[late][-1] and sizes[late] + p.numel() * 4 > bucket_bytes:
+        # The first bucket is small (as DDP's) so its reduction starts early in backward.
+        limit = min(bucket_bytes, FIRST_BUCKET_BYTES) if len(groups[late]) == 1 else bucket_bytes
+        if groups[late][-1] and sizes[late] + p.numel() * 4 > limit:
             groups[late].append([])
             sizes[late] = 0
         groups[late][-1].append((name, p))

@@ -8,12 +8,9 @@ import torch
 from torch import nn
 
 from megatronish.config.compose import load_config
-from megatronish.config.derived import derive
-from megatronish.config.validate import check_config
 from megatronish.distributed.topology import Topology
-from megatronish.job import build_model
 from megatronish.model.spec import ModelSpec
-from megatronish.tensor_parallel.random import RNGTracker
+from megatronish.testing.runs import build_trainer
 from megatronish.testing.synthetic import PatternTokens
 from megatronish.trainer import Trainer
 
@@ -57,22 +54,12 @@ def bench_config(extra: list[str] | None = None):
 
 
 def build_run(extra: list[str] | None = None, rank: int = 0, world: int = 1) -> MishRun:
-    """Config -> topology -> model -> Trainer, as ``megatronish.job`` does, without data files.
+    """A Trainer on the benchmark config (``megatronish.testing.runs.build_trainer``).
 
     Collective when ``world > 1`` (torch.distributed must be initialised).
     """
-    cfg = bench_config(extra)
-    check_config(cfg, world)
-    d = derive(cfg, world)
-    p = cfg.parallel
-    topo = Topology.build(tp=p.tp, dp=d.dp, pp=p.pp, rank=rank)
-    spec = ModelSpec.from_config(cfg.model, cfg.model.vocab_size)
-    rng = RNGTracker(topo.device)
-    rng.seed(cfg.trainer.seed, tp_rank=topo.coords.tp, pp_rank=topo.coords.pp)
-    chunks = build_model(cfg, topo, d, spec, rng)
-    data = PatternTokens(spec.vocab_size, spec.seq_length, seed=cfg.trainer.seed)
-    trainer = Trainer(cfg, topo, spec, d, chunks, data)
-    return MishRun(cfg, topo, spec, chunks, trainer, data)
+    t = build_trainer(rank, world, list(extra or []), 1_000_000, model=BENCH_OVERRIDES)
+    return MishRun(t.cfg, t.topo, t.spec, t.chunks, t, t.train_data)
 
 
 def full_weights(extra: list[str] | None = None) -> dict[str, torch.Tensor]:
@@ -81,13 +68,7 @@ def full_weights(extra: list[str] | None = None) -> dict[str, torch.Tensor]:
     megatronish initialises every layout to the same global weights, so the one-process model
     gives them without any collective.
     """
-    cfg = bench_config([*(extra or []), "parallel.tp=1", "parallel.sp=false"])
-    d = derive(cfg, 1)
-    topo = Topology.single()
-    spec = ModelSpec.from_config(cfg.model, cfg.model.vocab_size)
-    rng = RNGTracker(topo.device)
-    rng.seed(cfg.trainer.seed, tp_rank=0, pp_rank=0)
-    (chunk,) = build_model(cfg, topo, d, spec, rng)
+    (chunk,) = build_run([*(extra or []), "parallel.tp=1", "parallel.sp=false"]).chunks
     return {n: p.detach().clone() for n, p in chunk.named_parameters()}
 
 

@@ -9,7 +9,7 @@ import torch
 
 from megatronish.config.derived import Derived, derive
 from megatronish.config.validate import ConfigError, config_errors
-from megatronish.distributed.agree import agree
+from megatronish.distributed.agree import PeerError, agree
 from megatronish.distributed.launch import LaunchEnv, init_process_group, pick_device
 from megatronish.distributed.rank_math import rank_map_table
 from megatronish.distributed.topology import Topology
@@ -47,16 +47,34 @@ def build_data(cfg, topo: Topology, launch: LaunchEnv):
     """Datasets and tokenizer; local rank 0 builds caches first, failures stop every rank."""
     from megatronish.data.build import build_datasets
 
-    error, result = None, None
-    if launch.local_rank == 0:
-        try:
-            result = build_datasets(cfg.data, cfg.model.seq_length, cfg.trainer.seed)
-        except (OSError, ValueError) as e:
-            error = f"{type(e).__name__}: {e}"
-    agree(error, topo.world_group)
-    if result is None:
-        result = build_datasets(cfg.data, cfg.model.seq_length, cfg.trainer.seed)
+    result = None
+    for first in (True, False):  # local rank 0 (caches), then the rest: both rounds agree
+        error = None
+        if (launch.local_rank == 0) == first:
+            try:
+                result = build_datasets(cfg.data, cfg.model.seq_length, cfg.trainer.seed)
+            except (OSError, ValueError) as e:
+                error = f"{type(e).__name__}: {e}"
+        agree(error, topo.world_group)
     return result
+
+
+def check_memory_fits(cfg, launch: LaunchEnv, topo: Topology, vocab: int) -> None:
+    """Stop every rank, before the model is allocated, when the planner says a rank's peak
+    exceeds its device memory (GPU memory, or this host's available RAM shared by its ranks)."""
+    from megatronish.plan.devices import local_device_memory
+    from megatronish.plan.fit_check import LayoutDoesNotFit, memory_fit_error
+
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", launch.world_size))
+    budget, runtime = local_device_memory(str(topo.device), local)
+    where = str(topo.device) if topo.device.type == "cuda" else f"available RAM / {local} rank(s)"
+    error = None
+    if budget is not None:  # unknown on hosts without /proc/meminfo: nothing to check against
+        error = memory_fit_error(cfg, launch.world_size, vocab, budget, runtime, where)
+    try:
+        agree(error, topo.world_group)
+    except PeerError as e:
+        raise LayoutDoesNotFit(error or str(e)) from None
 
 
 def build_model(cfg, topo: Topology, derived: Derived, spec: ModelSpec, rng: RNGTracker):
@@ -86,7 +104,8 @@ def build_job(cfg, launch: LaunchEnv) -> Job:
     device = pick_device(cfg.trainer.device, launch.local_rank)
     init_process_group(launch, device, cfg.parallel.collective_timeout_s)
     p = cfg.parallel
-    topo = Topology.build(tp=p.tp, dp=derived.dp, pp=p.pp, rank=launch.rank, device=device)
+    topo = Topology.build(tp=p.tp, dp=derived.dp, pp=p.pp, rank=launch.rank, device=device,
+                          timeout_s=p.collective_timeout_s)  # fmt: skip
     if topo.rank == 0:
         print(rank_map_table(topo.tp, topo.dp, topo.pp), flush=True)
 
@@ -94,6 +113,8 @@ def build_job(cfg, launch: LaunchEnv) -> Job:
     errors = config_errors(cfg, launch.world_size, vocab_size=tokenizer.vocab_size)
     agree("; ".join(errors) if errors else None, topo.world_group)
     spec = ModelSpec.from_config(cfg.model, tokenizer.vocab_size)
+    if cfg.trainer.check_memory:
+        check_memory_fits(cfg, launch, topo, tokenizer.vocab_size)
 
     rng = RNGTracker(device)
     rng.seed(cfg.trainer.seed, tp_rank=topo.coords.tp, pp_rank=topo.coords.pp)

@@ -1,6 +1,7 @@
 """Console progress and wandb, from the rank that holds the loss.
 
-Console lines are plain text (one line per log interval, flushed), readable in a SLURM log file.
+Console lines are plain text (one line per log interval, flushed), readable in a SLURM log file;
+a second line breaks the step time down by timer (``docs/performance.md``).
 wandb runs online when ``WANDB_API_KEY`` is set, offline otherwise, and can be disabled with
 ``logging.wandb=false`` or ``WANDB_MODE=disabled`` (the test suite does this).
 """
@@ -34,6 +35,22 @@ def format_step(m: dict[str, Any], max_steps: int) -> str:
     if m.get("skipped_steps"):
         parts.append(f"skipped {m['skipped_steps']}")
     return " | ".join(parts)
+
+
+def _ms(x: float) -> str:
+    return f"{x:.1f}" if x >= 10 else f"{x:.2f}"
+
+
+def format_timers(m: dict[str, Any]) -> str | None:
+    """The step-time breakdown line: ``name max/min`` ms per step over ranks, non-zero timers."""
+    parts = []
+    for key, hi in m.items():
+        if key.startswith("time/") and key.endswith("_max_ms") and hi > 0:
+            name = key[len("time/") : -len("_max_ms")]
+            parts.append(f"{name} {_ms(hi)}/{_ms(m[f'time/{name}_min_ms'])}")
+    if not parts:
+        return None
+    return "  ms/step max/min over ranks: " + " | ".join(parts)
 
 
 class ProgressLogger:
@@ -80,8 +97,12 @@ class ProgressLogger:
         if not self.enabled:
             return
         print(format_step(metrics, self.max_steps), flush=True)
+        timers = format_timers(metrics)
+        if timers:
+            print(timers, flush=True)
         if self.wandb_run is not None:
-            self.wandb_run.log({f"train/{k}": v for k, v in metrics.items()}, step=metrics["step"])
+            logged = {k if "/" in k else f"train/{k}": v for k, v in metrics.items()}
+            self.wandb_run.log(logged, step=metrics["step"])
 
     def log_eval(self, step: int, loss: float) -> None:
         if not self.enabled:

@@ -5,28 +5,42 @@ compose the config (Hydra) -> validate -> start process groups -> build -> train
 ``--cfg job`` prints the composed config; ``trainer.dry_run=true`` prints the resolved config
 and derived values, then exits.
 
-Exit codes: 0 done, 2 invalid config, 3 bad data or a failure reported by another rank.
+Exit codes: 0 done, 2 invalid config, 3 bad data or a failure reported by another rank,
+4 stopped early by a signal or ``trainer.exit_after_minutes`` with a checkpoint saved (the next
+launch resumes from it; see docs/operations.md), 5 ``trainer.max_skipped_steps`` steps in a row
+had a non-finite loss or grad norm (nothing saved since the fault), 6 a collective failed or
+timed out (a peer rank died or hangs; the message names the group and op).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
 import hydra
 import torch.distributed as dist
+from hydra.errors import HydraException
 from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from megatronish.checkpoint.format import CheckpointError
+from megatronish.config.cli_errors import composition_error_reason
 from megatronish.config.compose import CONFIG_DIR
 from megatronish.config.derived import derive, pad_vocab
 from megatronish.config.schema import register_configs
 from megatronish.config.validate import ConfigError, config_errors
 from megatronish.distributed.agree import PeerError
+from megatronish.distributed.comm import CollectiveError
 from megatronish.distributed.launch import detect_launch
+from megatronish.numerics import TooManySkippedSteps
+from megatronish.stop import StopRequest
 
 EXIT_CONFIG = 2
 EXIT_DATA = 3
+EXIT_STOPPED = 4
+EXIT_NONFINITE = 5
+EXIT_COMM = 6
 
 
 def tokenizer_vocab_size(data_cfg) -> int:
@@ -64,11 +78,14 @@ def dry_run_report(cfg, world_size: int) -> str:
     return "\n".join(lines)
 
 
-def run(cfg):
-    """Train with a composed config; returns the trainer's step results on this rank."""
-    from megatronish.checkpoint.format import read_metadata, resolve_step_dir
-    from megatronish.checkpoint.load import find_resume_path, load_into
-    from megatronish.checkpoint.save import CheckpointSaver, clean_stale
+def run(cfg, stop: StopRequest | None = None):
+    """Train with a composed config; returns the trainer's step results on this rank.
+
+    ``stop``'s signal handlers are installed for training and the final save only: a signal
+    during start-up keeps its default action (there is nothing to save yet).
+    """
+    from megatronish.checkpoint.resume import load_with_fallback, plan_resume, saved_run_id
+    from megatronish.checkpoint.save import CheckpointSaver
     from megatronish.job import build_job
     from megatronish.metrics import device_peak_flops
     from megatronish.progress import ProgressLogger
@@ -81,10 +98,12 @@ def run(cfg):
         os.makedirs(cfg.out_dir, exist_ok=True)
         OmegaConf.save(cfg, os.path.join(cfg.out_dir, "config.yaml"), resolve=True)
     ckpt = cfg.checkpoint
-    resume = find_resume_path(ckpt.resume, ckpt.dir)
-    run_id = f"{cfg.name}-{launch.run_id or 'local'}"
-    if resume:
-        run_id = read_metadata(resolve_step_dir(resume)).trainer.get("run_id") or run_id
+    plan = plan_resume(ckpt, topo.world_group)  # tidies up after an interrupted save
+    for name in plan.restored:
+        print(f"restored {name}, moved aside by an interrupted save", flush=True)
+    for name in plan.removed:
+        print(f"removed {name}, left by an interrupted save", flush=True)
+    run_id = saved_run_id(plan) or f"{cfg.name}-{launch.run_id or 'local'}"
     loss_rank = topo.is_last_stage and topo.coords.tp == 0 and topo.coords.dp == 0
     logger = ProgressLogger(cfg, enabled=loss_rank, run_dir=cfg.out_dir, run_id=run_id)
     peak = device_peak_flops(topo.device, cfg.trainer.precision, cfg.trainer.peak_tflops)
@@ -93,24 +112,30 @@ def run(cfg):
         logger=logger, peak_flops=peak,
     )  # fmt: skip
     if ckpt.dir:
-        if topo.rank == 0:
-            for stale in clean_stale(ckpt.dir):
-                logger.info(f"removed {stale}, left by an interrupted save")
         trainer.saver = CheckpointSaver(cfg, trainer, job.rng, run_id)
-    if resume:
-        meta = load_into(trainer, resume, job.rng, cfg.trainer.seed)
-        logger.info(f"resumed from {resume} at step {meta.step} (saved with {meta.layout})")
+    load_with_fallback(trainer, plan, job.rng, cfg.trainer.seed, log=logger.info)
     logger.info(
         f"training {job.spec.arch} ({sum(p.numel() for c in job.chunks for p in c.parameters()):,}"
         f" params on this rank) for {cfg.trainer.max_steps} steps, "
         f"{job.derived.tokens_per_step:,} tokens/step, device {topo.device}"
     )
-    history = trainer.fit()
-    if trainer.saver is not None:
-        trainer.saver.wait()
-        done = trainer.saver.last_published or ""
-        if ckpt.save_final and not done.endswith(f"{trainer.state.step:07d}") and history:
-            logger.info(f"saved checkpoint {trainer.saver.save(blocking=True)}")
+    trainer.stop = stop
+    with stop or contextlib.nullcontext():
+        try:
+            history = trainer.fit()
+        except TooManySkippedSteps:
+            if trainer.saver is not None:
+                trainer.saver.wait()  # a save started before the fault (every rank stops here)
+            raise
+        if trainer.saver is not None:
+            trainer.saver.wait()
+            done = trainer.saver.last_published or ""
+            final = ckpt.save_final and not done.endswith(f"{trainer.state.step:07d}") and history
+            if final and trainer.state.skipped_in_a_row:  # the state may be poisoned
+                logger.info(f"not saving step {trainer.state.step}: the last "
+                            f"{trainer.state.skipped_in_a_row} step(s) were skipped")  # fmt: skip
+            elif final:
+                logger.info(f"saved checkpoint {trainer.saver.save(blocking=True)}")
     logger.close()
     return history
 
@@ -130,7 +155,7 @@ def main_with_config(cfg) -> int:
         )
     if errors:
         if launch.rank == 0:
-            print(str(ConfigError(errors)), file=sys.stderr, flush=True)
+            print(f"{prefix}{ConfigError(errors)}", file=sys.stderr, flush=True)
         else:
             print(f"{prefix}invalid config: {errors[0]}", file=sys.stderr, flush=True)
         return EXIT_CONFIG
@@ -139,16 +164,27 @@ def main_with_config(cfg) -> int:
             print(dry_run_report(cfg, world), flush=True)
         return 0
     try:
-        run(cfg)
+        stop = StopRequest.from_config(cfg.trainer)  # the exit_after_minutes clock starts here
+        run(cfg, stop)
     except ConfigError as e:
         print(f"{prefix}{e}", file=sys.stderr, flush=True)
         return EXIT_CONFIG
     except (PeerError, FileNotFoundError, CheckpointError) as e:
         print(f"{prefix}error: {e}", file=sys.stderr, flush=True)
         return EXIT_DATA
+    except TooManySkippedSteps as e:
+        print(f"{prefix}error: {e}", file=sys.stderr, flush=True)
+        return EXIT_NONFINITE
+    except CollectiveError as e:
+        print(f"{prefix}error: {e}", file=sys.stderr, flush=True)
+        return EXIT_COMM
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    if stop.reason is not None:
+        if launch.rank == 0:
+            print(f"stopped early ({stop.reason}), exit code {EXIT_STOPPED}", flush=True)
+        return EXIT_STOPPED
     return 0
 
 
@@ -160,9 +196,34 @@ def _hydra_main(cfg) -> None:
         sys.exit(code)
 
 
+def _raised_inside(error: BaseException, fn) -> bool:
+    """Whether ``fn`` is on ``error``'s traceback (a failure of the run, not of composing)."""
+    tb = error.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code is fn.__code__:
+            return True
+        tb = tb.tb_next
+    return False
+
+
 def main() -> None:
+    """Compose with Hydra and run; a composition error is one line on stderr and exit 2."""
     register_configs()
-    _hydra_main()
+    show_traceback = os.environ.get("HYDRA_FULL_ERROR") == "1"
+    os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises its errors here instead of printing
+    try:
+        _hydra_main()
+    except (HydraException, OmegaConfBaseException) as e:
+        if show_traceback or _raised_inside(e, main_with_config):
+            raise
+        launch = detect_launch()
+        prefix = f"[rank {launch.rank}] " if launch.world_size > 1 else ""
+        reason = composition_error_reason(e)
+        print(f"{prefix}invalid config: {reason}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_CONFIG)
+    finally:
+        if not show_traceback:
+            os.environ.pop("HYDRA_FULL_ERROR", None)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import time
 from dataclasses import dataclass, field
@@ -15,6 +16,7 @@ from megatronish.distributed.comm import all_reduce
 from megatronish.distributed.topology import Topology
 from megatronish.metrics import flops_per_token, peak_memory_bytes
 from megatronish.model.spec import ModelSpec
+from megatronish.numerics import TooManySkippedSteps, skip_limit_message
 from megatronish.optim.lr_schedule import schedule_from_config
 from megatronish.optim.sharded_adamw import ShardedAdamW
 from megatronish.optim.zero import ZeroDataParallel
@@ -25,7 +27,9 @@ from megatronish.pipeline.engine import (
     forward_only_pipeline,
 )
 from megatronish.pipeline.no_pipeline import forward_backward_no_pipeline
+from megatronish.profiling import StepProfiler
 from megatronish.progress import ProgressLogger
+from megatronish.timers import Timers, device_sync, max_min_over_ranks, timer_metrics
 
 
 @dataclass
@@ -44,6 +48,7 @@ class TrainState:
     step: int = 0
     consumed_samples: int = 0
     skipped_steps: int = 0
+    skipped_in_a_row: int = 0  # 0 at every save: steps in a skip streak are never saved
     history: list[StepResult] = field(default_factory=list)
 
 
@@ -70,9 +75,13 @@ class Trainer:
         self.logger = logger or ProgressLogger(cfg, enabled=False, run_dir=".")
         self.peak_flops = peak_flops
         p, o = cfg.parallel, cfg.optimizer
+        self.timers = Timers(cfg.logging.timers, device_sync(topo.device))
+        prof = cfg.trainer.profile
+        self.profiler = StepProfiler(prof.steps, prof.dir, topo.rank, topo.device, self.timers)
         self.zero = ZeroDataParallel(
-            chunks, topo, p.zero_stage, p.bucket_size_mb, keep_gathered=p.zero3_keep_gathered
-        )
+            chunks, topo, p.zero_stage, p.bucket_size_mb, keep_gathered=p.zero3_keep_gathered,
+            timers=self.timers,
+        )  # fmt: skip
         self.optimizer = ShardedAdamW(
             [shard.numel() for shard, _, _ in self.zero.optimizer_shards()], topo.device,
             betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
@@ -82,6 +91,7 @@ class Trainer:
         self.forward_backward = forward_backward or self._default_forward_backward()
         self.state = TrainState()
         self.saver = None  # a CheckpointSaver: periodic and asynchronous saves from fit()
+        self.stop = None  # a StopRequest (megatronish/stop.py), asked at every step boundary
         self.holds_loss = topo.is_last_stage
         self.flops_per_step = flops_per_token(spec) * derived.tokens_per_step
 
@@ -93,12 +103,12 @@ class Trainer:
 
     def _default_forward_backward(self):
         if self.topo.pp == 1:
-            return forward_backward_no_pipeline
+            return functools.partial(forward_backward_no_pipeline, timers=self.timers)
 
         def run(chunks, microbatches, **kw):
             return forward_backward_pipeline(
                 chunks, microbatches, topo=self.topo, vpp=self.cfg.parallel.vpp,
-                shape=self.pipeline_shape(), timeline=self.timeline, **kw,
+                shape=self.pipeline_shape(), timeline=self.timeline, timers=self.timers, **kw,
             )  # fmt: skip
 
         return run
@@ -127,28 +137,49 @@ class Trainer:
         step = self.state.step
         for c in self.chunks:
             c.train()
-        batches = self.microbatches(self.train_data, self.state.consumed_samples)
+        with self.timers.region("data", "data"):
+            batches = self.microbatches(self.train_data, self.state.consumed_samples)
         self.zero.start_step(len(batches))
         losses = self.forward_backward(
             self.chunks, batches, loss_scale=1.0 / len(batches), autocast=self.autocast,
             param_hooks=self.zero,
         )  # fmt: skip
         self.zero.finish_reduction()
+        self.timers.start("optimizer", "optimizer")  # grad norm, clipping and the update
         loss = self._mean_loss(losses)
-        norm = self.zero.grad_norm().item()
+        # A non-finite loss (seen only where the loss lives) makes the global norm nan everywhere.
+        bad_loss = self.holds_loss and bool(losses) and not math.isfinite(loss)
+        norm = self.zero.grad_norm(local_fault=bad_loss).item()
         lr = self.lr_at(step)
-        skipped = not math.isfinite(norm)
+        skipped = not math.isfinite(norm)  # the same on every rank: the norm is global
         if skipped:  # the optimizer state is left untouched
             self.state.skipped_steps += 1
+            self.state.skipped_in_a_row += 1
         else:
+            self.state.skipped_in_a_row = 0
             max_norm = self.cfg.optimizer.grad_clip
             if max_norm > 0 and norm > max_norm:
                 self.zero.scale_grads(max_norm / (norm + 1e-6))
             self.optimizer.step(self.zero.optimizer_shards(), lr)
+        self.timers.stop("optimizer")
         self.zero.after_update()
         self.state.step += 1
         self.state.consumed_samples += self.cfg.trainer.global_batch_size
+        if skipped:
+            self._after_skipped_step(step + 1, loss, norm)
         return StepResult(step=step + 1, loss=loss, grad_norm=norm, lr=lr, skipped=skipped)
+
+    def _after_skipped_step(self, step: int, loss: float, norm: float) -> None:
+        """Log a skipped step; raise :class:`TooManySkippedSteps` at the consecutive limit."""
+        limit, in_a_row = self.cfg.trainer.max_skipped_steps, self.state.skipped_in_a_row
+        stop_after = f"the run stops after {limit}" if limit else "no limit"
+        self.logger.info(
+            f"step {step} skipped: loss {loss}, grad norm {norm}; optimizer state unchanged "
+            f"({in_a_row} in a row, {stop_after}; {self.state.skipped_steps} skipped in total)"
+        )
+        if limit and in_a_row >= limit:
+            held = loss if self.holds_loss else None
+            raise TooManySkippedSteps(skip_limit_message(step, limit, norm, held))
 
     def _mean_loss(self, losses: list[torch.Tensor]) -> float:
         """Mean loss of the global batch on last-stage ranks (nan elsewhere)."""
@@ -187,8 +218,12 @@ class Trainer:
         """Train until ``trainer.max_steps``; returns the results of the steps run here."""
         t, log_every = self.cfg.trainer, self.cfg.logging.log_interval
         window_start, window_steps = time.perf_counter(), 0
+        self.timers.reset()
         while self.state.step < t.max_steps:
+            self.profiler.before_step(self.state.step + 1)
             result = self.train_step()
+            self.timers.end_step()
+            self._profiled(self.profiler.after_step(result.step))
             self.state.history.append(result)
             window_steps += 1
             step = result.step
@@ -197,23 +232,63 @@ class Trainer:
                 self._log(result, elapsed / window_steps)
                 window_start, window_steps = time.perf_counter(), 0
             if t.eval_interval and (step % t.eval_interval == 0 or step == t.max_steps):
-                self.logger.log_eval(step, self.evaluate())
+                with self.timers.paused():
+                    self.logger.log_eval(step, self.evaluate())
                 window_start = time.perf_counter()
             if self.saver is not None:
                 self._checkpoint(step)
+            if self.stop is not None and step < t.max_steps and self._stop_agreed(step):
+                break
+        self._profiled(self.profiler.finish())
         return self.state.history
 
+    def _stop_agreed(self, step: int) -> bool:
+        """Collective: True when the ranks agree to stop now, after saving this step."""
+        reason = self.stop.agreed(self.topo.world_group, self.topo.device)
+        if reason is None:
+            return False
+        saved = "no checkpoint.dir, nothing saved"
+        if self.saver is not None:
+            path = self.saver.wait() or self.saver.last_published or ""
+            if self.state.skipped_in_a_row:  # never save state a skip streak may poison
+                saved = (f"not saved: the last {self.state.skipped_in_a_row} step(s) were "
+                         f"skipped; the last checkpoint is {path or 'none'}")  # fmt: skip
+            else:
+                if not path.endswith(f"{step:07d}"):  # not already saved by the interval
+                    path = self.saver.save(blocking=True)
+                saved = f"saved checkpoint {path}"
+        self.logger.info(f"stopping after step {step} ({reason}); {saved}")
+        return True
+
+    def _profiled(self, trace: str | None) -> None:
+        if trace:
+            others = " and one per rank next to it" if self.topo.world_size > 1 else ""
+            self.logger.info(f"wrote profile {trace}{others}")
+
     def _checkpoint(self, step: int) -> None:
-        published = self.saver.poll()
+        with self.timers.region("checkpoint", "checkpoint poll"):
+            published = self.saver.poll()
         if published:
             self.logger.info(f"saved checkpoint {published}")
         interval = self.cfg.checkpoint.interval
-        if interval and step % interval == 0 and step < self.cfg.trainer.max_steps:
-            published = self.saver.save()
+        due = interval and step % interval == 0 and step < self.cfg.trainer.max_steps
+        if due and not self.state.skipped_in_a_row:  # never save state a skip streak may poison
+            with self.timers.region("checkpoint", "checkpoint save"):
+                published = self.saver.save()
             if published:
                 self.logger.info(f"saved checkpoint {published}")
 
+    def _timer_metrics(self) -> dict[str, float]:
+        """The window's timers as max / min over ranks (collective: every rank, log steps only)."""
+        world = self.topo.world_group
+        max_min = max_min_over_ranks(
+            self.timers.per_step(), lambda v: all_reduce(v, world, op="max"), self.topo.device
+        )
+        self.timers.reset()
+        return timer_metrics(max_min)
+
     def _log(self, r: StepResult, step_time: float) -> None:
+        timers = self._timer_metrics()
         tokens_per_s = self.derived.tokens_per_step / step_time
         mfu = None
         if self.peak_flops:
@@ -229,5 +304,6 @@ class Trainer:
                 "step_time_s": step_time,
                 "peak_memory": peak_memory_bytes(self.topo.device),
                 "skipped_steps": self.state.skipped_steps,
+                **timers,
             }
         )

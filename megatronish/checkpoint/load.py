@@ -1,10 +1,10 @@
 """Loading any checkpoint into any layout (tp, pp, vpp, dp, ZeRO stage, sp on or off).
 
 Each rank works out the rectangles of the global tensors its parameters cover in the *current*
-layout, reads just those slices (safetensors slicing) from the shards that intersect them, and
-installs params and Adam moments into its ZeRO buffers. The trainer state (step, consumed
-samples) continues at the same global sample. RNG states are restored when the layout is the
-one that saved them; otherwise every rank is re-seeded from the seed and the step.
+layout and reads just those byte ranges of the shards that intersect them, straight into its
+ZeRO buffers (params and Adam moments), in one pass over the files in file order. The trainer state
+(step, consumed samples) continues at the same global sample. RNG states are restored when the
+layout is the one that saved them; otherwise every rank is re-seeded from the seed and the step.
 """
 
 from __future__ import annotations
@@ -15,13 +15,14 @@ import torch
 from safetensors.torch import load_file
 
 from megatronish.checkpoint.format import (
+    READ_THREADS,
     CheckpointError,
     Metadata,
     ShardReader,
     read_metadata,
     resolve_step_dir,
 )
-from megatronish.checkpoint.pieces import copy_threads, param_rects, saved_name
+from megatronish.checkpoint.pieces import copy_threads, range_requests, saved_name
 from megatronish.model.spec import ModelSpec
 
 SHAPE_KEYS = ("arch", "num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
@@ -84,27 +85,30 @@ def check_tensor_shapes(meta: Metadata, trainer, where: str) -> None:
 
 
 @torch.no_grad()
-def load_into(trainer, path: str, rng=None, seed: int = 0) -> Metadata:
-    """Load the checkpoint at ``path`` (a dir with ``latest`` or a step dir) into ``trainer``."""
+def load_into(trainer, path: str, rng=None, seed: int = 0, threads: int = READ_THREADS) -> Metadata:
+    """Load the checkpoint at ``path`` (a dir with ``latest`` or a step dir) into ``trainer``,
+    reading the files with ``threads`` threads."""
     step_dir = resolve_step_dir(path)
     meta = read_metadata(step_dir)
     check_compatible(meta, trainer.spec, step_dir)
-    reader = ShardReader(step_dir, meta)
     zero, topo, opt = trainer.zero, trainer.topo, trainer.optimizer
     has_moments = any(name.startswith("exp_avg/") for name in meta.tensors)
     if not has_moments and int(meta.trainer.get("optimizer_steps", 0)) > 0:
         raise CheckpointError(f"{step_dir} has optimizer steps but no Adam moments")
     check_tensor_shapes(meta, trainer, step_dir)
-    with copy_threads():
+    verify = trainer.cfg.checkpoint.verify  # CRC32 of every shard read
+    with ShardReader(step_dir, meta, verify, threads) as reader, copy_threads():
+        ranges = []
         for i, bucket in enumerate(zero.buckets):
             if zero.stage < 3:  # every rank holds the whole bucket's params
-                _fill(reader, "model", bucket, bucket.param_flat, 0, bucket.numel, topo)
+                ranges.append((bucket, "model", bucket.param_flat, 0, bucket.numel))
             else:
-                _fill(reader, "model", bucket, bucket.param_shard, *bucket.shard_range, topo)
+                ranges.append((bucket, "model", bucket.param_shard, *bucket.shard_range))
             if has_moments:
                 lo, hi = zero._owned(bucket)
-                _fill(reader, "exp_avg", bucket, opt.exp_avg[i], lo, hi, topo)
-                _fill(reader, "exp_avg_sq", bucket, opt.exp_avg_sq[i], lo, hi, topo)
+                ranges.append((bucket, "exp_avg", opt.exp_avg[i], lo, hi))
+                ranges.append((bucket, "exp_avg_sq", opt.exp_avg_sq[i], lo, hi))
+        _fill(reader, ranges, topo)
     opt.step_count = int(meta.trainer.get("optimizer_steps", 0))
     trainer.state.step = meta.step
     trainer.state.consumed_samples = meta.consumed_samples
@@ -114,24 +118,24 @@ def load_into(trainer, path: str, rng=None, seed: int = 0) -> Metadata:
     return meta
 
 
-def _fill(reader: ShardReader, kind: str, bucket, dest: torch.Tensor, lo: int, hi: int, topo):
-    """Read elements ``[lo, hi)`` of a bucket's flat ``kind`` into ``dest`` (``hi - lo`` long).
+def _fill(reader: ShardReader, ranges: list[tuple], topo) -> None:
+    """Read each ``(bucket, kind, dest, lo, hi)`` of ``ranges``: elements ``[lo, hi)`` of the
+    bucket's flat ``kind`` into ``dest`` (``hi - lo`` long), all in one pass over the files.
 
-    A parameter inside the range is read straight into its view of ``dest``; one that straddles
-    the range's edge (a ZeRO shard boundary) goes through a temporary.
+    Every piece goes straight to its place in ``dest``, also of a parameter that a ZeRO range
+    cuts (:func:`range_requests`).
     """
-    for (name, p), offset in zip(bucket.params, bucket.offsets):
-        start, end = offset, offset + p.numel()
-        if end <= lo or start >= hi:
-            continue
-        inside = lo <= start and end <= hi
-        local = dest[start - lo : end - lo].view(p.shape) if inside else torch.empty(p.shape)
-        gname = saved_name(name, p)
-        for rect in param_rects(p, topo.coords.tp, topo.tp):
-            reader.read(f"{kind}/{gname}", rect.offsets, out=rect.take(local))
-        if not inside:
-            a, b = max(start, lo), min(end, hi)
-            dest[a - lo : b - lo].copy_(local.reshape(-1)[a - start : b - start])
+    requests = []
+    for bucket, kind, dest, lo, hi in ranges:
+        for (name, p), offset in zip(bucket.params, bucket.offsets):
+            a, b = max(offset, lo), min(offset + p.numel(), hi)
+            if a >= b:
+                continue
+            gname = f"{kind}/{saved_name(name, p)}"
+            flat = dest[a - lo : b - lo]
+            pairs = range_requests(p, a - offset, b - offset, flat, topo.coords.tp, topo.tp)
+            requests += [(gname, offsets, view) for offsets, view in pairs]
+    reader.read_many(requests)
 
 
 def _restore_rng(rng, step_dir: str, meta: Metadata, topo, vpp: int, seed: int) -> None:

@@ -9,6 +9,8 @@ over dp; :func:`full_local_values` materialises the whole local tensors for a bu
 from __future__ import annotations
 
 import contextlib
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +33,18 @@ class Rect:
     def take(self, local: torch.Tensor) -> torch.Tensor:
         return local.narrow(self.dim, self.local_start, self.length)
 
+    def meet(self, local: list[list[int]]) -> tuple[list[list[int]], int, int] | None:
+        """Where local rectangle ``local`` (``[start, length]`` per dim of the local tensor)
+        meets this one: ``(global offsets, start, length)``, the part being ``start, length``
+        along ``dim`` of ``local``; None when they do not meet."""
+        s, n = local[self.dim]
+        a, b = max(s, self.local_start), min(s + n, self.local_start + self.length)
+        if b <= a:
+            return None
+        offsets = [list(o) for o in local]  # dims other than ``dim`` are not split
+        offsets[self.dim] = [self.offsets[self.dim][0] + a - self.local_start, b - a]
+        return offsets, a - s, b - a
+
 
 def param_rects(p: nn.Parameter, tp_rank: int, tp: int) -> list[Rect]:
     """The global rectangles covered by this rank's shard of ``p``."""
@@ -45,6 +59,54 @@ def param_rects(p: nn.Parameter, tp_rank: int, tp: int) -> list[Rect]:
         rects.append(Rect(offsets, shard.dim, local, n))
         local += n
     return rects
+
+
+def flat_rects(shape: Sequence[int], lo: int, hi: int) -> list[tuple[list[list[int]], int]]:
+    """Elements ``[lo, hi)`` of a row-major tensor of ``shape`` as rectangles (``[start,
+    length]`` per dim), each one contiguous run of the elements, with its first flat index: a
+    partial first row, the whole rows, a partial last row (recursively for more dims)."""
+    if hi <= lo:
+        return []
+    if len(shape) <= 1:
+        return [([[lo, hi - lo]] if shape else [], lo)]
+    row = math.prod(shape[1:])
+    (r0, c0), (r1, c1) = divmod(lo, row), divmod(hi, row)
+
+    def within(r: int, a: int, b: int) -> list[tuple[list[list[int]], int]]:
+        return [([[r, 1], *rect], r * row + f) for rect, f in flat_rects(shape[1:], a, b)]
+
+    if r0 == r1:
+        return within(r0, c0, c1)
+    out = within(r0, c0, row) if c0 else []
+    first_whole = r0 + bool(c0)
+    if r1 > first_whole:
+        out.append(([[first_whole, r1 - first_whole]] + [[0, n] for n in shape[1:]],
+                    first_whole * row))  # fmt: skip
+    return out + (within(r1, 0, c1) if c1 else [])
+
+
+def range_requests(
+    p: nn.Parameter, lo: int, hi: int, flat: torch.Tensor, tp_rank: int, tp: int
+) -> list[tuple[list[list[int]], torch.Tensor]]:
+    """``(global rectangle, destination view)`` pairs whose reads fill ``flat`` with elements
+    ``[lo, hi)`` of this rank's (row-major) shard of ``p``: a ZeRO range may cut a parameter
+    anywhere, and each piece is still read straight into its place."""
+    if p.dim() == 0:
+        return [([], flat.view(()))]
+    rects = param_rects(p, tp_rank, tp)
+    if lo == 0 and hi == p.numel():  # the whole parameter (the common case)
+        local = flat.view(p.shape)
+        return [(rect.offsets, rect.take(local)) for rect in rects]
+    out = []
+    for local, first in flat_rects(p.shape, lo, hi):
+        numel = math.prod(n for _, n in local)
+        view = flat[first - lo : first - lo + numel].view([n for _, n in local])
+        for rect in rects:
+            hit = rect.meet(local)
+            if hit is not None:
+                offsets, start, length = hit
+                out.append((offsets, view.narrow(rect.dim, start, length)))
+    return out
 
 
 def saved_name(name: str, p: nn.Parameter) -> str:

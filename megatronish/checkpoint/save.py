@@ -9,7 +9,8 @@
 
 With ``async_save`` step 1's file writing runs in a background thread; the trainer polls at each
 step boundary and publishes once every rank has finished. A crash before the rename leaves only a
-``.tmp_`` directory, which the next start removes.
+``.tmp_`` directory, which the next start removes (:func:`clean_stale`); a crash inside the
+re-save of an existing step leaves that step under ``.tmp_old_``, which the next start puts back.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from megatronish.distributed.comm import all_reduce
 from megatronish.tensor_parallel.sharding import global_shape
 
 KINDS = ("model", "exp_avg", "exp_avg_sq")
+REPLACED_PREFIX = f"{TMP_PREFIX}old_"  # a published step while its re-save is being published
 
 
 def snapshot(trainer, rng) -> tuple[dict[str, dict[str, torch.Tensor]], list[dict]]:
@@ -98,6 +100,7 @@ def write_rank_files(tmp_dir: str, rank: int, tensors, index) -> None:
 
 
 def _fsync(path: str) -> None:
+    """Flush a file, or a directory's entries (so a rename in it survives a power loss)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -124,15 +127,17 @@ def merge_and_publish(ckpt_dir: str, tmp_dir: str, step: int, world: int, header
     final = os.path.join(ckpt_dir, step_dir_name(step))
     old = None
     if os.path.exists(final):  # re-saving a step (e.g. after a resume) replaces it
-        old = os.path.join(ckpt_dir, f"{TMP_PREFIX}old_{step_dir_name(step)}")
+        old = os.path.join(ckpt_dir, REPLACED_PREFIX + step_dir_name(step))
         os.rename(final, old)
     os.rename(tmp_dir, final)
+    _fsync(ckpt_dir)
     latest_tmp = os.path.join(ckpt_dir, f"{TMP_PREFIX}{LATEST}")
     with open(latest_tmp, "w") as f:
         f.write(step_dir_name(step))
         f.flush()
         os.fsync(f.fileno())
     os.replace(latest_tmp, os.path.join(ckpt_dir, LATEST))
+    _fsync(ckpt_dir)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
     prune(ckpt_dir, keep_last, keep=step_dir_name(step))
@@ -147,14 +152,38 @@ def prune(ckpt_dir: str, keep_last: int, keep: str | None = None) -> None:
     steps = sorted(d for d in os.listdir(ckpt_dir) if d.startswith(STEP_PREFIX) and d != keep)
     kept = keep_last - (keep is not None)
     for old in steps[: len(steps) - kept] if kept > 0 else steps:
-        shutil.rmtree(os.path.join(ckpt_dir, old), ignore_errors=True)
+        # Renamed first: a crash during the removal leaves a .tmp_ directory, not a partial step.
+        doomed = os.path.join(ckpt_dir, f"{TMP_PREFIX}pruned_{old}")
+        try:
+            os.rename(os.path.join(ckpt_dir, old), doomed)
+        except OSError:  # already gone: nothing to prune
+            continue
+        shutil.rmtree(doomed, ignore_errors=True)
+
+
+def restore_replaced(ckpt_dir: str) -> list[str]:
+    """Put back steps a crash left renamed aside in the middle of a re-save (the new copy was
+    never published); returns their names."""
+    if not os.path.isdir(ckpt_dir):
+        return []
+    restored = []
+    for d in sorted(os.listdir(ckpt_dir)):
+        step = d[len(REPLACED_PREFIX) :]
+        if d.startswith(REPLACED_PREFIX) and not os.path.exists(os.path.join(ckpt_dir, step)):
+            os.rename(os.path.join(ckpt_dir, d), os.path.join(ckpt_dir, step))
+            restored.append(step)
+    return restored
 
 
 def clean_stale(ckpt_dir: str) -> list[str]:
-    """Remove temporary directories left by a crash during a save; returns their names."""
+    """Remove what a crash during a save or a prune left behind; returns the removed names.
+
+    A step renamed aside by an interrupted re-save is put back first (:func:`restore_replaced`).
+    """
+    restore_replaced(ckpt_dir)
     if not os.path.isdir(ckpt_dir):
         return []
-    stale = [d for d in os.listdir(ckpt_dir) if d.startswith(TMP_PREFIX)]
+    stale = sorted(d for d in os.listdir(ckpt_dir) if d.startswith(TMP_PREFIX))
     for d in stale:
         path = os.path.join(ckpt_dir, d)
         shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.remove(path)

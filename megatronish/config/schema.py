@@ -43,7 +43,7 @@ class ParallelConfig:
     bucket_size_mb: float = 25.0
     zero3_keep_gathered: bool = False
     pipeline_layer_split: list[int] | None = None  # layers per chunk; null = even split
-    collective_timeout_s: float = 600.0
+    collective_timeout_s: float = 600.0  # bounds start-up and every collective and p2p op
 
 
 @dataclass
@@ -77,6 +77,12 @@ class SchedulerConfig:
 
 
 @dataclass
+class ProfileConfig:
+    steps: list[int] | None = None  # [first, last]: torch.profiler trace of these steps
+    dir: str = "${out_dir}/profile"  # one Chrome trace per rank: rank00000.json, ...
+
+
+@dataclass
 class TrainerConfig:
     micro_batch_size: int = 8
     global_batch_size: int = 8
@@ -91,10 +97,14 @@ class TrainerConfig:
     eval_interval: int = 50
     eval_iters: int = 4
     dry_run: bool = False
-    exit_after_minutes: float | None = None
+    exit_after_minutes: float | None = None  # save and exit 4 after this much wall-clock time
+    # signals that save and exit 4 at the next step boundary ([] keeps the default actions)
+    stop_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR2"])
     peak_tflops: float | None = None  # per device, for MFU; null: measured (CPU) or table (GPU)
-    max_skipped_steps: int = 5
+    check_memory: bool = True  # stop at start-up when the planned peak exceeds the device
+    max_skipped_steps: int = 5  # stop after this many non-finite steps in a row; 0: never
     deterministic: bool = True
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
 
 
 @dataclass
@@ -105,6 +115,8 @@ class CheckpointConfig:
     keep_last: int = 2
     async_save: bool = False
     save_final: bool = True
+    fallback: bool = True  # resume=auto: skip a damaged step for the newest older one that loads
+    verify: bool = True  # check the CRC32 of every shard read on load
 
 
 @dataclass

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 
+from omegaconf import DictConfig, OmegaConf
+
 from megatronish.config.derived import default_ffn_hidden, pad_vocab
 
 CHOICES = {
@@ -28,8 +30,31 @@ class ConfigError(ValueError):
 
     def __init__(self, errors: list[str]):
         self.errors = list(errors)
+        if len(self.errors) == 1:  # one problem, one line
+            super().__init__(f"invalid config: {self.errors[0]}")
+            return
         lines = "\n".join(f"  - {e}" for e in self.errors)
         super().__init__(f"invalid config ({len(self.errors)} problem(s)):\n{lines}")
+
+
+def unknown_keys(cfg) -> list[str]:
+    """Dotted keys of ``cfg`` missing from the schema (Hydra's ``+key=value`` can add them)."""
+    from megatronish.config.schema import TrainConfig
+
+    if not isinstance(cfg, DictConfig):
+        return []
+    return _extra_keys(cfg, OmegaConf.structured(TrainConfig), "")
+
+
+def _extra_keys(node: DictConfig, schema: DictConfig, prefix: str) -> list[str]:
+    known = dict(schema.items_ex(resolve=False))
+    extra = []
+    for key, value in node.items_ex(resolve=False):
+        if key not in known:
+            extra.append(f"{prefix}{key}")
+        elif isinstance(value, DictConfig) and isinstance(known[key], DictConfig):
+            extra += _extra_keys(value, known[key], f"{prefix}{key}.")
+    return extra
 
 
 def _get(cfg, dotted: str):
@@ -45,7 +70,7 @@ def _positive(cfg, keys: list[str], errors: list[str], allow_zero: bool = False)
         if v is None:
             continue
         if v < 0 or (v == 0 and not allow_zero):
-            bound = ">= 0" if allow_zero else ">= 1"
+            bound = ">= 0" if allow_zero else ">= 1" if isinstance(v, int) else "> 0"
             errors.append(f"{key}={v} must be {bound}")
 
 
@@ -54,7 +79,11 @@ def config_errors(cfg, world_size: int, vocab_size: int | None = None) -> list[s
 
     ``vocab_size`` is the tokenizer's vocabulary when known (checked against tp and the model).
     """
-    errors: list[str] = []
+    errors: list[str] = [
+        f"unknown key {key} (not in the config schema): check the spelling; "
+        "`python -m megatronish.train --cfg job` prints every key"
+        for key in unknown_keys(cfg)
+    ]
     m, p, t, o, s = cfg.model, cfg.parallel, cfg.trainer, cfg.optimizer, cfg.scheduler
 
     for key, allowed in CHOICES.items():
@@ -183,7 +212,7 @@ def config_errors(cfg, world_size: int, vocab_size: int | None = None) -> list[s
     # Optimisation.
     if o.lr <= 0:
         errors.append(f"optimizer.lr={o.lr} must be > 0")
-    if s.min_lr < 0 or s.min_lr > o.lr:
+    if o.lr > 0 and (s.min_lr < 0 or s.min_lr > o.lr):
         errors.append(f"scheduler.min_lr={s.min_lr} must be in [0, optimizer.lr={o.lr}]")
     if o.grad_clip < 0:
         errors.append(f"optimizer.grad_clip={o.grad_clip} must be >= 0 (0 disables clipping)")
@@ -193,6 +222,14 @@ def config_errors(cfg, world_size: int, vocab_size: int | None = None) -> list[s
         errors.append(
             f"scheduler.warmup_steps={s.warmup_steps} exceeds scheduler.decay_steps="
             f"{s.decay_steps}; lower the warm-up or raise the decay length"
+        )
+
+    # Profiling.
+    steps = t.profile.steps
+    if steps is not None and (len(steps) != 2 or not 1 <= steps[0] <= steps[1]):
+        errors.append(
+            f"trainer.profile.steps={list(steps)} must be [first, last] with "
+            "1 <= first <= last, e.g. trainer.profile.steps=[5,7]"
         )
 
     # Data.

@@ -166,13 +166,16 @@ class IndexedDataset:
     def _read_index(self) -> None:
         with open(self.idx_path, "rb") as f:
             header = f.read(HEADER_SIZE)
-        if header[: len(MAGIC)] != MAGIC:
+        if header[: len(MAGIC)] != MAGIC[: len(header)]:
             raise ValueError(
                 f"{self.idx_path} is not an MMIDIDX index (bad magic bytes "
                 f"{header[: len(MAGIC)]!r}); it is corrupt or another format, {_PREPROCESS_HINT}"
             )
         if len(header) < HEADER_SIZE:
-            raise ValueError(f"{self.idx_path} is truncated ({len(header)} bytes)")
+            raise ValueError(
+                f"{self.idx_path} is truncated: {len(header)} bytes, shorter than the "
+                f"{HEADER_SIZE}-byte header; {_PREPROCESS_HINT}"
+            )
         (version,) = struct.unpack_from("<Q", header, 9)
         (code,) = struct.unpack_from("<B", header, 17)
         n_seq, n_doc = struct.unpack_from("<QQ", header, 18)
@@ -195,6 +198,7 @@ class IndexedDataset:
         self.pointers = np.frombuffer(idx, dtype=np.int64, count=n_seq, offset=off)
         off += 8 * n_seq
         self.document_indices = np.frombuffer(idx, dtype=np.int64, count=n_doc, offset=off)
+        self._check_tables(n_seq)
         self._token_offsets = np.zeros(n_seq + 1, dtype=np.int64)
         np.cumsum(self.sizes, out=self._token_offsets[1:])
         if not np.array_equal(self.pointers, self._token_offsets[:-1] * self.dtype.itemsize):
@@ -202,6 +206,20 @@ class IndexedDataset:
                 f"{self.idx_path}: sequences are not stored contiguously in {self.bin_path}; "
                 "only contiguous MMIDIDX files are supported"
             )
+
+    def _check_tables(self, n_seq: int) -> None:
+        """Refuse an index whose tables contradict each other (a damaged or edited file)."""
+        doc = self.document_indices
+        problem = None
+        if (self.sizes < 0).any():
+            problem = f"a negative sequence length ({int(self.sizes.min())})"
+        elif doc.size == 0 or doc[0] != 0 or doc[-1] != n_seq:
+            ends = f"[{doc[0]}, ..., {doc[-1]}]" if doc.size else "empty"
+            problem = f"a document index {ends} that does not span sequences 0..{n_seq}"
+        elif (doc[1:] < doc[:-1]).any():
+            problem = "a document index that goes backwards"
+        if problem:
+            raise ValueError(f"{self.idx_path} is corrupt: it has {problem}; {_PREPROCESS_HINT}")
 
     def _open_bin(self) -> None:
         expected = int(self._token_offsets[-1]) * self.dtype.itemsize

@@ -7,11 +7,17 @@ short-circuits every op (no process group is needed for a single process).
 Byte accounting (per call, on the calling rank): ``all_reduce`` and ``broadcast`` count the
 tensor; ``all_gather`` counts the gathered (full) output; ``reduce_scatter`` counts the full input;
 ``send`` / ``recv`` count the tensor.
+
+A failed or timed-out op (gloo raises when ``collective_timeout_s`` passes or a peer's connection
+closes) is re-raised as :class:`CollectiveError` naming the group, its ranks and the op; work
+handles of asynchronous ops do the same in ``wait()``.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -62,6 +68,7 @@ class ParallelGroup:
     rank: int
     pg: dist.ProcessGroup | None = None
     stats: CommStats | None = None
+    timeout_s: float | None = None  # the process group's collective timeout, for messages
 
     @property
     def size(self) -> int:
@@ -76,6 +83,64 @@ class ParallelGroup:
             self.stats.record(self.name, op, n * t.element_size())
 
 
+class CollectiveError(RuntimeError):
+    """A collective or point-to-point op failed or timed out; the message names group and op."""
+
+
+_PEER_GONE = ("connection closed", "connection reset", "broken pipe", "connection refused")
+
+
+def describe_failure(group: ParallelGroup, op: str, error: BaseException) -> str:
+    """One line for a failed ``op`` on ``group``: what happened, the likely cause, the fix."""
+    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    if text.startswith("[") and "] " in text:  # drop gloo's "[path/to/file.cc:123] " prefix
+        text = text.split("] ", 1)[1]
+    where = f"{op} on group {group.name} (ranks {list(group.ranks)})"
+    lowered = text.lower()
+    if "timed out" in lowered or "timeout" in lowered:
+        after = f" after {group.timeout_s:g} s" if group.timeout_s else ""
+        return (
+            f"{where} timed out{after}: a peer rank died or runs a different schedule; "
+            "the first error is in the other ranks' logs (parallel.collective_timeout_s sets "
+            f"the limit) [{text}]"
+        )
+    if any(s in lowered for s in _PEER_GONE):
+        return (
+            f"{where} failed: a peer rank exited or crashed; the first error is in the other "
+            f"ranks' logs [{text}]"
+        )
+    return f"{where} failed: {text}"
+
+
+@contextlib.contextmanager
+def named_failures(group: ParallelGroup, op: str) -> Iterator[None]:
+    """Re-raise a torch.distributed error inside the block as :class:`CollectiveError`."""
+    try:
+        yield
+    except CollectiveError:
+        raise
+    except RuntimeError as e:  # gloo/nccl errors are RuntimeError (torch.distributed.DistError)
+        raise CollectiveError(describe_failure(group, op, e)) from e
+
+
+class NamedWork:
+    """A work handle of an asynchronous op whose ``wait()`` raises :class:`CollectiveError`."""
+
+    def __init__(self, work, group: ParallelGroup, op: str):
+        self.work, self.group, self.op = work, group, op
+
+    def wait(self) -> bool:
+        with named_failures(self.group, self.op):
+            return self.work.wait()
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
+
+
+def _named(work, group: ParallelGroup, op: str):
+    return None if work is None else NamedWork(work, group, op)
+
+
 def single_group(name: str, rank: int = 0, stats: CommStats | None = None) -> ParallelGroup:
     """A group of one: every op on it is the identity."""
     return ParallelGroup(name=name, ranks=(rank,), rank=0, pg=None, stats=stats)
@@ -86,8 +151,9 @@ def all_reduce(t: torch.Tensor, group: ParallelGroup, op: str = "sum", async_op:
     if group.size == 1:
         return None if async_op else t
     group._record("all_reduce", t)
-    work = dist.all_reduce(t, op=_OPS[op], group=group.pg, async_op=async_op)
-    return work if async_op else t
+    with named_failures(group, "all_reduce"):
+        work = dist.all_reduce(t, op=_OPS[op], group=group.pg, async_op=async_op)
+    return _named(work, group, "all_reduce") if async_op else t
 
 
 def all_gather_dim0(t: torch.Tensor, group: ParallelGroup) -> torch.Tensor:
@@ -97,7 +163,8 @@ def all_gather_dim0(t: torch.Tensor, group: ParallelGroup) -> torch.Tensor:
     t = t.contiguous()
     out = torch.empty((group.size * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
     group._record("all_gather", out)
-    _all_gather_single(out, t, group=group.pg)
+    with named_failures(group, "all_gather"):
+        _all_gather_single(out, t, group=group.pg)
     return out
 
 
@@ -108,7 +175,9 @@ def all_gather_into(out: torch.Tensor, shard: torch.Tensor, group: ParallelGroup
             out.copy_(shard)
         return None
     group._record("all_gather", out)
-    return _all_gather_single(out, shard, group=group.pg, async_op=async_op)
+    with named_failures(group, "all_gather"):
+        work = _all_gather_single(out, shard, group=group.pg, async_op=async_op)
+    return _named(work, group, "all_gather")
 
 
 def reduce_scatter_dim0(t: torch.Tensor, group: ParallelGroup) -> torch.Tensor:
@@ -120,7 +189,8 @@ def reduce_scatter_dim0(t: torch.Tensor, group: ParallelGroup) -> torch.Tensor:
         raise ValueError(f"dim 0 ({t.shape[0]}) is not divisible by {group.name} size {group.size}")
     out = torch.empty((t.shape[0] // group.size, *t.shape[1:]), dtype=t.dtype, device=t.device)
     group._record("reduce_scatter", t)
-    _reduce_scatter_single(out, t, group=group.pg)
+    with named_failures(group, "reduce_scatter"):
+        _reduce_scatter_single(out, t, group=group.pg)
     return out
 
 
@@ -133,7 +203,9 @@ def reduce_scatter_into(
             out.copy_(full)
         return None
     group._record("reduce_scatter", full)
-    return _reduce_scatter_single(out, full, group=group.pg, async_op=async_op)
+    with named_failures(group, "reduce_scatter"):
+        work = _reduce_scatter_single(out, full, group=group.pg, async_op=async_op)
+    return _named(work, group, "reduce_scatter")
 
 
 def broadcast(t: torch.Tensor, group: ParallelGroup, src_index: int = 0) -> torch.Tensor:
@@ -141,17 +213,22 @@ def broadcast(t: torch.Tensor, group: ParallelGroup, src_index: int = 0) -> torc
     if group.size == 1:
         return t
     group._record("broadcast", t)
-    dist.broadcast(t, src=group.global_rank(src_index), group=group.pg)
+    with named_failures(group, "broadcast"):
+        dist.broadcast(t, src=group.global_rank(src_index), group=group.pg)
     return t
 
 
 def isend(t: torch.Tensor, group: ParallelGroup, peer: int):
     """Asynchronous send to member ``peer`` of ``group``; returns the work handle."""
     group._record("send", t)
-    return dist.isend(t, dst=group.global_rank(peer), group=group.pg)
+    op = f"send to rank {group.global_rank(peer)}"
+    with named_failures(group, op):
+        return NamedWork(dist.isend(t, dst=group.global_rank(peer), group=group.pg), group, op)
 
 
 def irecv(t: torch.Tensor, group: ParallelGroup, peer: int):
     """Asynchronous receive into ``t`` from member ``peer`` of ``group``."""
     group._record("recv", t)
-    return dist.irecv(t, src=group.global_rank(peer), group=group.pg)
+    op = f"recv from rank {group.global_rank(peer)}"
+    with named_failures(group, op):
+        return NamedWork(dist.irecv(t, src=group.global_rank(peer), group=group.pg), group, op)

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megatronish.distributed.comm import CollectiveError
+
 
 @dataclass(frozen=True)
 class LaunchEnv:
@@ -83,16 +85,34 @@ def pick_device(requested: str, local_rank: int) -> torch.device:
 
 
 def init_process_group(launch: LaunchEnv, device: torch.device, timeout_s: float) -> None:
-    """Start torch.distributed for a multi-rank job: nccl on GPUs, gloo on CPUs."""
+    """Start torch.distributed for a multi-rank job: nccl on GPUs, gloo on CPUs.
+
+    On GPUs the groups get both backends (``cpu:gloo,cuda:nccl``): tensors on the device go
+    through NCCL, the few small host tensors (error agreement, stop requests, checkpoint
+    bookkeeping) through gloo, so no host value needs a round trip through the device.
+
+    ``timeout_s`` bounds the rendezvous and every op of the default group. A rendezvous that
+    fails or times out raises :class:`CollectiveError` saying who waited for whom.
+    """
     if launch.world_size == 1 or dist.is_initialized():
         return
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
     os.environ.setdefault("MASTER_ADDR", launch.master_addr)
     os.environ.setdefault("MASTER_PORT", str(launch.master_port))
-    dist.init_process_group(
-        backend=backend,
-        rank=launch.rank,
-        world_size=launch.world_size,
-        timeout=datetime.timedelta(seconds=timeout_s),
-        device_id=device if device.type == "cuda" else None,
-    )
+    try:
+        dist.init_process_group(
+            backend=backend,
+            rank=launch.rank,
+            world_size=launch.world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            device_id=device if device.type == "cuda" else None,
+        )
+    except RuntimeError as e:  # torch.distributed.DistError and backend errors
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        master = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+        raise CollectiveError(
+            f"starting the {backend} process group (rank {launch.rank} of {launch.world_size}, "
+            f"master {master}) failed within {timeout_s:g} s: not every rank joined, or the "
+            "master is unreachable; check that all ranks started and MASTER_ADDR/MASTER_PORT "
+            f"(parallel.collective_timeout_s sets the wait) [{first}]"
+        ) from e

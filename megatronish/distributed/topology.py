@@ -6,6 +6,7 @@ There is no module-level process-group state.
 
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass
 
 import torch
@@ -73,11 +74,19 @@ class Topology:
 
     @classmethod
     def build(
-        cls, tp: int, dp: int, pp: int, rank: int, device: torch.device | str = "cpu"
+        cls,
+        tp: int,
+        dp: int,
+        pp: int,
+        rank: int,
+        device: torch.device | str = "cpu",
+        timeout_s: float | None = None,
     ) -> Topology:
         """Create every group of the grid. Collective: all ranks call it with the same shape.
 
         torch.distributed must already be initialised when the world has more than one rank.
+        ``timeout_s`` (``parallel.collective_timeout_s``) bounds every op of the new groups: they
+        do not inherit the default group's timeout. None keeps torch's default.
         """
         world = tp * dp * pp
         if world > 1 and not (dist.is_available() and dist.is_initialized()):
@@ -87,6 +96,7 @@ class Topology:
                 f"tp*dp*pp = {tp}*{dp}*{pp} = {world} but the job has {dist.get_world_size()} ranks"
             )
         stats = CommStats()
+        timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
         groups: dict[str, ParallelGroup] = {}
         for name, all_groups in group_ranks(tp, dp, pp).items():
             mine = None
@@ -94,7 +104,10 @@ class Topology:
             for ranks in all_groups:
                 if len(ranks) == 1:
                     continue
-                pg = dist.group.WORLD if name == "world" else dist.new_group(ranks)
+                if name == "world":
+                    pg = dist.group.WORLD
+                else:  # group_desc names the group in NCCL watchdog reports
+                    pg = dist.new_group(ranks, timeout=timeout, group_desc=name)
                 if rank in ranks:
                     mine = pg
             # Middle pipeline stages hold no embedding copy: their embedding group is themselves.
@@ -102,8 +115,9 @@ class Topology:
             if len(ranks) == 1:
                 mine = None
             groups[name] = ParallelGroup(
-                name=name, ranks=tuple(ranks), rank=ranks.index(rank), pg=mine, stats=stats
-            )
+                name=name, ranks=tuple(ranks), rank=ranks.index(rank), pg=mine, stats=stats,
+                timeout_s=timeout_s,
+            )  # fmt: skip
         return cls(
             tp=tp,
             dp=dp,

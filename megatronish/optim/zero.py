@@ -22,6 +22,7 @@ from megatronish.distributed.comm import all_gather_into, all_reduce, reduce_sca
 from megatronish.distributed.topology import Topology
 from megatronish.optim.buckets import Bucket, plan_buckets
 from megatronish.optim.grads import counts_in_norm, flat_all_reduce
+from megatronish.timers import Timers
 
 
 def _resize(t: torch.Tensor, numel: int) -> None:
@@ -38,9 +39,11 @@ class ZeroDataParallel:
         stage: int,
         bucket_mb: float,
         keep_gathered: bool = False,
+        timers: Timers | None = None,
     ):
         self.chunks, self.topo, self.stage = chunks, topo, stage
         self.keep_gathered = keep_gathered
+        self.timers = timers or Timers.off()  # param_gather, grad_reduce_wait; profiler ranges
         dp = topo.dp_group
         tied_names = self._tied_names(chunks, topo)
         self.buckets_of: list[list[Bucket]] = []
@@ -103,9 +106,10 @@ class ZeroDataParallel:
         """Materialise a chunk's full params (zero 3)."""
         if self.stage < 3 or self.gathered[chunk_index]:
             return
-        for b in self.buckets_of[chunk_index]:
-            _resize(b.param_flat, b.numel)
-            all_gather_into(b.param_flat, b.param_shard, self.topo.dp_group)
+        with self.timers.region("param_gather", "all-gather params chunk{}", chunk_index):
+            for b in self.buckets_of[chunk_index]:
+                _resize(b.param_flat, b.numel)
+                all_gather_into(b.param_flat, b.param_shard, self.topo.dp_group)
         self.gathered[chunk_index] = True
 
     def release(self, chunk_index: int, end_of_step: bool = False) -> None:
@@ -144,14 +148,20 @@ class ZeroDataParallel:
     def _launch(self, b: Bucket, async_op: bool = True) -> None:
         dp = self.topo.dp_group
         if self.stage == 0:
-            work = all_reduce(b.grad_flat, dp, async_op=async_op)
+            with self.timers.region(None, "all-reduce grads"):
+                work = all_reduce(b.grad_flat, dp, async_op=async_op)
         else:
-            work = reduce_scatter_into(b.grad_shard, b.grad_flat, dp, async_op=async_op)
+            with self.timers.region(None, "reduce-scatter grads"):
+                work = reduce_scatter_into(b.grad_shard, b.grad_flat, dp, async_op=async_op)
         b.work = work if async_op else None
         b.extra["launched"] = True
 
     def finish_reduction(self) -> None:
         """Wait for every reduction; sum late buckets over tp / the embedding group first."""
+        with self.timers.region("grad_reduce_wait", "grad reduction wait"):
+            self._finish_reduction()
+
+    def _finish_reduction(self) -> None:
         for b in self.buckets:
             if not b.late and not b.extra.pop("launched", False):
                 self._launch(b)
@@ -173,7 +183,8 @@ class ZeroDataParallel:
         scale = 1.0 / self.topo.dp
         for b in self.buckets:
             if b.work is not None:
-                b.work.wait()
+                with self.timers.region(None, "wait grads"):
+                    b.work.wait()
             b.work = None
             self.owned_grad(b).mul_(scale)
             if self.stage >= 2:  # keep only the reduced shard
@@ -185,15 +196,22 @@ class ZeroDataParallel:
         return b.grad_flat if self.stage == 0 else b.grad_shard
 
     # -- norm, clip, update -----------------------------------------------------------------
-    def grad_norm(self) -> torch.Tensor:
-        """Global L2 norm: every parameter element counted exactly once across tp, pp, dp."""
+    def grad_norm(self, local_fault: bool = False) -> torch.Tensor:
+        """Global L2 norm: every parameter element counted exactly once across tp, pp, dp.
+
+        ``local_fault``: this rank saw a non-finite value elsewhere (its loss); the norm then comes
+        out nan on every rank, so all ranks skip the step together without another collective.
+        """
         sq = torch.zeros((), device=self.topo.device)
+        if local_fault:
+            sq += float("nan")
         for b in self.buckets:
             grad = self.owned_grad(b)
             for lo, hi in b.norm_ranges:
                 sq += grad[lo:hi].square().sum()  # torch's cascade sum keeps round-off small
         group = self.topo.mp_group if self.stage == 0 else self.topo.world_group
-        all_reduce(sq, group)
+        with self.timers.region(None, "grad norm all-reduce"):
+            all_reduce(sq, group)
         return sq.sqrt()
 
     def scale_grads(self, coef: float) -> None:
@@ -207,8 +225,9 @@ class ZeroDataParallel:
     def after_update(self) -> None:
         """Make every rank's params whole again (zero 1/2); zero 3 keeps shards."""
         if self.stage in (1, 2):
-            for b in self.buckets:
-                all_gather_into(b.param_flat, b.param_shard, self.topo.dp_group)  # in place
+            with self.timers.region("param_gather", "all-gather params"):
+                for b in self.buckets:
+                    all_gather_into(b.param_flat, b.param_shard, self.topo.dp_group)  # in place
         if self.stage == 3:
             for i in range(len(self.chunks)):
                 self.release(i, end_of_step=True)

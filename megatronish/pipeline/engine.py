@@ -21,6 +21,7 @@ from megatronish.distributed.topology import Topology
 from megatronish.pipeline.no_pipeline import NO_PARAM_HOOKS
 from megatronish.pipeline.p2p import Inbox, Outbox
 from megatronish.pipeline.schedule import message_order, schedule_ops
+from megatronish.timers import Timers
 
 
 @dataclass
@@ -73,8 +74,12 @@ def forward_backward_pipeline(
     autocast=contextlib.nullcontext,
     param_hooks=None,
     timeline: Timeline | None = None,
+    timers: Timers | None = None,
 ) -> list[torch.Tensor]:
-    """One step of (interleaved) 1F1B; returns the per-microbatch losses on the last stage."""
+    """One step of (interleaved) 1F1B; returns the per-microbatch losses on the last stage.
+
+    ``timers`` sums forward, backward and the waits of receives and sends over the ops.
+    """
     pp, rank, m = topo.pp, topo.coords.pp, len(microbatches)
     last_chunk = pp * vpp - 1
     local = {rank + v * pp: chunk for v, chunk in enumerate(chunks)}
@@ -87,19 +92,21 @@ def forward_backward_pipeline(
     losses: list[torch.Tensor] = []
     span = timeline.span if timeline is not None else (lambda _: contextlib.nullcontext())
     hooks = param_hooks or NO_PARAM_HOOKS
+    region = (timers or Timers.off()).region
 
     for op in schedule_ops(pp, vpp, m, rank):
         key = (op.microbatch, op.chunk)
         name = f"{op.kind} mb{op.microbatch} c{op.chunk}"
         with span(name):
             if op.kind == "recv_act":
-                x = inbox.get(op.peer, ("act", op.microbatch, op.chunk - 1))
+                with region("pp_recv_wait", "recv act mb{} chunk{}", op.microbatch, op.chunk):
+                    x = inbox.get(op.peer, ("act", op.microbatch, op.chunk - 1))
                 inputs[key] = x.requires_grad_(True)
             elif op.kind == "fwd":
                 tokens, targets = microbatches[op.microbatch]
                 x = tokens if op.chunk == 0 else inputs[key]
                 hooks.gather(op.chunk // pp)
-                with autocast():
+                with region("forward", "forward mb{} chunk{}", op.microbatch, op.chunk), autocast():
                     out = local[op.chunk](x, targets if op.chunk == last_chunk else None)
                 hooks.release(op.chunk // pp)
                 if op.chunk == last_chunk:
@@ -108,23 +115,28 @@ def forward_backward_pipeline(
                 outputs[key] = out
             elif op.kind == "send_act":
                 out = outputs[key]
-                outbox.send(out.detach(), op.peer)
+                with region("pp_send_wait", "send act mb{} chunk{}", op.microbatch, op.chunk):
+                    outbox.send(out.detach(), op.peer)
                 _free_data(out)
             elif op.kind == "recv_grad":
-                grads_in[key] = inbox.get(op.peer, ("grad", op.microbatch, op.chunk + 1))
+                with region("pp_recv_wait", "recv grad mb{} chunk{}", op.microbatch, op.chunk):
+                    grads_in[key] = inbox.get(op.peer, ("grad", op.microbatch, op.chunk + 1))
             elif op.kind == "bwd":
                 out = outputs.pop(key)
                 hooks.gather(op.chunk // pp)
-                if op.chunk == last_chunk:
-                    out.backward()
-                else:
-                    _backward_from(out, grads_in.pop(key))
+                with region("backward", "backward mb{} chunk{}", op.microbatch, op.chunk):
+                    if op.chunk == last_chunk:
+                        out.backward()
+                    else:
+                        _backward_from(out, grads_in.pop(key))
                 hooks.release(op.chunk // pp)
             elif op.kind == "send_grad":
-                outbox.send(inputs.pop(key).grad, op.peer)
+                with region("pp_send_wait", "send grad mb{} chunk{}", op.microbatch, op.chunk):
+                    outbox.send(inputs.pop(key).grad, op.peer)
             else:  # pragma: no cover - the schedule only emits the kinds above
                 raise ValueError(f"unknown pipeline op {op}")
-    outbox.wait_all()
+    with region("pp_send_wait", "send wait"):
+        outbox.wait_all()
     return losses
 
 

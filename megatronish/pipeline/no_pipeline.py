@@ -7,6 +7,8 @@ import contextlib
 import torch
 from torch import nn
 
+from megatronish.timers import Timers
+
 
 def forward_backward_no_pipeline(
     chunks: list[nn.Module],
@@ -15,22 +17,26 @@ def forward_backward_no_pipeline(
     loss_scale: float,
     autocast=contextlib.nullcontext,
     param_hooks=None,
+    timers: Timers | None = None,
 ) -> list[torch.Tensor]:
     """Gradient accumulation: ``loss * loss_scale`` is backpropagated for each microbatch.
 
     ``param_hooks`` (ZeRO 3) gathers a chunk's params before its forward and backward and
-    releases them after. Returns the detached per-microbatch losses.
+    releases them after. ``timers`` times forward and backward. Returns the detached
+    per-microbatch losses.
     """
     (model,) = chunks
     hooks = param_hooks or NO_PARAM_HOOKS
+    timers = timers or Timers.off()
     losses = []
-    for inputs, targets in microbatches:
+    for m, (inputs, targets) in enumerate(microbatches):
         hooks.gather(0)
-        with autocast():
+        with timers.region("forward", "forward mb{} chunk0", m), autocast():
             loss = model(inputs, targets)
         hooks.release(0)
         hooks.gather(0)
-        (loss * loss_scale).backward()
+        with timers.region("backward", "backward mb{} chunk0", m):
+            (loss * loss_scale).backward()
         hooks.release(0)
         losses.append(loss.detach())
     return losses

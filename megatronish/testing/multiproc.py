@@ -58,8 +58,16 @@ def _child(fn, rank, world, port, conn, collective_timeout, args, kwargs) -> Non
         os._exit(code)
 
 
+DIED = "exited without a result (killed or crashed)"
+
+
 class WorldError(RuntimeError):
-    """A rank of a test world raised, or the world timed out."""
+    """A rank of a test world raised, died, or the world timed out; ``errors`` maps each
+    failed rank to its traceback or how it died."""
+
+    def __init__(self, message: str, errors: dict[int, str] | None = None):
+        super().__init__(message)
+        self.errors = errors or {}
 
 
 def run_world(
@@ -106,8 +114,9 @@ def run_world(
             conn = ready[0]
             try:
                 rank, ok, payload = conn.recv()
-            except EOFError:  # the rank died without a word
-                errors[waiting.pop(conn)] = "exited without a result (killed or crashed)"
+            except EOFError:  # the rank died without a word; its peers are likely blocked
+                errors[waiting.pop(conn)] = DIED
+                deadline = min(deadline, datetime.datetime.now() + datetime.timedelta(seconds=5))
                 continue
             waiting.pop(conn)
             if ok:
@@ -122,9 +131,13 @@ def run_world(
             if p.is_alive():
                 p.kill()
                 p.join()
+    for rank, error in errors.items():
+        code = procs[rank].exitcode
+        if error == DIED and code is not None and code < 0:
+            errors[rank] = f"killed by signal {-code} before returning a result"
     if errors:
         first = next(iter(errors))  # the rank that failed first; the others usually follow it
-        raise WorldError(f"rank {first} of {world_size} failed:\n{errors[first]}")
+        raise WorldError(f"rank {first} of {world_size} failed:\n{errors[first]}", errors)
     if len(results) < world_size:
         missing = sorted(set(range(world_size)) - set(results))
         raise WorldError(f"world of {world_size} timed out after {timeout}s; ranks {missing} hung")

@@ -64,7 +64,7 @@ def build_trainer(rank: int, world: int, overrides: list[str], steps: int = 10, 
     check_config(cfg, world)
     d = derive(cfg, world)
     p = cfg.parallel
-    topo = Topology.build(tp=p.tp, dp=d.dp, pp=p.pp, rank=rank)
+    topo = Topology.build(tp=p.tp, dp=d.dp, pp=p.pp, rank=rank, timeout_s=p.collective_timeout_s)
     spec = ModelSpec.from_config(cfg.model, cfg.model.vocab_size)
     rng = RNGTracker(topo.device)
     rng.seed(cfg.trainer.seed, tp_rank=topo.coords.tp, pp_rank=topo.coords.pp)

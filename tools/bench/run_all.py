@@ -32,6 +32,7 @@ BENCHMARKS = {
     "pp": "bench_pp.py",
     "zero": "bench_zero.py",
     "checkpoint": "bench_checkpoint.py",
+    "memory": "bench_memory.py",
 }
 
 

@@ -1,0 +1,195 @@
+"""Which checkpoint a run starts from, falling back to an older step when one is damaged.
+
+``checkpoint.resume=auto`` tries the step ``latest`` names, then the older published steps,
+newest first. A step that any rank fails to read (a missing or truncated file, a checksum
+mismatch, metadata changed after the save) is skipped by every rank together - the ranks agree
+after each attempt, so none continues from a different step - and the reason is logged.
+``checkpoint.fallback=false`` stops at the first damaged step instead. A checkpoint that does not
+fit the model is a config problem, never skipped: older steps would not fit either.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from safetensors import SafetensorError
+
+from megatronish.checkpoint.format import (
+    LATEST,
+    STEP_PREFIX,
+    CheckpointError,
+    Metadata,
+    read_metadata,
+    resolve_step_dir,
+    step_dir_name,
+)
+from megatronish.checkpoint.load import (
+    check_compatible,
+    check_tensor_shapes,
+    find_resume_path,
+    load_into,
+)
+from megatronish.checkpoint.save import clean_stale, restore_replaced
+from megatronish.distributed.agree import PeerError, agree
+from megatronish.distributed.comm import ParallelGroup, broadcast
+
+DAMAGE = (CheckpointError, OSError, SafetensorError)  # what a damaged checkpoint raises
+
+
+@dataclass
+class ResumePlan:
+    """What the start of a run found in ``checkpoint.dir`` and will try to load, in order."""
+
+    candidates: list[str] = field(default_factory=list)  # checkpoint paths, best first
+    fallback: bool = False  # whether a damaged candidate is skipped for the next one
+    removed: list[str] = field(default_factory=list)  # leftovers of an interrupted save
+    restored: list[str] = field(default_factory=list)  # steps put back after a re-save crash
+
+
+def step_of(name: str) -> int | None:
+    """The step of a ``step_XXXXXXX`` directory name (None for any other name)."""
+    digits = name[len(STEP_PREFIX) :]
+    return int(digits) if name.startswith(STEP_PREFIX) and digits.isdigit() else None
+
+
+def auto_candidates(ckpt_dir: str) -> list[int]:
+    """Steps to try for ``resume=auto``: the one ``latest`` names (even if it is gone, so that
+    its absence is reported), then the published steps before it, newest first. Without a
+    readable ``latest``, every published step, newest first."""
+    if not os.path.isdir(ckpt_dir):
+        return []
+    published = sorted(
+        (s for d in os.listdir(ckpt_dir) if (s := step_of(d)) is not None
+         and os.path.isdir(os.path.join(ckpt_dir, d))), reverse=True,
+    )  # fmt: skip
+    latest = None
+    try:
+        with open(os.path.join(ckpt_dir, LATEST)) as f:
+            latest = step_of(f.read().strip())
+    except OSError:
+        pass
+    if latest is None:
+        return published
+    return [latest] + [s for s in published if s < latest]
+
+
+def plan_resume(ckpt_cfg, group: ParallelGroup) -> ResumePlan:
+    """Collective. Rank 0 tidies ``checkpoint.dir`` after an interrupted save and lists the
+    candidates; every rank gets rank 0's list (and waits for the tidying)."""
+    resume, ckpt_dir = ckpt_cfg.resume, ckpt_cfg.dir
+    ckpt_dir = os.path.expanduser(ckpt_dir) if ckpt_dir else None
+    plan, steps, error = ResumePlan(fallback=bool(ckpt_cfg.fallback) and resume == "auto"), [], None
+    try:
+        if group.rank == 0 and ckpt_dir:
+            plan.restored = restore_replaced(ckpt_dir)
+            plan.removed = clean_stale(ckpt_dir)
+            steps = auto_candidates(ckpt_dir) if resume == "auto" else []
+        if resume != "auto":
+            path = find_resume_path(resume, ckpt_dir)
+            plan.candidates = [path] if path else []
+    except (OSError, CheckpointError) as e:
+        error = str(e)
+    agree(error, group)
+    if resume == "auto" and ckpt_dir:
+        steps = _share_ints(steps, group)
+        plan.candidates = [os.path.join(ckpt_dir, step_dir_name(s)) for s in steps]
+    return plan
+
+
+def _share_ints(values: list[int], group: ParallelGroup) -> list[int]:
+    """Rank 0's ``values`` on every rank."""
+    count = broadcast(torch.tensor([len(values)], dtype=torch.int64), group)
+    data = torch.tensor(values if group.rank == 0 else [0] * int(count.item()), dtype=torch.int64)
+    return broadcast(data, group).tolist()
+
+
+def saved_run_id(plan: ResumePlan) -> str | None:
+    """The logging run id stored in the first candidate (None if there is none or it is
+    unreadable: loading reports why)."""
+    if not plan.candidates:
+        return None
+    try:
+        return _read_metadata(plan.candidates[0]).trainer.get("run_id")
+    except CheckpointError:
+        return None
+
+
+def _agreed_error(error: str | None, group: ParallelGroup) -> str | None:
+    """Collective: the first failing rank's error, the same on every rank (None: all fine)."""
+    try:
+        agree(error, group)
+    except PeerError as e:
+        return str(e)
+    return None
+
+
+def _attempt(group: ParallelGroup, fn: Callable[..., object], *args) -> tuple[object, str | None]:
+    """Collective: ``(fn(*args), None)`` on every rank, or ``(None, why)`` on every rank when
+    ``fn`` found damage on any rank. Any other exception (a bug, not the files) stops every rank
+    with :class:`PeerError`; the rank that raised it prints its traceback first."""
+    value, damage, bug = None, None, None
+    try:
+        value = fn(*args)
+    except DAMAGE as e:
+        damage = str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"
+    except Exception as e:  # noqa: BLE001 - every rank must stop together
+        traceback.print_exc()
+        bug = f"{type(e).__name__}: {e}"
+    agree(bug, group)
+    damage = _agreed_error(damage, group)
+    return (None, damage) if damage else (value, None)
+
+
+def load_with_fallback(
+    trainer, plan: ResumePlan, rng=None, seed: int = 0, log: Callable[[str], None] = print
+) -> Metadata | None:
+    """Collective. Load the first candidate of ``plan`` that every rank can read into
+    ``trainer``; returns its metadata (None when there is nothing to resume from).
+
+    Raises :class:`CheckpointError` on every rank when a candidate does not fit the model, when
+    a damaged candidate cannot be skipped (``plan.fallback`` off), or when none loads.
+    """
+    group = trainer.topo.world_group
+    skipped: list[str] = []
+    for i, path in enumerate(plan.candidates):
+        if i > 0:  # a failed attempt may have filled some Adam moments; the next may have none
+            for t in (*trainer.optimizer.exp_avg, *trainer.optimizer.exp_avg_sq):
+                t.zero_()
+        meta, reason = _attempt(group, _read_metadata, path)
+        if reason is None:
+            misfit = _attempt(group, _check_fits, meta, trainer, path)[1]
+            if misfit is not None:
+                raise CheckpointError(misfit)
+            meta, reason = _attempt(group, load_into, trainer, path, rng, seed)
+        if reason is None:
+            after = f", the newest that loads ({len(skipped)} skipped)" if skipped else ""
+            log(f"resumed from {path} at step {meta.step} (saved with {meta.layout}){after}")
+            return meta
+        if not plan.fallback:
+            raise CheckpointError(
+                f"cannot resume from {path}: {reason}. With checkpoint.resume=auto and "
+                "checkpoint.fallback=true the run resumes from the newest step that loads; "
+                "checkpoint.resume=never starts from scratch"
+            )
+        log(f"skipped checkpoint {path}: {reason}")
+        skipped.append(f"{os.path.basename(path)} ({reason})")
+    if skipped:
+        raise CheckpointError(
+            f"no checkpoint could be loaded: {'; '.join(skipped)}. Repair or move the damaged "
+            "steps away, give one with checkpoint.resume=PATH, or start from scratch with "
+            "checkpoint.resume=never"
+        )
+    return None
+
+
+def _read_metadata(path: str) -> Metadata:
+    return read_metadata(resolve_step_dir(path))
+
+
+def _check_fits(meta: Metadata, trainer, path: str) -> None:
+    check_compatible(meta, trainer.spec, path)
+    check_tensor_shapes(meta, trainer, path)

@@ -1,0 +1,1 @@
+"""Plan a job before launching it: memory per rank, FLOPs, communication, bubble, fit check."""

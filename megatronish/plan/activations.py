@@ -1,0 +1,275 @@
+"""Activation memory per rank: what autograd keeps for backward, per layer and per schedule.
+
+The per-layer terms list the tensors megatronish's blocks actually save (fp32 or the autocast
+dtype; ``s`` sequence, ``b`` micro batch, ``h`` hidden, ``t`` tp, ``a``/``g`` query/kv heads of
+size ``d``, ``f`` ffn hidden; ``s_r`` = s/t under sequence parallelism, else s):
+
+- each of the two norms: RMSNorm its input and the normalised tensor (``2 s_r b h``) plus the
+  rsqrt per token, LayerNorm its input (``s_r b h``) plus mean and rstd per token; the
+  column-parallel linear after it keeps its input, the full-sequence ``s b h`` (all-gathered
+  under sp);
+- attention: the fused qkv output ``s b (a + 2g) d / t`` (V is a view of it), RoPE's rotated
+  Q and K (llama), the SDPA output ``s b a d / t`` (also the projection's input) and its
+  logsumexp ``b a s / t``; flash/fused SDPA keeps no ``s x s`` matrix, attention dropout does;
+- MLP: SwiGLU keeps gate|up ``2 s b f / t``, SiLU(gate) and the product (``s b f / t`` each);
+  GELU keeps its input and output (``s b f / t`` each);
+- dropout (p > 0): a 1-byte mask per element of each dropped tensor.
+
+Korthikanti et al. (2022) count the same things for a 16-bit GeLU model with dropout
+(``sbh (34 + 5as/h)`` per layer without parallelism); ``korthikanti_per_layer`` gives their
+formulas for comparison. Recompute: ``selective`` drops the attention core's saved tensors (the
+logsumexp and any ``s x s`` tensors), ``full`` keeps one ``s_r b h`` input per checkpointed group
+and rebuilds the group's activations during its backward.
+
+In-flight microbatches come from walking the rank's pipeline schedule (a forward adds its chunk's
+activations, the matching backward frees them), which gives Megatron's interleaving factor
+``1 + (p - 1) / (p v)`` on the first stage for free.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from megatronish.model.spec import ModelSpec
+from megatronish.pipeline.schedule import schedule_ops
+from megatronish.plan.layout import Layout
+
+INT64 = 8
+
+
+def _elem(layout: Layout) -> int:
+    return 2 if layout.precision == "bf16" else 4
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    s: int
+    b: int
+    h: int
+    t: int
+    a: int  # query heads per tp rank
+    g: int  # kv heads per tp rank
+    d: int
+    f: int  # ffn hidden per tp rank
+    s_r: int  # sequence held in the replicated regions (norms, residual)
+
+
+def layer_shape(spec: ModelSpec, layout: Layout) -> LayerShape:
+    t = layout.tp
+    s = spec.seq_length
+    return LayerShape(
+        s=s, b=layout.micro_batch_size, h=spec.hidden_size, t=t, a=spec.num_heads // t,
+        g=spec.num_kv_heads // t, d=spec.head_dim, f=spec.ffn_hidden_size // t,
+        s_r=s // t if layout.sequence_parallel else s,
+    )  # fmt: skip
+
+
+def _norm_bytes(spec: ModelSpec, x: LayerShape, e: int) -> int:
+    """A norm and the column-parallel linear it feeds: RMSNorm keeps its input, the normalised
+    tensor and the rsqrt; LayerNorm its input, mean and rstd; the linear its full-sequence input."""
+    tokens_r = x.s_r * x.b
+    if spec.is_llama:
+        own = 2 * tokens_r * x.h * e + tokens_r * 4
+    else:
+        own = tokens_r * x.h * e + 2 * tokens_r * 4
+    return own + x.s * x.b * x.h * e
+
+
+def layer_bytes(spec: ModelSpec, layout: Layout, core: bool = True) -> int:
+    """Bytes one transformer layer keeps for backward per microbatch (no recompute).
+
+    ``core=False`` leaves out the attention core's own saved tensors (selective recompute).
+    """
+    x, e = layer_shape(spec, layout), _elem(layout)
+    tokens_r, tokens = x.s_r * x.b, x.s * x.b
+    norms = 2 * _norm_bytes(spec, x, e)
+    attn = tokens * (x.a + 2 * x.g) * x.d * e + tokens * x.a * x.d * e  # qkv out, SDPA out
+    if spec.is_llama:
+        attn += tokens * (x.a + x.g) * x.d * e  # rotated Q and K
+    if core:
+        attn += x.b * x.a * x.s * 4  # logsumexp
+        if spec.attention_dropout > 0:  # SDPA falls back to the math kernel
+            attn += x.b * x.a * x.s * x.s * (2 * e + 1)  # softmax, mask, dropped softmax
+    mlp = tokens * x.f * e * (4 if spec.is_llama else 2)
+    dropout = 2 * tokens_r * x.h if spec.hidden_dropout > 0 else 0
+    return norms + attn + mlp + dropout
+
+
+def embedding_bytes(spec: ModelSpec, layout: Layout) -> int:
+    """The first chunk's token ids (and masks under tp / dropout)."""
+    x = layer_shape(spec, layout)
+    out = x.s * x.b * INT64
+    if x.t > 1:
+        out += x.s * x.b * (INT64 + 1)  # local ids and the out-of-range mask
+    if spec.hidden_dropout > 0:
+        out += x.s_r * x.b * x.h
+    return out
+
+
+def head_bytes(spec: ModelSpec, layout: Layout) -> int:
+    """The last chunk's final norm, head input and the loss's saved softmax."""
+    x, e = layer_shape(spec, layout), _elem(layout)
+    tokens = x.s * x.b
+    norm = _norm_bytes(spec, x, e)
+    if x.t == 1:
+        loss = tokens * spec.vocab_size * 4 + tokens * INT64
+    else:
+        loss = tokens * (spec.padded_vocab_size // x.t) * 4 + tokens * (INT64 + 1)
+    return norm + loss
+
+
+def loss_workspace(spec: ModelSpec, layout: Layout) -> int:
+    """Temporaries alive while the last chunk computes the loss (logits and their copies)."""
+    x = layer_shape(spec, layout)
+    tokens = x.s * x.b
+    if x.t == 1:  # logits, the unpadded fp32 copy fed to cross entropy
+        return tokens * (spec.padded_vocab_size * _elem(layout) + spec.vocab_size * 4)
+    # logits, their copy with padding masked (on the rank holding padding), shifted, exp
+    return 4 * tokens * (spec.padded_vocab_size // x.t) * 4
+
+
+def backward_workspace(spec: ModelSpec, layout: Layout) -> int:
+    """Temporaries of one layer's backward: the incoming activation grad and the grad of the
+    MLP's first projection output, the largest intermediate grad."""
+    x, e = layer_shape(spec, layout), _elem(layout)
+    width = 2 * x.f if spec.is_llama else x.f
+    return x.s * x.b * x.h * e + x.s * x.b * width * e
+
+
+def p2p_workspace(spec: ModelSpec, layout: Layout) -> int:
+    """Pipeline receives posted ahead and sends in flight: two activations per virtual chunk."""
+    if layout.pp == 1:
+        return 0
+    x = layer_shape(spec, layout)
+    return 2 * layout.vpp * x.s_r * x.b * x.h * _elem(layout)
+
+
+def sp_workspace(spec: ModelSpec, layout: Layout) -> int:
+    """Under sp, the full-sequence buffers of a layer's collectives in backward (a gathered
+    grad and a reduce-scatter input), as measured with gloo."""
+    if not layout.sequence_parallel:
+        return 0
+    x = layer_shape(spec, layout)
+    return 2 * x.s * x.b * x.h * _elem(layout)
+
+
+def chunk_bytes(spec: ModelSpec, layout: Layout, layers: int, first: bool, last: bool) -> int:
+    """Bytes one microbatch's forward of a chunk keeps until its backward."""
+    x = layer_shape(spec, layout)
+    full = layer_bytes(spec, layout, core=layout.recompute != "selective")
+    group_input = x.s_r * x.b * x.h * _elem(layout)
+    if layout.recompute == "full":
+        n = layout.recompute_num_layers
+        if layout.recompute_method == "uniform":
+            body = math.ceil(layers / n) * group_input
+        else:
+            kept = max(layers - n, 0)
+            body = min(n, layers) * group_input + kept * full
+    else:
+        body = layers * full
+    return (
+        body
+        + (embedding_bytes(spec, layout) if first else 0)
+        + (head_bytes(spec, layout) if last else 0)
+    )
+
+
+def recompute_workspace(spec: ModelSpec, layout: Layout, layers: int, last: bool) -> int:
+    """Net bytes a chunk's backward adds while it rebuilds its first checkpointed group (full
+    recompute): that group's activations, less what the chunk's backward freed before it (the
+    head's tensors, and under ``block`` the layers kept after the checkpointed ones)."""
+    freed = head_bytes(spec, layout) if last else 0
+    if layout.recompute != "full":
+        return -freed
+    n = min(layout.recompute_num_layers, layers)
+    group = 1 if layout.recompute_method == "block" else n
+    if layout.recompute_method == "block":
+        freed += (layers - n) * layer_bytes(spec, layout)
+    x = layer_shape(spec, layout)
+    group_input = x.s_r * x.b * x.h * _elem(layout)  # already kept by the checkpoint
+    return group * layer_bytes(spec, layout) - group_input - freed
+
+
+def peak_in_flight(pp: int, vpp: int, microbatches: int, pp_rank: int, sizes: dict) -> float:
+    """Peak of ``sum(sizes[chunk])`` over forwards whose backward has not run yet, walking the
+    rank's schedule; without a pipeline one microbatch of every chunk at a time."""
+    mine = [pp_rank + v * pp for v in range(vpp)]
+    if pp == 1:
+        return sum(sizes[c] for c in mine)
+    live = peak = 0
+    for op in schedule_ops(pp, vpp, microbatches, pp_rank):
+        if op.kind == "fwd":
+            live += sizes[op.chunk]
+            peak = max(peak, live)
+        elif op.kind == "bwd":
+            live -= sizes[op.chunk]
+    return peak
+
+
+def kept_per_layer(spec: ModelSpec, layout: Layout) -> float:
+    """Bytes a layer keeps per microbatch under the recompute policy (full recompute: its
+    share of a checkpointed group's input)."""
+    if layout.recompute != "full":
+        return layer_bytes(spec, layout, core=layout.recompute != "selective")
+    x = layer_shape(spec, layout)
+    group_input = x.s_r * x.b * x.h * _elem(layout)
+    n = layout.recompute_num_layers
+    return group_input / n if layout.recompute_method == "uniform" else group_input
+
+
+@dataclass(frozen=True)
+class ActivationPlan:
+    per_layer: float  # bytes a layer keeps per microbatch under the recompute policy
+    in_flight: float  # peak microbatches (in units of this rank's whole model part) alive
+    saved_peak: int  # peak bytes kept for backward over the step
+    workspace: int  # temporaries on top of the saved peak
+    peak: int  # saved_peak + workspace
+
+
+def activation_plan(spec: ModelSpec, layout: Layout, pp_rank: int) -> ActivationPlan:
+    """Peak activation memory of a rank of pipeline stage ``pp_rank`` during a step."""
+    layers = layout.chunk_layers(spec.num_layers)
+    n_chunks = len(layers)
+    sizes = {
+        c: chunk_bytes(spec, layout, layers[c], c == 0, c == n_chunks - 1) for c in range(n_chunks)
+    }
+    mine = [pp_rank + v * layout.pp for v in range(layout.vpp)]
+    peak = peak_in_flight(layout.pp, layout.vpp, layout.num_microbatches, pp_rank, sizes)
+    # The peak is either at the loss (the last chunk's logits on top of everything kept) or in
+    # the first layers' backward (the head's tensors freed, a recomputed group rebuilt).
+    holds_loss = n_chunks - 1 in mine
+    at_loss = loss_workspace(spec, layout) if holds_loss else 0
+    in_backward = backward_workspace(spec, layout) + max(
+        recompute_workspace(spec, layout, layers[c], c == n_chunks - 1) for c in mine
+    )
+    in_backward += sp_workspace(spec, layout)
+    work = max(at_loss, in_backward, 0) + p2p_workspace(spec, layout)
+    per_rank_part = sum(sizes[c] for c in mine)
+    return ActivationPlan(
+        per_layer=kept_per_layer(spec, layout),
+        in_flight=peak / per_rank_part if per_rank_part else 0.0,
+        saved_peak=peak,
+        workspace=work,
+        peak=peak + work,
+    )
+
+
+def korthikanti_per_layer(spec: ModelSpec, layout: Layout) -> float:
+    """Korthikanti et al.'s published bytes per layer (16-bit, dropout, GeLU MLP of 4h)."""
+    s, b, h = spec.seq_length, layout.micro_batch_size, spec.hidden_size
+    a, t = spec.num_heads, layout.tp
+    sbh = s * b * h
+    if layout.recompute == "full":
+        return 2 * sbh / (t if layout.sequence_parallel else 1)
+    if layout.recompute == "selective":
+        return sbh * 34 / t if layout.sequence_parallel else sbh * (10 + 24 / t)
+    if layout.sequence_parallel:
+        return sbh * (34 / t + 5 * a * s / (h * t))
+    return sbh * (10 + 24 / t + 5 * a * s / (h * t))
+
+
+def interleaving_factor(pp: int, vpp: int) -> float:
+    """Korthikanti et al.'s factor on the first stage's ``pp`` in-flight microbatches under the
+    interleaved schedule (vpp > 1); plain 1F1B keeps exactly ``pp``."""
+    return 1 + (pp - 1) / (pp * vpp) if vpp > 1 else 1.0

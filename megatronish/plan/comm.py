@@ -1,0 +1,106 @@
+"""Communication volume per step per rank, by group and collective (pure).
+
+Bytes follow :class:`~megatronish.distributed.comm.CommStats`: the size of the tensor handed to
+the collective (all-reduce: the tensor; all-gather: the gathered output; reduce-scatter: the full
+input; send / recv: the message), not the bytes on the wire, which depend on the algorithm
+(a ring all-reduce moves ``2 (n - 1) / n`` of the tensor per rank). Scalars (loss, grad norm,
+timers) are left out.
+"""
+
+from __future__ import annotations
+
+from megatronish.model.spec import ModelSpec
+from megatronish.plan.layout import Layout
+from megatronish.plan.states import FP32, meta_chunks
+
+
+def _elem(layout: Layout) -> int:
+    return 2 if layout.precision == "bf16" else 4
+
+
+def tp_volume(spec: ModelSpec, layout: Layout, pp_rank: int) -> dict[str, tuple[int, int]]:
+    """``{"tp/op": (calls, bytes)}`` of one step's forward and backward on this rank."""
+    if layout.tp == 1:
+        return {}
+    layers = layout.chunk_layers(spec.num_layers)
+    mine = [pp_rank + v * layout.pp for v in range(layout.vpp)]
+    n_layers = sum(layers[c] for c in mine)
+    first, last = 0 in mine, len(layers) - 1 in mine
+    m, s, b, h = layout.num_microbatches, spec.seq_length, layout.micro_batch_size, spec.hidden_size
+    act = s * b * h * _elem(layout)
+    # Full recompute repeats a checkpointed group's forward collectives (two per layer) up to
+    # the last saved tensor it must rebuild: the group's final reduction is skipped.
+    groups = redo = 0
+    if layout.recompute == "full":
+        for c in mine:
+            n = min(layout.recompute_num_layers, layers[c])
+            if layout.recompute_method == "uniform":
+                redo += layers[c]
+                groups += -(-layers[c] // n)
+            else:
+                redo += n
+                groups += n
+    per_mb = 4 * n_layers + int(first) + int(last)
+    out: dict[str, tuple[int, int]] = {}
+    if layout.sequence_parallel:
+        ag, rs = per_mb + 2 * redo, per_mb + 2 * redo - groups
+        out["tp/all_gather"] = (m * ag, m * ag * act)
+        out["tp/reduce_scatter"] = (m * rs, m * rs * act)
+        replicated = _sequence_parallel_numel(spec, layout, pp_rank)
+        if replicated:
+            out["tp/all_reduce"] = (1, replicated * FP32)
+    else:
+        ar = per_mb + 2 * redo - groups
+        out["tp/all_reduce"] = (m * ar, m * ar * act)
+    if last:  # the vocabulary-parallel cross entropy: max, target logit, sum of exp
+        calls, nbytes = out.get("tp/all_reduce", (0, 0))
+        out["tp/all_reduce"] = (calls + 3 * m, nbytes + 3 * m * s * b * 4)
+    return out
+
+
+def _sequence_parallel_numel(spec: ModelSpec, layout: Layout, pp_rank: int) -> int:
+    """Elements of replicated params fed by sequence shards (grads summed over tp once)."""
+    chunks = meta_chunks(spec, layout, pp_rank)
+    return sum(
+        p.numel() for c in chunks for p in c.parameters() if getattr(p, "sequence_parallel", False)
+    )
+
+
+def dp_volume(layout: Layout, bucket_numels: list[list[int]]) -> dict[str, tuple[int, int]]:
+    """``{"dp/op": (calls, bytes)}``: grad reduction and param gathers, one call per bucket
+    (``bucket_numels``: padded bucket sizes per chunk of this rank)."""
+    if layout.dp == 1:
+        return {}
+    n = sum(len(c) for c in bucket_numels)
+    full = sum(sum(c) for c in bucket_numels) * FP32
+    if layout.zero_stage == 0:
+        return {"dp/all_reduce": (n, full)}
+    out = {"dp/reduce_scatter": (n, full)}
+    # Zero 3 gathers a chunk's params before each of its forwards and backwards (or once per
+    # step when kept); zero 1/2 gather the updated params once after the step.
+    times = 1
+    if layout.zero_stage == 3 and not layout.zero3_keep_gathered:
+        times = 2 * layout.num_microbatches
+    out["dp/all_gather"] = (times * n, times * full)
+    return out
+
+
+def pp_volume(spec: ModelSpec, layout: Layout, pp_rank: int) -> dict[str, tuple[int, int]]:
+    """``{"pp/send"|"pp/recv": (calls, bytes)}``: activations forward, their grads backward."""
+    if layout.pp == 1:
+        return {}
+    n = layout.pp * layout.vpp
+    s_r = spec.seq_length // layout.tp if layout.sequence_parallel else spec.seq_length
+    msg = s_r * layout.micro_batch_size * spec.hidden_size * _elem(layout)
+    m = layout.num_microbatches
+    mine = [pp_rank + v * layout.pp for v in range(layout.vpp)]
+    sends = sum((c < n - 1) + (c > 0) for c in mine)  # activation out, grad back
+    return {"pp/send": (m * sends, m * sends * msg), "pp/recv": (m * sends, m * sends * msg)}
+
+
+def embedding_volume(spec: ModelSpec, layout: Layout, pp_rank: int) -> dict[str, tuple[int, int]]:
+    """The tied embedding's grad all-reduce between the first and the last stage."""
+    if not spec.tie_embeddings or layout.pp == 1 or pp_rank not in (0, layout.pp - 1):
+        return {}
+    numel = spec.padded_vocab_size // layout.tp * spec.hidden_size
+    return {"embedding/all_reduce": (1, numel * FP32)}

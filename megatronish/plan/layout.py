@@ -1,0 +1,87 @@
+"""The parallel layout and run shape a plan is made for (plain values, no processes)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from megatronish.config.derived import derive
+from megatronish.model.spec import ModelSpec
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Everything about a job that decides memory, FLOPs and communication per rank."""
+
+    tp: int
+    pp: int
+    vpp: int
+    dp: int
+    sp: bool
+    zero_stage: int
+    micro_batch_size: int
+    global_batch_size: int
+    recompute: str = "none"  # none | selective | full
+    recompute_method: str = "uniform"  # uniform | block
+    recompute_num_layers: int = 1
+    layers_per_chunk: tuple[int, ...] = ()  # empty: an even split
+    bucket_size_mb: float = 25.0
+    zero3_keep_gathered: bool = False
+    precision: str = "fp32"  # fp32 | bf16 (autocast; fp32 master params and states)
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.global_batch_size // (self.micro_batch_size * self.dp)
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return self.sp and self.tp > 1
+
+    def chunk_layers(self, num_layers: int) -> tuple[int, ...]:
+        """Layers of every global chunk (``pp * vpp`` of them)."""
+        if self.layers_per_chunk:
+            return self.layers_per_chunk
+        chunks = self.pp * self.vpp
+        return (num_layers // chunks,) * chunks
+
+    def describe(self) -> str:
+        parts = [f"tp={self.tp}", f"pp={self.pp}"]
+        if self.vpp > 1:
+            parts.append(f"vpp={self.vpp}")
+        parts += [f"dp={self.dp}", f"zero={self.zero_stage}"]
+        if self.sequence_parallel:
+            parts.append("sp")
+        if self.recompute != "none":
+            rc = self.recompute
+            if rc == "full":
+                rc += f"/{self.recompute_method}{self.recompute_num_layers}"
+            parts.append(f"recompute={rc}")
+        parts.append(f"mbs={self.micro_batch_size}")
+        return " ".join(parts)
+
+    def with_(self, **changes) -> Layout:
+        return replace(self, **changes)
+
+
+def layout_from_config(cfg, world_size: int) -> Layout:
+    """The layout a validated config describes on ``world_size`` ranks."""
+    p, t = cfg.parallel, cfg.trainer
+    d = derive(cfg, world_size)
+    return Layout(
+        tp=p.tp, pp=p.pp, vpp=p.vpp, dp=d.dp, sp=bool(p.sp), zero_stage=p.zero_stage,
+        micro_batch_size=t.micro_batch_size, global_batch_size=t.global_batch_size,
+        recompute=t.recompute, recompute_method=t.recompute_method,
+        recompute_num_layers=t.recompute_num_layers,
+        layers_per_chunk=tuple(p.pipeline_layer_split or ()),
+        bucket_size_mb=p.bucket_size_mb, zero3_keep_gathered=p.zero3_keep_gathered,
+        precision=t.precision,
+    )  # fmt: skip
+
+
+def spec_of(cfg, vocab_size: int | None = None) -> ModelSpec:
+    """The model shape of ``cfg`` (``vocab_size`` when the config leaves it to the tokenizer)."""
+    vocab = cfg.model.vocab_size or vocab_size or cfg.data.vocab_size
+    return ModelSpec.from_config(cfg.model, vocab)

@@ -1,0 +1,138 @@
+"""Graceful stop: a signal or ``trainer.exit_after_minutes`` ends training at a step boundary.
+
+A signal handler only records which signal arrived. At every step boundary the trainer asks
+:meth:`StopRequest.agreed`, one all-reduce (MAX) of this rank's reason code over the world, so
+every rank stops after the same step even when only some ranks got the signal or their clocks
+disagree about the deadline. The trainer then saves a checkpoint and the process exits with
+``EXIT_STOPPED`` (see ``megatronish/train.py`` and ``docs/operations.md``).
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from megatronish.config.validate import ConfigError
+from megatronish.distributed.comm import ParallelGroup, all_reduce
+
+# Reason codes, ordered: when ranks disagree the all-reduce MAX picks the highest.
+NO_STOP, DEADLINE, SIGNAL = 0, 1, 2
+
+
+def parse_signals(names: Sequence[str]) -> list[signal.Signals]:
+    """``["SIGTERM", "USR2"]`` -> signals; raises ConfigError naming every unknown name."""
+    found, unknown = [], []
+    for name in names:
+        key = str(name).strip().upper()
+        key = key if key.startswith("SIG") else f"SIG{key}"
+        sig = getattr(signal.Signals, key, None)
+        if sig is None or sig in (signal.SIGKILL, signal.SIGSTOP):
+            unknown.append(str(name))
+        elif sig not in found:
+            found.append(sig)
+    if unknown:
+        raise ConfigError(
+            [
+                f"trainer.stop_signals has {', '.join(unknown)}: not a signal a process can "
+                "handle; use names like SIGTERM, SIGUSR1, SIGUSR2, SIGINT (or [] for none)"
+            ]
+        )
+    return found
+
+
+def deadline_after(start: float, minutes: float | None) -> float | None:
+    """The clock value at which ``minutes`` have passed since ``start`` (None: no deadline)."""
+    return None if minutes is None else start + 60.0 * minutes
+
+
+class StopRequest:
+    """This rank's reasons to stop (signals received, deadline passed) and the agreed outcome.
+
+    ``clock`` is injectable so the deadline logic is testable without waiting.
+    """
+
+    def __init__(
+        self,
+        signals: Sequence[signal.Signals] = (),
+        exit_after_minutes: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        if exit_after_minutes is not None and exit_after_minutes <= 0:
+            raise ConfigError(
+                [
+                    f"trainer.exit_after_minutes={exit_after_minutes} must be positive; "
+                    "use null to train until trainer.max_steps"
+                ]
+            )
+        self.signals = list(signals)
+        self.exit_after_minutes = exit_after_minutes
+        self.clock = clock
+        self.deadline = deadline_after(clock(), exit_after_minutes)
+        self.received: str | None = None  # name of the first stop signal this process got
+        self.reason: str | None = None  # why the ranks agreed to stop; None while training
+        self._previous: dict[signal.Signals, object] = {}
+
+    @classmethod
+    def from_config(cls, trainer_cfg, clock: Callable[[], float] = time.monotonic) -> StopRequest:
+        """From ``trainer.stop_signals`` and ``trainer.exit_after_minutes``."""
+        return cls(parse_signals(trainer_cfg.stop_signals), trainer_cfg.exit_after_minutes, clock)
+
+    # -- signal handlers (main thread only) ---------------------------------------------------
+    def install(self) -> None:
+        """Handle the stop signals in this process until :meth:`uninstall`.
+
+        Python runs signal handlers in the main thread only; elsewhere (a run started from a
+        thread) the signals keep their actions and only the deadline applies.
+        """
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in self.signals:
+            self._previous[sig] = signal.signal(sig, self._on_signal)
+
+    def uninstall(self) -> None:
+        """Put back the handlers that were there before :meth:`install`."""
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        self._previous.clear()
+
+    def __enter__(self) -> StopRequest:
+        self.install()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.uninstall()
+
+    def _on_signal(self, signum, frame) -> None:
+        # Runs between bytecodes of the main thread: only record, act at the step boundary.
+        if self.received is None:
+            self.received = signal.Signals(signum).name
+
+    # -- the decision -------------------------------------------------------------------------
+    def local_code(self) -> int:
+        """This rank's reason code: SIGNAL, DEADLINE or NO_STOP."""
+        if self.received is not None:
+            return SIGNAL
+        if self.deadline is not None and self.clock() >= self.deadline:
+            return DEADLINE
+        return NO_STOP
+
+    def describe(self, code: int) -> str:
+        """Words for an agreed reason code, as logged."""
+        if code == SIGNAL:
+            return f"signal {self.received}" if self.received else "a stop signal on another rank"
+        if self.exit_after_minutes is None:
+            return "trainer.exit_after_minutes reached on another rank"
+        return f"trainer.exit_after_minutes={self.exit_after_minutes} reached"
+
+    def agreed(self, group: ParallelGroup, device: torch.device | None = None) -> str | None:
+        """Collective (one all-reduce): why every rank stops after this step, or None."""
+        code = torch.tensor([float(self.local_code())], device=device)
+        all_reduce(code, group, op="max")
+        agreed = int(code.item())
+        if agreed != NO_STOP:
+            self.reason = self.describe(agreed)
+        return self.reason

@@ -1,0 +1,90 @@
+"""Measure what a rank holds: state tensors between steps and the activation peak of a step.
+
+States are the storages of the ZeRO buffers and Adam moments (each storage counted once).
+The activation peak is the highest net allocation, over one step's forward and backward,
+above the memory held when it started: every allocation and free of the CPU (or CUDA)
+allocator recorded by ``torch.profiler`` with ``profile_memory``. Under ZeRO 3 the full
+params gathered during the step are subtracted (they are states, planned separately).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch.profiler import ProfilerActivity, profile
+
+
+@dataclass
+class MeasuredMemory:
+    params: int
+    grads: int
+    optimizer: int
+    activations: int  # peak net allocation of forward + backward, gathered zero-3 params excluded
+    gathered_params: int  # zero 3: bytes of the largest chunk's full params
+
+
+def _storage_bytes(tensors) -> int:
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if t is None:
+            continue
+        st = t.untyped_storage()
+        if st.nbytes():
+            seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values())
+
+
+def state_storage(trainer) -> dict[str, int]:
+    """Bytes of the params, grads and optimizer storages this rank holds right now."""
+    zero, opt = trainer.zero, trainer.optimizer
+    params = _storage_bytes(
+        [b.param_flat for b in zero.buckets] + [b.param_shard for b in zero.buckets]
+    )
+    grad_tensors = [t for b in zero.buckets for t in (b.grad_flat, b.grad_shard)]
+    return {
+        "params": params,
+        "grads": _storage_bytes(grad_tensors),
+        "optimizer": _storage_bytes(opt.exp_avg + opt.exp_avg_sq),
+    }
+
+
+def _peak_net_bytes(prof) -> int:
+    """Peak net allocation over the profiled region, all threads (gloo's worker threads free
+    the buffers of finished collectives, a little later from one run to the next)."""
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    live = peak = 0
+    for e in sorted(events, key=lambda e: e.start_ns()):
+        live += e.nbytes()
+        peak = max(peak, live)
+    return peak
+
+
+def measure_step(trainer) -> MeasuredMemory:
+    """Run one training step (after at least one earlier step) and measure this rank."""
+    states = state_storage(trainer)
+    inner = trainer.forward_backward
+    peaks = []
+
+    def profiled(*args, **kwargs):
+        activities = [ProfilerActivity.CPU]
+        if trainer.topo.device.type == "cuda":
+            activities.append(ProfilerActivity.CUDA)
+        with profile(activities=activities, profile_memory=True) as prof:
+            out = inner(*args, **kwargs)
+        peaks.append(_peak_net_bytes(prof))
+        return out
+
+    trainer.forward_backward = profiled
+    try:
+        trainer.train_step()
+    finally:
+        trainer.forward_backward = inner
+    gathered = 0
+    if trainer.zero.stage == 3:
+        gathered = max(sum(b.numel for b in bs) for bs in trainer.zero.buckets_of) * 4
+        if trainer.zero.keep_gathered:
+            gathered = sum(b.numel for b in trainer.zero.buckets) * 4
+    return MeasuredMemory(
+        params=states["params"], grads=states["grads"], optimizer=states["optimizer"],
+        activations=peaks[0] - gathered, gathered_params=gathered,
+    )  # fmt: skip

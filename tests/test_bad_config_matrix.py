@@ -1,0 +1,137 @@
+"""Invalid configurations end the job on every rank: exit 2 and one line naming the problem.
+
+The rules themselves are tested in test_config_validation.py; this file checks what a user sees.
+Most cases run ``megatronish.train.main_with_config`` in a forked 2-rank world (``RANK`` and
+``WORLD_SIZE`` set as torchrun sets them). Errors Hydra raises while composing (unknown key,
+wrong type, unknown experiment, unparsable override) need the real command line.
+"""
+
+import contextlib
+import io
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from megatronish.config.compose import load_config
+from megatronish.testing.multiproc import run_world
+
+# (overrides, a phrase the reason must contain); each breaks exactly one rule in a 2-rank world.
+CASES = [
+    (["parallel.pp=4", "trainer.global_batch_size=32"], "world size 2 is not divisible by tp*pp"),
+    (["parallel.dp=4", "trainer.global_batch_size=32"], "tp*pp*dp = 1*1*4 = 4"),
+    (["world_size=4"], "world_size=4 but the job was launched with 2"),
+    (["parallel.tp=2", "model.num_query_groups=1"], "num_query_groups=1 (kv heads) is not divisible"),
+    (["model.num_query_groups=3"], "num_query_groups=3 must divide model.num_attention_heads=4"),
+    (["model.hidden_size=130"], "hidden_size=130 is not divisible by model.num_attention_heads=4"),
+    (["parallel.tp=2", "model.ffn_hidden_size=353"], "ffn hidden size 353 is not divisible"),
+    (["parallel.tp=2", "parallel.sp=true", "model.seq_length=255"], "seq_length=255"),
+    (["parallel.pp=2", "model.num_layers=5"], "num_layers=5 is not divisible by pp*vpp"),
+    (["parallel.pp=2", "parallel.pipeline_layer_split=[1,2]"], "pipeline_layer_split=[1, 2]"),
+    (["trainer.global_batch_size=12"], "global_batch_size=12 is not divisible"),
+    (["parallel.pp=2", "trainer.micro_batch_size=16", "trainer.global_batch_size=16"],
+     "fewer than parallel.pp=2"),
+    (["parallel.pp=2", "parallel.vpp=2", "trainer.global_batch_size=24"],
+     "needs microbatches per step (3) divisible by parallel.pp=2"),
+    (["parallel.vpp=2"], "vpp=2 needs parallel.pp > 1"),
+    (["parallel.zero_stage=4"], "zero_stage=4 must be 0, 1, 2 or 3"),
+    (["model.num_layers=0"], "model.num_layers=0 must be >= 1"),
+    (["model.hidden_size=-128"], "model.hidden_size=-128 must be >= 1"),
+    (["trainer.micro_batch_size=0"], "trainer.micro_batch_size=0 must be >= 1"),
+    (["trainer.max_skipped_steps=-1"], "trainer.max_skipped_steps=-1 must be >= 0"),
+    (["parallel.collective_timeout_s=0"], "parallel.collective_timeout_s=0.0 must be > 0"),
+    (["model.arch=gpt3"], "model.arch='gpt3' is not one of llama, gpt2"),
+    (["optimizer.lr=0"], "optimizer.lr=0.0 must be > 0"),
+    (["model.hidden_dropout=1.5"], "hidden_dropout=1.5 must be in [0, 1)"),
+    (["+trainer.max_step=3"], "unknown key trainer.max_step"),
+    (["data=indexed", f"data.tokenizer_model={__file__}"], "needs data.prefix"),
+    (["data=indexed", "data.prefix=/nonexistent/corpus", f"data.tokenizer_model={__file__}"],
+     "/nonexistent/corpus.idx does not exist"),
+]  # fmt: skip
+
+
+def _main_with_every_config(rank, world, configs):
+    import megatronish.train as entry
+
+    def accepted(cfg, stop=None):
+        raise AssertionError("an invalid config was accepted")
+
+    entry.run = accepted  # this forked rank only: a valid config must not start training
+    out = []
+    for cfg in configs:
+        err, std = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(std):
+            code = entry.main_with_config(cfg)
+        out.append((code, err.getvalue(), std.getvalue()))
+    return out
+
+
+@pytest.fixture(scope="module")
+def every_rank():
+    configs = [load_config(overrides) for overrides, _ in CASES]  # composed once, forked twice
+    return run_world(_main_with_every_config, 2, configs)
+
+
+@pytest.mark.parametrize("index", range(len(CASES)), ids=[" ".join(c[0]) for c in CASES])
+def test_invalid_config_exits_2_with_one_line_on_every_rank(every_rank, index):
+    needle = CASES[index][1]
+    for rank, results in enumerate(every_rank):
+        code, err, out = results[index]
+        assert code == 2
+        assert out == ""
+        lines = err.splitlines()
+        assert len(lines) == 1, err
+        assert lines[0].startswith(f"[rank {rank}] invalid config: ") and needle in lines[0], err
+
+
+# -- the real command line ----------------------------------------------------------------------
+
+CLI_CASES = [
+    (["model.not_a_key=1"], "invalid config: unknown key model.not_a_key: check the spelling"),
+    (["model.num_layers=four"], "invalid config: model.num_layers: Value 'four' of type 'str'"),
+    (["+experiment=does_not_exist"],
+     "invalid config: experiment 'does_not_exist' does not exist; choose one of: gpt_125m"),
+    (["parallel.tp"], "invalid config: cannot parse the override 'parallel.tp'"),
+]  # fmt: skip
+
+TORCHRUN = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+            # torchrun stops the other ranks once one fails; a slow monitor lets each rank exit
+            # by itself, so the test sees what every rank does.
+            "--monitor-interval", "5")  # fmt: skip
+
+
+def run_cli(args, tmp_path, launcher=(sys.executable,)):
+    env = dict(os.environ, WANDB_MODE="disabled", OMP_NUM_THREADS="1")
+    env.pop("HYDRA_FULL_ERROR", None)
+    cmd = [*launcher, "-m", "megatronish.train", *args, f"out_dir={tmp_path / 'out'}"]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
+
+
+@pytest.mark.parametrize("args, reason", CLI_CASES, ids=[" ".join(c[0]) for c in CLI_CASES])
+def test_hydra_errors_are_one_line_and_exit_2(tmp_path, args, reason):
+    r = run_cli(args, tmp_path)
+    assert r.returncode == 2
+    assert r.stdout == ""
+    assert r.stderr.splitlines() == [r.stderr.strip()], r.stderr  # one line, no traceback
+    assert r.stderr.startswith(reason), r.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "args, reason",
+    [
+        (["model.not_a_key=1"], "invalid config: unknown key model.not_a_key"),
+        (["parallel.vpp=2"], "invalid config: parallel.vpp=2 needs parallel.pp > 1"),
+    ],
+)
+def test_every_torchrun_rank_exits_2_with_the_reason(tmp_path, args, reason):
+    r = run_cli(args, tmp_path, launcher=TORCHRUN)
+    assert r.returncode != 0
+    for rank in (0, 1):
+        assert f"[rank {rank}] {reason}" in r.stderr, r.stderr[-3000:]
+    # torchrun's summary: exit 2, or its own SIGTERM for a rank still shutting down after the
+    # first one exited (on a loaded machine that can take longer than the monitor interval).
+    codes = re.findall(r"exitcode\s*:\s*(-?\d+)", r.stderr)
+    assert "2" in codes and set(codes) <= {"2", "-15"}, r.stderr[-3000:]

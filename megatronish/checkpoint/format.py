@@ -150,7 +150,7 @@ def read_metadata(step_dir: str) -> Metadata:
         raise CheckpointError(f"cannot read {path}: {e}") from e
 
 
-READ_THREADS = min(4, os.cpu_count() or 1)  # concurrent reads help even a single NVMe drive
+READ_THREADS = min(4, os.cpu_count() or 1)  # threads reading a load, one run of pieces each
 
 
 class ShardReader:

@@ -3,10 +3,11 @@
 One process holds a trained megatronish Trainer (a ~28M-parameter llama: 333 MB of fp32 params
 and Adam moments) and a freshly built one of the same layout. In the same directory, interleaved
 repeats time a raw sequential write of the same size (large writes + fsync) against
-``CheckpointSaver.save(blocking=True)``, a raw sequential read against ``load_into`` (and plain
-safetensors ``load_file``) with the page cache cold and warm, and ``save(blocking=False)`` (the
-step-boundary stall) with training steps running during its background writer. When save or
-load falls under half the raw disk, one save and one load are profiled (``ckpt_profile.py``).
+``CheckpointSaver.save(blocking=True)``, a raw sequential read against ``load_into`` (with and
+without checksums, and plain safetensors ``load_file``) with the page cache cold and warm, and
+``save(blocking=False)`` (the step-boundary stall) with training steps running during its
+background writer. When save or load falls under half the raw disk, one save and one load are
+profiled (``ckpt_profile.py``).
 
 Run alone: ``.venv/bin/python tools/bench/bench_checkpoint.py [--quick] [--profile] [--dir D]``.
 """
@@ -35,6 +36,8 @@ from ckpt_tables import (
 )
 from common import machine_info
 from sections import write_section
+
+from megatronish.checkpoint.format import READ_THREADS
 
 NAME = "checkpoint"
 TITLE = "Checkpoint save / load throughput vs the raw disk, async save stall"
@@ -92,10 +95,12 @@ def run(quick: bool = False, force_profile: bool = False, base: str | None = Non
         "of the checkpoint's size in 16 MiB buffered writes + fsync; save: "
         "`CheckpointSaver.save(blocking=True)` (snapshot, safetensors + CRC32 + index, fsync, "
         "metadata, rename), GB/s = bytes of the step directory / seconds. Raw read: that file "
-        "read into a preallocated buffer in 16 MiB `readinto`s; load: `load_into` of the step "
-        "directory into a second, freshly built trainer of the same layout (also at 1 intra-op "
-        "thread); reference: safetensors' `load_file` of the same files with every tensor "
-        "copied once into a preallocated buffer. Cold = the files' "
+        "read into a preallocated buffer in 16 MiB `readinto`s (one thread); load: `load_into` "
+        "of the step directory into a second, freshly built trainer of the same layout, "
+        f"without checksums (`checkpoint.verify=false`) with its {READ_THREADS} reading threads "
+        "and with one, and with every shard's CRC32 checked; reference: safetensors' "
+        "`load_file` of the same files with every tensor copied once into a preallocated "
+        "buffer. Cold = the files' "
         "pages evicted with posix_fadvise(DONTNEED) after fsync (the host's cache below the VM "
         "may still serve them); warm = read once, untimed, first. Async: `save(blocking=False)` "
         "plus the `poll()` that publishes, vs the blocking save in the same repeat; then "

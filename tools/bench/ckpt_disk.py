@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import time
+import zlib
 
 import torch
 
@@ -61,6 +62,13 @@ def raw_write(path: str, nbytes: int, data: memoryview) -> float:
 def host_buffer(nbytes: int) -> memoryview:
     """A touched (already faulted-in) buffer of ``nbytes`` to read into."""
     return memoryview(torch.ones(nbytes, dtype=torch.uint8).numpy()).cast("B")
+
+
+def crc_pass(data: memoryview) -> float:
+    """Seconds of one zlib CRC32 over ``data`` in memory (what a checksummed load adds)."""
+    t0 = time.perf_counter()
+    zlib.crc32(data)
+    return time.perf_counter() - t0
 
 
 def raw_read(path: str, out: memoryview) -> float:

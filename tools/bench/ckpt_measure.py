@@ -17,6 +17,7 @@ from mish import MishRun, build_run
 from safetensors.torch import load_file
 
 import megatronish.checkpoint.save as save_mod
+from megatronish.checkpoint.format import READ_THREADS
 from megatronish.checkpoint.load import load_into
 from megatronish.checkpoint.pieces import full_local_values, param_rects
 from megatronish.checkpoint.save import CheckpointSaver, snapshot
@@ -80,10 +81,12 @@ def timed_save(rig: CkptRig) -> tuple[float, str]:
     return time.perf_counter() - t0, path
 
 
-def timed_load(rig: CkptRig, path: str) -> float:
-    """Seconds of ``load_into`` of ``path`` into the fresh trainer."""
+def timed_load(rig: CkptRig, path: str, verify: bool = False, threads: int = READ_THREADS) -> float:
+    """Seconds of ``load_into`` of ``path`` into the fresh trainer, with ``checkpoint.verify``
+    set to ``verify`` and ``threads`` reading threads."""
+    rig.fresh.trainer.cfg.checkpoint.verify = verify
     t0 = time.perf_counter()
-    load_into(rig.fresh.trainer, path)
+    load_into(rig.fresh.trainer, path, threads=threads)
     return time.perf_counter() - t0
 
 

@@ -1,12 +1,13 @@
 """The interleaved repeats of the checkpoint benchmark.
 
 Each repeat runs the write variants (raw write, blocking save, async save with training steps
-during its writer), then the read variants (raw read, ``load_into``, plain safetensors
-``load_file``; ``load_into`` also at 1 intra-op thread), each cold (pages evicted first) and
-warm (files read once, untimed, first), then megatronish's snapshot and the proposed
-persistent-buffer copy at 2 and 1 threads. The order of the variants is reversed on every other
-repeat. Reads use the files written in the same repeat; everything written is removed at the end
-of the repeat, outside the timings.
+during its writer), then the read variants (raw read, ``load_into`` with its reading threads and
+with one, ``load_into`` checking every shard's CRC32, plain safetensors ``load_file``), each
+cold (pages evicted first) and warm (files read once, untimed, first), one zlib CRC32 pass over
+the same bytes in memory, then megatronish's snapshot and the proposed persistent-buffer copy at
+2 and 1 threads. The order of the variants is reversed on every other repeat. Reads use the files
+written in the same repeat; everything written is removed at the end of the repeat, outside the
+timings.
 """
 
 from __future__ import annotations
@@ -15,7 +16,16 @@ import os
 from collections.abc import Callable
 
 import torch
-from ckpt_disk import dir_bytes, dir_files, evict, host_buffer, payload, raw_read, raw_write
+from ckpt_disk import (
+    crc_pass,
+    dir_bytes,
+    dir_files,
+    evict,
+    host_buffer,
+    payload,
+    raw_read,
+    raw_write,
+)
 from ckpt_measure import (
     CkptRig,
     PersistentCopy,
@@ -29,7 +39,7 @@ from ckpt_measure import (
 from common import threads
 
 WRITES = ("raw write", "save", "async save")
-READS = ("raw read", "load", "load 1 thread", "load_file")
+READS = ("raw read", "load", "load 1 reader", "load verified", "load_file")
 COPIES = ("snapshot", "piecewise copy", "persistent copy")  # each at 2 and 1 intra-op threads
 
 
@@ -56,7 +66,8 @@ def _read_round(
     ops: dict[str, tuple[list[str], Callable[[], float]]] = {
         "raw read": (raw_files, lambda: raw_read(raw_path, buf)),
         "load": (ckpt_files, lambda: timed_load(rig, ckpt)),
-        "load 1 thread": (ckpt_files, lambda: _one_thread(lambda: timed_load(rig, ckpt))),
+        "load 1 reader": (ckpt_files, lambda: timed_load(rig, ckpt, threads=1)),
+        "load verified": (ckpt_files, lambda: timed_load(rig, ckpt, verify=True)),
         "load_file": (ckpt_files, lambda: timed_load_file(ckpt_files, dest)),
     }
     out: dict[str, float] = {}
@@ -66,11 +77,6 @@ def _read_round(
             evict(files) if cache == "cold" else _prime(files, buf)
             out[f"{name} {cache}"] = op()
     return out
-
-
-def _one_thread(op: Callable[[], float]) -> float:
-    with threads(1):
-        return op()
 
 
 def _copy_round(rig: CkptRig, persistent: PersistentCopy, flip: bool) -> dict[str, float]:
@@ -112,6 +118,7 @@ def rounds(rig: CkptRig, nbytes: int, repeats: int, baseline_steps: int) -> dict
                 seconds = result["snapshot_s"] + result["publish_s"]
             times.setdefault(name, []).append(seconds)
         measured = _read_round(rig, raw_path, ckpt, buf, flip)
+        measured["crc32"] = crc_pass(buf[:nbytes])
         measured.update(_copy_round(rig, persistent, flip))
         for name, seconds in measured.items():
             times.setdefault(name, []).append(seconds)

@@ -5,7 +5,10 @@ from __future__ import annotations
 from common import median
 from sections import table
 
+from megatronish.checkpoint.format import READ_THREADS
+
 TARGET = 0.5  # save / load throughput as a fraction of the raw disk's
+LOADS = ("load", "load 1 reader", "load verified", "load_file")  # read variants besides raw
 OVERLAP = 0.5  # a step counts as "during the writer" when at least this much of it overlapped
 
 
@@ -32,7 +35,7 @@ def summarize(res: dict, nbytes: int) -> dict:
     ])  # fmt: skip
     for cache in ("cold", "warm"):
         raw = t[f"raw read {cache}"]
-        for name in ("load", "load 1 thread", "load_file"):
+        for name in LOADS:
             ratio = median([r / x for r, x in zip(raw, t[f"{name} {cache}"], strict=True)])
             out["ratio"][f"{name} {cache}"] = ratio
     a = res["async"]
@@ -69,8 +72,9 @@ def throughput_table(s: dict) -> dict:
     ]  # fmt: skip
     for cache in ("cold", "warm"):
         for name, what in (
-            ("load", "load_into (fresh trainer)"),
-            ("load 1 thread", "load_into, 1 intra-op thread"),
+            ("load", f"load_into (fresh trainer, verify=false), {READ_THREADS} reading threads"),
+            ("load 1 reader", "load_into (verify=false), 1 reading thread"),
+            ("load verified", "load_into + CRC32 of every shard (checkpoint.verify=true)"),
             ("load_file", "reference: safetensors load_file + 1 copy"),
         ):
             rows.append([
@@ -138,9 +142,6 @@ def copies_table(s: dict) -> dict:
     ):
         two, one = g[f"{name} 2t"], g[f"{name} 1t"]
         rows.append([what, f"{two:.2f}", f"{one:.2f}"])
-    for cache in ("warm", "cold"):
-        rows.append([f"load_into, {cache}", f"{g[f'load {cache}']:.3f}",
-                     f"{g[f'load 1 thread {cache}']:.3f}"])  # fmt: skip
     return table("Host-memory side (GB/s): the async-save snapshot vs the proposed persistent "
-                 "buffers, and load_into, at 2 and 1 intra-op threads",
+                 "buffers, at 2 and 1 intra-op threads",
                  ["operation", "2 threads GB/s", "1 thread GB/s"], rows)  # fmt: skip

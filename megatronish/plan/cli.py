@@ -5,8 +5,10 @@ from __future__ import annotations
 import sys
 
 from megatronish.config.validate import config_errors
+from megatronish.plan.advise_cli import ADVISE_OPTIONS, OPTION_HINTS, unused_advise_options
 
-PLAN_OPTIONS = {"device_memory_gb": float, "peak_tflops": float, "step_time_s": float}
+PLAN_OPTIONS = {"device_memory_gb": float, "peak_tflops": float, "step_time_s": float,
+                **ADVISE_OPTIONS}  # fmt: skip
 
 
 def split_options(argv: list[str]) -> tuple[list[str], dict[str, float]]:
@@ -18,7 +20,8 @@ def split_options(argv: list[str]) -> tuple[list[str], dict[str, float]]:
             try:
                 options[key] = PLAN_OPTIONS[key](value)
             except ValueError:
-                raise SystemExit(f"{arg}: expected a number, e.g. {key}=80") from None
+                hint = OPTION_HINTS.get(key, f"a number, e.g. {key}=80")
+                raise SystemExit(f"{arg}: expected {hint}") from None
         else:
             overrides.append(arg)
     return overrides, options
@@ -38,6 +41,13 @@ def main(argv: list[str]) -> int:
     except Exception as e:  # noqa: BLE001 - Hydra/OmegaConf raise many types; one line out
         print(f"invalid config: {composition_error_reason(e)}", file=sys.stderr)
         return 2
+    if unused := unused_advise_options(options):
+        print(f"{', '.join(unused)}: options of the advisor; add advise=true", file=sys.stderr)
+        return 2
+    if options.get("advise"):
+        from megatronish.plan.advise_cli import advise_main
+
+        return advise_main(cfg, overrides, options)
     p = cfg.parallel
     world = cfg.world_size or p.tp * p.pp * (p.dp or 1)
     errors = config_errors(cfg, world)

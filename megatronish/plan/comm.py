@@ -18,8 +18,11 @@ def _elem(layout: Layout) -> int:
     return 2 if layout.precision == "bf16" else 4
 
 
-def tp_volume(spec: ModelSpec, layout: Layout, pp_rank: int) -> dict[str, tuple[int, int]]:
-    """``{"tp/op": (calls, bytes)}`` of one step's forward and backward on this rank."""
+def tp_volume(
+    spec: ModelSpec, layout: Layout, pp_rank: int, chunks: list | None = None
+) -> dict[str, tuple[int, int]]:
+    """``{"tp/op": (calls, bytes)}`` of one step's forward and backward on this rank
+    (``chunks``: its :func:`~megatronish.plan.states.meta_chunks`, when already built)."""
     if layout.tp == 1:
         return {}
     layers = layout.chunk_layers(spec.num_layers)
@@ -46,7 +49,9 @@ def tp_volume(spec: ModelSpec, layout: Layout, pp_rank: int) -> dict[str, tuple[
         ag, rs = per_mb + 2 * redo, per_mb + 2 * redo - groups
         out["tp/all_gather"] = (m * ag, m * ag * act)
         out["tp/reduce_scatter"] = (m * rs, m * rs * act)
-        replicated = _sequence_parallel_numel(spec, layout, pp_rank)
+        if chunks is None:
+            chunks = meta_chunks(spec, layout, pp_rank)
+        replicated = _sequence_parallel_numel(chunks)
         if replicated:
             out["tp/all_reduce"] = (1, replicated * FP32)
     else:
@@ -58,9 +63,8 @@ def tp_volume(spec: ModelSpec, layout: Layout, pp_rank: int) -> dict[str, tuple[
     return out
 
 
-def _sequence_parallel_numel(spec: ModelSpec, layout: Layout, pp_rank: int) -> int:
+def _sequence_parallel_numel(chunks: list) -> int:
     """Elements of replicated params fed by sequence shards (grads summed over tp once)."""
-    chunks = meta_chunks(spec, layout, pp_rank)
     return sum(
         p.numel() for c in chunks for p in c.parameters() if getattr(p, "sequence_parallel", False)
     )

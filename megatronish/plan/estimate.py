@@ -83,11 +83,12 @@ def optimizer_workspace(spec: ModelSpec, layout: Layout, states: StateBytes) -> 
 
 
 def plan_stage(spec: ModelSpec, layout: Layout, pp_rank: int) -> StagePlan:
-    states = state_bytes(spec, layout, pp_rank)
-    buckets = [chunk_bucket_numels(c, layout) for c in meta_chunks(spec, layout, pp_rank)]
+    chunks = meta_chunks(spec, layout, pp_rank)
+    states = state_bytes(spec, layout, pp_rank, chunks)
+    buckets = [chunk_bucket_numels(c, layout) for c in chunks]
     comm: dict[str, tuple[int, int]] = {}
     for part in (
-        tp_volume(spec, layout, pp_rank),
+        tp_volume(spec, layout, pp_rank, chunks),
         dp_volume(layout, buckets),
         pp_volume(spec, layout, pp_rank),
         embedding_volume(spec, layout, pp_rank),

@@ -70,9 +70,12 @@ def chunk_bucket_numels(chunk: GPTChunk, layout: Layout) -> list[int]:
     return [b.numel for b in buckets]
 
 
-def state_bytes(spec: ModelSpec, layout: Layout, pp_rank: int) -> StateBytes:
-    """Params, grads and Adam moments held by a rank of pipeline stage ``pp_rank``."""
-    chunks = meta_chunks(spec, layout, pp_rank)
+def state_bytes(
+    spec: ModelSpec, layout: Layout, pp_rank: int, chunks: list[GPTChunk] | None = None
+) -> StateBytes:
+    """Params, grads and Adam moments held by a rank of pipeline stage ``pp_rank``
+    (``chunks``: that rank's :func:`meta_chunks`, when the caller has them already)."""
+    chunks = chunks if chunks is not None else meta_chunks(spec, layout, pp_rank)
     per_chunk = [chunk_bucket_numels(c, layout) for c in chunks]
     numel = sum(sum(n) for n in per_chunk)
     param_numel = sum(p.numel() for c in chunks for p in c.parameters())

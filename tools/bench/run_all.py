@@ -33,6 +33,7 @@ BENCHMARKS = {
     "zero": "bench_zero.py",
     "checkpoint": "bench_checkpoint.py",
     "memory": "bench_memory.py",
+    "advisor": "bench_advisor.py",
 }
 
 

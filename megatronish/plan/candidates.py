@@ -1,0 +1,121 @@
+"""Every parallel layout of a job on N ranks that the trainer accepts (pure, no processes).
+
+A candidate varies tp, pp, vpp, sp, ZeRO stage, recompute and micro batch size; dp follows from
+the world size. The model, the global batch, the precision and the bucket size stay as
+configured. Whether a candidate is valid is decided by
+:func:`megatronish.config.validate.config_errors` itself, on a copy of the config holding the
+candidate's values, so the list holds exactly the layouts ``python -m megatronish.train`` would
+start.
+
+Two reductions keep the list free of duplicates: without data parallelism every ZeRO stage is
+the same job, so only ZeRO 0 is listed; sequence parallelism needs tp > 1. Full recompute is
+``uniform`` with one layer per checkpointed group (Megatron's default granularity).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from types import SimpleNamespace
+
+from omegaconf import OmegaConf
+
+from megatronish.config.validate import config_errors
+from megatronish.plan.layout import Layout
+
+MICRO_BATCH_SIZES = (1, 2, 4, 8, 16)
+RECOMPUTE = ("none", "selective", "full")
+ZERO_STAGES = (0, 1, 2, 3)
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _namespace(node):
+    if isinstance(node, dict):
+        return SimpleNamespace(**{k: _namespace(v) for k, v in node.items()})
+    return node
+
+
+def config_view(cfg) -> SimpleNamespace:
+    """A plain, mutable copy of a composed config that ``config_errors`` accepts (it skips the
+    unknown-key check, which the composed config already passed)."""
+    return _namespace(OmegaConf.to_container(cfg, resolve=True))
+
+
+def _with_layout(view: SimpleNamespace, layout: Layout) -> SimpleNamespace:
+    """``view`` with the layout's parallel and trainer values (dp derived, even layer split)."""
+    p = SimpleNamespace(**vars(view.parallel))
+    p.tp, p.pp, p.vpp, p.dp, p.sp = layout.tp, layout.pp, layout.vpp, None, layout.sp
+    p.zero_stage, p.pipeline_layer_split = layout.zero_stage, None
+    t = SimpleNamespace(**vars(view.trainer))
+    t.micro_batch_size, t.recompute = layout.micro_batch_size, layout.recompute
+    t.recompute_method, t.recompute_num_layers = layout.recompute_method, 1
+    out = SimpleNamespace(**vars(view))
+    out.parallel, out.trainer = p, t
+    return out
+
+
+def layout_errors(
+    view: SimpleNamespace, layout: Layout, vocab_size: int | None = None
+) -> list[str]:
+    """What ``config_errors`` says about the config ``view`` run in ``layout``."""
+    return config_errors(_with_layout(view, layout), layout.world_size, vocab_size)
+
+
+def _shapes(base: Layout, world_size: int, num_layers: int) -> Iterator[Layout]:
+    """tp, pp, vpp, sp and micro batch combinations (ZeRO 0, no recompute) before validation:
+    tp and pp divide the world, vpp goes up to one layer per chunk."""
+    sizes = sorted({*MICRO_BATCH_SIZES, base.micro_batch_size})
+    for tp in divisors(world_size):
+        for pp in divisors(world_size // tp):
+            dp = world_size // (tp * pp)
+            for vpp in [1] if pp == 1 else range(1, num_layers // pp + 1):
+                for mbs in (b for b in sizes if b * dp <= base.global_batch_size):
+                    for sp in (False, True) if tp > 1 else (False,):
+                        yield base.with_(
+                            tp=tp, pp=pp, vpp=vpp, dp=dp, sp=sp, micro_batch_size=mbs
+                        )  # fmt: skip
+
+
+def valid_layouts(cfg, world_size: int, vocab_size: int | None = None) -> list[Layout]:
+    """Every layout of ``cfg``'s model and batch on ``world_size`` ranks that passes
+    ``config_errors`` (``cfg`` is a composed config; its own parallel values are ignored).
+
+    The rules run once per shape (tp, pp, vpp, sp, micro batch): none of them depends on the
+    ZeRO stage or the recompute policy, which take every value they allow.
+    """
+    from megatronish.plan.layout import layout_from_config
+
+    view = config_view(cfg)
+    base = layout_from_config(_base_config(cfg), 1).with_(
+        zero_stage=0, recompute="none", recompute_method="uniform", recompute_num_layers=1,
+        layers_per_chunk=(),
+    )  # fmt: skip
+    out = []
+    for shape in _shapes(base, world_size, cfg.model.num_layers):
+        if layout_errors(view, shape, vocab_size):
+            continue
+        for zero in ZERO_STAGES if shape.dp > 1 else (0,):
+            for recompute in RECOMPUTE:
+                out.append(shape.with_(zero_stage=zero, recompute=recompute))
+    return out
+
+
+def _base_config(cfg):
+    """``cfg`` as a one-rank job (the layout fields the candidates replace)."""
+    base = copy.deepcopy(cfg)
+    base.parallel.tp = base.parallel.pp = base.parallel.vpp = 1
+    base.parallel.dp = None
+    base.parallel.sp = False
+    base.parallel.pipeline_layer_split = None
+    return base
+
+
+def base_errors(cfg, vocab_size: int | None = None) -> list[str]:
+    """Problems of ``cfg`` that no layout can fix (model shape, optimizer, data, ...): the
+    rules checked on the one-rank job with micro batch 1."""
+    view = config_view(_base_config(cfg))
+    view.trainer.micro_batch_size = 1
+    return config_errors(view, 1, vocab_size)

@@ -1,0 +1,231 @@
+"""An estimated step time of a planned layout: compute, pipeline bubble, communication.
+
+The model (symbols: ``N`` ranks, ``t`` tp, ``p`` pp, ``v`` vpp, ``d`` dp, ``m`` microbatches,
+``g`` GPUs per node):
+
+- **Compute.** Each pipeline stage does the FLOPs of its layers (and the head on the last
+  stage) for the ``tokens / d`` tokens of its pipeline, split over its ``t`` ranks, at
+  ``peak * efficiency``. Hardware FLOPs: recompute's repeated forward work is added (its part
+  is reported as ``recompute``). The busiest stage sets the pace; with even layers it is the
+  last one, which also computes the head.
+- **Bubble.** 1F1B idles ``(p - 1) / (v m)`` of the busiest stage's work
+  (:func:`~megatronish.pipeline.schedule.analytic_bubble`).
+- **Communication** uses the planner's per-stage volumes (calls, tensor bytes) of
+  :mod:`~megatronish.plan.comm`. A call of ``B`` tensor bytes on a group of ``n`` ranks takes
+  ``latency + f * B / bandwidth`` with the ring factors ``f = 2 (n - 1) / n`` (all-reduce),
+  ``(n - 1) / n`` (all-gather, reduce-scatter) and 1 (send / recv). Ranks are laid out tp
+  fastest, then dp, then pp, so a group's ranks are ``t`` (tp), ``t d`` (dp) or ``N`` (pp and the
+  tied embedding) consecutive ranks; a group within ``g`` consecutive ranks runs at the
+  intra-node bandwidth (NVLink), a larger one at the inter-node bandwidth (the NIC per GPU).
+- **Overlap.** tp collectives sit between the matmuls that need them: never hidden. ZeRO 3's
+  parameter gathers run before each chunk's forward and backward: not hidden either. The dp
+  grad reduction starts bucket by bucket during the last microbatch's backward and hides behind
+  it, except the last bucket: exposed = ``max(one bucket, all buckets - that backward)``.
+  ZeRO 1/2's parameter all-gather after the update and the tied-embedding all-reduce are
+  exposed. Pipeline sends and receives are posted ahead and overlap compute in the steady
+  state; the first microbatch's forward and the last one's backward cross every one of the
+  ``p v - 1`` chunk boundaries in sequence, so ``2 (p v - 1)`` messages are exposed.
+- **Shared cores** (CPU runs with more ranks than cores, ``Hardware.shared_cores``; fractional
+  when other jobs take part of the machine): ``peak_flops``, the bandwidths and the latency
+  are those of a rank with a core of its own, and every rank gets ``cores / N`` of a core for
+  its compute and its communication alike; communication uses the cores compute needs, so
+  nothing overlaps (all dp and pp transfers count); and a stage's idle time in the bubble is
+  used by the other stages' ranks as long as a stage has at least ``cores`` ranks, so the
+  bubble costs only the cores it leaves idle.
+
+The step time is ``busiest stage (compute + recompute + tp + ZeRO 3 gathers) * (1 + bubble)
++ exposed pp + the largest exposed end-of-step dp work``. Not modelled: the optimizer update,
+data loading, kernel launch overheads, and stragglers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from megatronish.metrics import matmul_params
+from megatronish.model.spec import ModelSpec
+from megatronish.pipeline.schedule import analytic_bubble
+from megatronish.plan import comm
+from megatronish.plan.estimate import Plan, recompute_flops_per_token
+from megatronish.plan.layout import Layout
+
+TERMS = ("compute", "recompute", "bubble", "tp", "pp", "dp")
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """What a rank's device and network can do."""
+
+    peak_flops: float  # per device, dense, in the compute dtype
+    efficiency: float = 0.5  # fraction of peak the model's matmuls reach
+    gpus_per_node: int = 8
+    intra_node_bw: float = 450e9  # bytes/s per device and direction (NVLink)
+    inter_node_bw: float = 50e9  # bytes/s per device and direction (one 400 Gb/s NIC per GPU)
+    latency_s: float = 5e-6  # per collective call or pipeline message
+    shared_cores: float | None = None  # CPU: all ranks share this many cores; None: a device each
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Seconds per step by term; they add up to ``total``."""
+
+    compute: float  # model FLOPs of the busiest stage
+    recompute: float  # the forward work recompute repeats there
+    bubble: float
+    tp: float
+    pp: float
+    dp: float  # exposed dp communication: reductions, ZeRO gathers, tied embedding
+
+    @property
+    def total(self) -> float:
+        return sum(getattr(self, f.name) for f in fields(self))
+
+    def terms(self) -> dict[str, float]:
+        return {name: getattr(self, name) for name in TERMS}
+
+
+def ring_factor(op: str, n: int) -> float:
+    """Bytes each rank sends per tensor byte: ring all-reduce, all-gather / reduce-scatter, p2p."""
+    if op == "all_reduce":
+        return 2 * (n - 1) / n
+    if op in ("all_gather", "reduce_scatter"):
+        return (n - 1) / n
+    return 1.0
+
+
+def group_size_and_span(group: str, layout: Layout) -> tuple[int, int]:
+    """Ranks in a group and how many consecutive ranks it spans (tp fastest, then dp, then pp)."""
+    if group == "tp":
+        return layout.tp, layout.tp
+    if group == "dp":
+        return layout.dp, layout.tp * layout.dp
+    return 2, layout.world_size  # pp neighbours and the embedding group: across the pipeline
+
+
+def bandwidth(span: int, hw: Hardware) -> float:
+    return hw.intra_node_bw if span <= hw.gpus_per_node else hw.inter_node_bw
+
+
+def comm_time(layout: Layout, hw: Hardware, key: str, calls: int, nbytes: int) -> float:
+    """Seconds of ``calls`` collectives (or messages) ``"group/op"`` moving ``nbytes`` tensor
+    bytes in all, on a device of its own."""
+    group, _, op = key.partition("/")
+    n, span = group_size_and_span(group, layout)
+    return calls * hw.latency_s + ring_factor(op, n) * nbytes / bandwidth(span, hw)
+
+
+def stage_flops_per_token(spec: ModelSpec, layout: Layout, pp_rank: int) -> tuple[float, float]:
+    """(model, recompute) FLOPs per token of the pipeline's tokens that stage ``pp_rank`` does."""
+    L, s, h = spec.num_layers, spec.seq_length, spec.hidden_size
+    head = spec.padded_vocab_size * h
+    per_layer = 6.0 * (matmul_params(spec) - head) / L + 12.0 * s * h
+    chunks = [pp_rank + v * layout.pp for v in range(layout.vpp)]
+    per_chunk = layout.chunk_layers(L)
+    layers = sum(per_chunk[c] for c in chunks)
+    model = layers * per_layer + (6.0 * head if len(per_chunk) - 1 in chunks else 0.0)
+    return model, recompute_flops_per_token(spec, layout) * layers / L
+
+
+def bubble_share(bubble: float, layout: Layout, hw: Hardware) -> float:
+    """The part of the bubble that costs time: all of it on devices of their own; on shared
+    cores only the cores a stage's ranks leave idle."""
+    if not hw.shared_cores:
+        return bubble
+    per_stage = layout.world_size / layout.pp
+    return bubble * max(0.0, 1.0 - per_stage / hw.shared_cores)
+
+
+def slowdown(layout: Layout, hw: Hardware) -> float:
+    """How much slower a rank runs than on a device of its own (ranks sharing fewer cores)."""
+    return max(1.0, layout.world_size / hw.shared_cores) if hw.shared_cores else 1.0
+
+
+@dataclass(frozen=True)
+class _Stage:
+    compute: float
+    recompute: float
+    tp: float
+    zero3: float
+    end: float  # exposed after the last backward: dp reduction, ZeRO 1/2 gather, embedding
+
+    @property
+    def busy(self) -> float:
+        return self.compute + self.recompute + self.tp + self.zero3
+
+
+def _stage_time(
+    spec: ModelSpec, layout: Layout, pp_rank: int, volume: dict, hw: Hardware
+) -> _Stage:
+    """One stage's terms from its communication ``volume`` (``{"group/op": (calls, bytes)}``)."""
+    slow = slowdown(layout, hw)
+    rate = hw.peak_flops * hw.efficiency / slow
+    tokens = layout.global_batch_size * spec.seq_length / layout.dp
+    model, extra = stage_flops_per_token(spec, layout, pp_rank)
+    compute, recompute = (f * tokens / layout.tp / rate for f in (model, extra))
+    times = {k: comm_time(layout, hw, k, c, b) * slow for k, (c, b) in volume.items()}
+    tp = sum(t for k, t in times.items() if k.startswith("tp/"))
+    gather = times.get("dp/all_gather", 0.0)
+    zero3 = gather if layout.zero_stage == 3 else 0.0
+    end = times.get("embedding/all_reduce", 0.0) + (gather - zero3)
+    for key in ("dp/all_reduce", "dp/reduce_scatter"):
+        if key not in times:
+            continue
+        reduce = times[key]
+        if hw.shared_cores:
+            end += reduce
+            continue
+        # The reduction overlaps the last microbatch's backward (2/3 of its model FLOPs plus
+        # the recompute), all but its last bucket.
+        backward = (2 * compute / 3 + recompute) / layout.num_microbatches
+        end += max(reduce / volume[key][0], reduce - backward)
+    return _Stage(compute, recompute, tp, zero3, end)
+
+
+def _pp_time(layout: Layout, volumes: list[dict], hw: Hardware) -> float:
+    """Exposed pipeline transfers: the fill and drain messages (all of a rank's on shared
+    cores)."""
+    worst = 0.0
+    for volume in volumes:
+        calls, nbytes = volume.get("pp/send", (0, 0))
+        if not calls:
+            continue
+        one = comm_time(layout, hw, "pp/send", 1, nbytes // calls) * slowdown(layout, hw)
+        exposed = calls if hw.shared_cores else 2 * (layout.pp * layout.vpp - 1)
+        worst = max(worst, exposed * one)
+    return worst
+
+
+def _combine(layout: Layout, bubble: float, stages: list[_Stage], pp: float, hw) -> StepTime:
+    busiest = max(stages, key=lambda s: s.busy)
+    return StepTime(
+        compute=busiest.compute,
+        recompute=busiest.recompute,
+        bubble=busiest.busy * bubble_share(bubble, layout, hw),
+        tp=busiest.tp,
+        pp=pp,
+        dp=busiest.zero3 + max(s.end for s in stages),
+    )
+
+
+def step_time(plan: Plan, hw: Hardware) -> StepTime:
+    """The model's step time of ``plan`` (see the module docstring)."""
+    lay, spec = plan.layout, plan.spec
+    stages = [_stage_time(spec, lay, s.pp_rank, s.comm, hw) for s in plan.stages]
+    return _combine(lay, plan.bubble, stages, _pp_time(lay, [s.comm for s in plan.stages], hw), hw)
+
+
+def lower_bound(spec: ModelSpec, layout: Layout, hw: Hardware) -> float:
+    """A step time :func:`step_time` never goes below, known without planning memory: compute,
+    the bubble, the pipeline transfers and the tp communication the layout would have without
+    sequence parallelism (one all-reduce moves what an all-gather and a reduce-scatter do, in
+    fewer calls); no dp communication."""
+    bubble = 0.0
+    if layout.pp > 1:
+        bubble = analytic_bubble(layout.pp, layout.vpp, layout.num_microbatches)
+    plain = layout.with_(sp=False)
+    volumes, stages = [], []
+    for r in sorted({0, layout.pp - 1}):
+        volume = {**comm.tp_volume(spec, plain, r), **comm.pp_volume(spec, layout, r)}
+        volumes.append(volume)
+        stages.append(_stage_time(spec, layout, r, volume, hw))
+    return _combine(layout, bubble, stages, _pp_time(layout, volumes, hw), hw).total

@@ -1,0 +1,242 @@
+"""The layout advisor: valid candidates, the fast plans, the step-time model, ranking, the
+written parallel file and the command line (pure: no processes)."""
+
+import copy
+import shutil
+
+import pytest
+from omegaconf import OmegaConf
+
+from megatronish.config import compose
+from megatronish.config.compose import load_config
+from megatronish.config.validate import config_errors
+from megatronish.plan.advised_config import write_parallel_file
+from megatronish.plan.advisor import Ranked, advise, reason
+from megatronish.plan.candidates import MICRO_BATCH_SIZES, divisors, valid_layouts
+from megatronish.plan.cli import main as plan_main
+from megatronish.plan.estimate import make_plan
+from megatronish.plan.layout import layout_from_config, spec_of
+from megatronish.plan.plan_cache import PlanCache, representative_stages
+from megatronish.plan.step_time import TERMS, Hardware, StepTime, lower_bound, step_time
+from megatronish.testing.runs import test_config as tiny_config
+
+GiB = 2**30
+# Eight layers, so that pipelines of 2, 4 and 8 stages with interleaving are candidates.
+EIGHT_LAYERS = ["model.num_layers=8", "trainer.global_batch_size=16"]
+H100 = Hardware(peak_flops=989e12)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    cfg = tiny_config(EIGHT_LAYERS, 1)
+    return cfg, spec_of(cfg)
+
+
+@pytest.fixture(scope="module")
+def tiny_layouts(tiny):
+    return valid_layouts(tiny[0], 8)
+
+
+def _real_config(cfg, layout):
+    """A composed config with the layout's values, as a user would write them."""
+    new = copy.deepcopy(cfg)
+    for key, value in {
+        "parallel.tp": layout.tp, "parallel.pp": layout.pp, "parallel.vpp": layout.vpp,
+        "parallel.dp": None, "parallel.sp": layout.sp, "parallel.zero_stage": layout.zero_stage,
+        "trainer.micro_batch_size": layout.micro_batch_size,
+        "trainer.recompute": layout.recompute,
+    }.items():  # fmt: skip
+        OmegaConf.update(new, key, value, merge=False)
+    return new
+
+
+def test_candidates_are_exactly_the_layouts_the_trainer_accepts():
+    cfg = tiny_config([], 1)  # 4 layers, 8 heads / 4 kv heads, global batch 8
+    layouts = valid_layouts(cfg, 4)
+    shapes = {}
+    for x in layouts:
+        shapes.setdefault((x.tp, x.pp, x.vpp, x.sp, x.micro_batch_size), x)
+    for layout in shapes.values():
+        assert config_errors(_real_config(cfg, layout), 4) == [], layout.describe()
+    # Every shape left out breaks a rule (same search space: tp and pp divide the world).
+    base = layout_from_config(cfg, 1)
+    for tp in divisors(4):
+        for pp in divisors(4 // tp):
+            for vpp in range(1, 5):
+                for mbs in MICRO_BATCH_SIZES:
+                    for sp in (False, True) if tp > 1 else (False,):
+                        if (tp, pp, vpp, sp, mbs) in shapes or mbs * (4 // (tp * pp)) > 8:
+                            continue
+                        lay = base.with_(tp=tp, pp=pp, vpp=vpp, sp=sp, micro_batch_size=mbs)
+                        assert config_errors(_real_config(cfg, lay), 4), lay.describe()
+    kinds = {(x.tp, x.pp, x.vpp) for x in layouts}
+    assert {(2, 2, 1), (1, 2, 2), (4, 1, 1), (1, 4, 1)} <= kinds
+    assert (1, 4, 2) not in kinds  # 4 layers cannot make 8 chunks
+    assert {x.zero_stage for x in layouts if x.dp == 1} == {0}
+    assert {x.zero_stage for x in layouts if x.dp > 1} == {0, 1, 2, 3}
+    assert {x.recompute for x in layouts} == {"none", "selective", "full"}
+
+
+def test_cached_plans_equal_make_plan(tiny, tiny_layouts):
+    spec = tiny[1]
+    cache = PlanCache(spec)
+    for layout in tiny_layouts[::9]:
+        fast, full = cache.plan(layout), make_plan(spec, layout)
+        assert fast.peak_bytes == full.peak_bytes, layout.describe()
+        assert [s.pp_rank for s in fast.stages] == representative_stages(layout.pp)
+        for stage in fast.stages:
+            assert stage == full.stages[stage.pp_rank], layout.describe()
+        assert (fast.bubble, fast.hardware_flops_per_step) == (
+            full.bubble,
+            full.hardware_flops_per_step,
+        )
+
+
+def test_lower_bound_never_exceeds_the_step_time(tiny, tiny_layouts):
+    spec = tiny[1]
+    cache = PlanCache(spec)
+    cpu = Hardware(peak_flops=5e10, intra_node_bw=2e9, inter_node_bw=2e9, shared_cores=2)
+    for hw in (H100, cpu, Hardware(peak_flops=1e12, gpus_per_node=2, latency_s=1e-4)):
+        for layout in tiny_layouts[::3]:
+            total = step_time(cache.plan(layout), hw).total
+            assert lower_bound(spec, layout, hw) <= total * (1 + 1e-12), layout.describe()
+
+
+def _time(spec, layout, hw=H100):
+    return step_time(make_plan(spec, layout), hw)
+
+
+def test_step_time_terms_follow_the_layout():
+    cfg = load_config(["+experiment=gpt_1b", "model.vocab_size=32000"])
+    spec = spec_of(cfg)
+    base = layout_from_config(cfg, 8).with_(tp=1, sp=False, dp=8, zero_stage=0)
+    plain = _time(spec, base)
+    assert plain.tp == plain.bubble == plain.pp == plain.recompute == 0
+    assert plain.total == pytest.approx(sum(plain.terms().values()))
+
+    tp2, tp4 = (_time(spec, base.with_(tp=t, dp=8 // t)) for t in (2, 4))
+    assert 0 < tp2.tp < tp4.tp
+    across = _time(spec, base.with_(tp=4, dp=2), Hardware(peak_flops=989e12, gpus_per_node=2))
+    assert across.tp > 5 * tp4.tp  # the tp group leaves the node: the network, not NVLink
+
+    pp2, pp4 = (_time(spec, base.with_(pp=p, dp=8 // p)) for p in (2, 4))
+    assert 0 < pp2.bubble < pp4.bubble and pp2.pp > 0
+    interleaved = _time(spec, base.with_(pp=4, vpp=2, dp=2))
+    assert interleaved.bubble < pp4.bubble
+    assert pp2.compute > plain.compute  # the last stage also computes the head
+
+    rc = {r: _time(spec, base.with_(recompute=r)).recompute for r in ("none", "selective", "full")}
+    assert rc["none"] == 0 < rc["selective"] < rc["full"]
+
+    zero3 = _time(spec, base.with_(zero_stage=3))
+    assert zero3.dp > plain.dp  # parameter gathers before every forward and backward
+    slow_net = _time(spec, base, Hardware(peak_flops=989e12, intra_node_bw=1e9))
+    assert slow_net.dp > plain.dp  # grad reduction no longer hidden behind the backward
+
+
+def test_shared_cores_slow_every_rank_and_hide_the_bubble():
+    cfg = tiny_config(EIGHT_LAYERS, 1)
+    spec = spec_of(cfg)
+    lay = layout_from_config(cfg, 4).with_(pp=2, dp=2)
+    own = Hardware(peak_flops=1e10)
+    shared = Hardware(peak_flops=1e10, shared_cores=2)
+    t_own, t_shared = _time(spec, lay, own), _time(spec, lay, shared)
+    assert t_shared.compute == pytest.approx(2 * t_own.compute)  # 4 ranks on 2 cores
+    assert t_own.bubble > 0 and t_shared.bubble == 0  # 2 ranks per stage keep 2 cores busy
+
+
+def _ranked(time: StepTime, **layout) -> Ranked:
+    cfg = tiny_config([], 1)
+    lay = layout_from_config(cfg, 4).with_(**layout)
+    return Ranked.of(make_plan(spec_of(cfg), lay), time)
+
+
+def test_reason_names_the_terms_that_win():
+    zero = dict.fromkeys(TERMS, 0.0)
+    win = _ranked(StepTime(**{**zero, "compute": 1.0, "tp": 0.1}), tp=2, dp=2, zero_stage=1)
+    lose = _ranked(StepTime(**{**zero, "compute": 1.0, "tp": 0.5, "bubble": 0.6}), tp=4, dp=1, pp=1)
+    hw = Hardware(peak_flops=1e12, gpus_per_node=2)
+    assert reason(win, lose, hw) == "no bubble, tp inside a node, fits with zero 1"
+    same = _ranked(StepTime(**{**zero, "compute": 1.0, "tp": 0.1}), tp=2, dp=2, zero_stage=2)
+    assert reason(win, same, hw) == "as fast as the next, fits with zero 1"
+    full = _ranked(StepTime(**zero), recompute="full", dp=4)
+    assert reason(full, None, hw) == "fits with zero 0 and full recompute"
+
+
+def test_advisor_ranks_what_fits_by_the_model(tiny):
+    cfg, spec = tiny
+    roomy = advise(cfg, spec, 8, H100, 2**40, 0, top=10_000)  # everything planned, all fit
+    assert roomy.planned == roomy.valid == len(roomy.ranked) and roomy.too_big == 0
+    peaks = sorted(r.plan.peak_bytes for r in roomy.ranked)
+    limit = peaks[len(peaks) // 2]
+    tight = advise(cfg, spec, 8, H100, limit, 0, top=10_000)
+    assert tight.too_big > 0 and len(tight.ranked) + tight.too_big == tight.valid
+    for advice in (roomy, tight):
+        totals = [r.time.total for r in advice.ranked]
+        assert totals == sorted(totals)
+    assert all(r.plan.peak_bytes <= limit for r in tight.ranked)
+    best = tight.ranked[0]
+    again = step_time(make_plan(spec, best.layout), H100)  # the full plan agrees
+    assert again.total == pytest.approx(best.time.total, rel=1e-12)
+    # Planning fewer layouts (a top of 3) does not change the top of the full ranking.
+    top3 = advise(cfg, spec, 8, H100, limit, 0, top=3)
+    assert top3.planned < top3.valid
+    firsts = [r.layout for r in tight.best_of_each_shape()[:4]]
+    assert [r.layout for r in top3.best_of_each_shape()[:4]] == firsts
+
+
+@pytest.fixture
+def config_copy(tmp_path, monkeypatch):
+    """A copy of configs/ that load_config reads (written group files stay in tmp_path)."""
+    root = tmp_path / "configs"
+    shutil.copytree(compose.CONFIG_DIR, root)
+    monkeypatch.setattr(compose, "CONFIG_DIR", str(root))
+    return root
+
+
+def test_written_parallel_file_composes(config_copy, tiny):
+    layout = layout_from_config(tiny[0], 8).with_(
+        tp=2, pp=2, vpp=2, dp=2, sp=True, zero_stage=1, micro_batch_size=2, recompute="full"
+    )
+    path = config_copy / "parallel" / "advised.yaml"
+    command = write_parallel_file(path, layout, ["model.num_layers=8", "parallel.tp=4"], "test")
+    assert "parallel=advised" in command and "parallel.tp=4" not in command
+    assert "trainer.micro_batch_size=2 trainer.recompute=full" in command
+    cfg = load_config(["parallel=advised"])
+    p = cfg.parallel
+    assert (p.tp, p.pp, p.vpp, p.dp, p.sp, p.zero_stage) == (2, 2, 2, None, True, 1)
+    assert "trainer.micro_batch_size=2" in path.read_text()  # the trainer keys, in the header
+    # An experiment that sets parallel keys itself wins over a group file: explicit keys then.
+    command = write_parallel_file(path, layout, ["+experiment=gpt_1b"], "test")
+    assert "parallel=advised" not in command and "parallel.tp=2" in command
+    ran = layout_from_config(load_config(command.split("   ")[0].split()[3:]), 8)
+    fields = ("tp", "pp", "vpp", "dp", "sp", "zero_stage", "micro_batch_size", "recompute")
+    assert [getattr(ran, f) for f in fields] == [getattr(layout, f) for f in fields]
+
+
+GPT_1B = ["+experiment=gpt_1b", "model.vocab_size=32000", "world_size=8", "peak_tflops=989"]
+
+
+def test_cli_prints_the_table_and_writes_the_layout(config_copy, capsys):
+    out_file = config_copy / "parallel" / "advised.yaml"
+    args = [*GPT_1B, "device_memory_gb=80", "advise=true", "top=3", f"advise_out={out_file}"]
+    assert plan_main(args) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| ") and "tp=" in line]
+    assert len(rows) == 3 and rows[0].startswith("| 1 ")
+    assert "fits with zero" in rows[0] and "valid layouts" in out
+    assert "run it with:" in out and out_file.exists()
+    tiny_job = ["+experiment=tiny", "world_size=2", "peak_tflops=1", "advise=true"]
+    assert plan_main([*tiny_job, "device_memory_gb=0.01"]) == 1
+    assert "none of the" in capsys.readouterr().err
+
+
+def test_cli_rejects_bad_advisor_options(capsys):
+    assert plan_main(["+experiment=gpt_1b", "advise=true", "peak_tflops=989"]) == 2
+    assert "world_size=N" in capsys.readouterr().err
+    assert plan_main([*GPT_1B, "top=3"]) == 2
+    assert "add advise=true" in capsys.readouterr().err
+    assert plan_main([*GPT_1B, "advise=true", "efficiency=2", "device_memory_gb=80"]) == 2
+    assert "efficiency=2.0" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="top=ten: expected a whole number"):
+        plan_main([*GPT_1B, "advise=true", "top=ten"])

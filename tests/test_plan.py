@@ -19,10 +19,10 @@ SHAPE = ["model.seq_length=64", "trainer.micro_batch_size=4", "trainer.global_ba
 
 LAYOUTS = [
     (1, []),
-    # sp is covered with pp below: a 2-rank tp-only sp world's gloo buffers outlive their
-    # collectives by varying amounts (the smallest of six steps still spans 3.6-4.3 MB there).
-    (2, ["parallel.tp=2", "trainer.recompute=selective"]),
-    (2, ["parallel.tp=2", "parallel.zero_stage=2", "model.arch=gpt2"]),
+    # tp runs in 4-rank worlds: in a 2-rank one, gloo's threads keep some collective buffers
+    # alive for varying times (the smallest of six steps spans 3.0-3.3 MB in one layout).
+    (4, ["parallel.tp=2", "parallel.sp=true", "trainer.recompute=selective"]),
+    (4, ["parallel.tp=2", "parallel.zero_stage=2", "model.arch=gpt2"]),
     (2, ["parallel.pp=2", "trainer.recompute=full", "trainer.recompute_method=block"]),
     (4, ["parallel.pp=2", "parallel.vpp=2", "trainer.micro_batch_size=2", "parallel.zero_stage=1"]),
     (2, ["parallel.zero_stage=3", "trainer.recompute=full", "trainer.recompute_num_layers=2"]),
@@ -35,9 +35,9 @@ def measure_rank(rank, world, overrides):
     trainer.train_step()  # buffers and moments exist from here on
     # gloo's worker threads free the buffers of finished collectives later in some steps than
     # in others (more so on a loaded machine); that only ever adds, so the smallest of six
-    # steps is what the program itself keeps.
+    # steps (and of the stage's ranks, below) is what the program itself keeps.
     runs = [measure_step(trainer) for _ in range(6)]
-    best = min(runs, key=lambda m: m.activations)
+    best = min((m for m in runs if m.activations is not None), key=lambda m: m.activations)
     return trainer.topo.coords.pp, best
 
 
@@ -49,13 +49,16 @@ def test_planned_memory_matches_measured(world, extra):
     )
     cfg = tiny_config(overrides, 5)
     plan = make_plan(spec_of(cfg), layout_from_config(cfg, world))
+    least: dict[int, int] = {}  # per stage: its ranks keep the same tensors
     for pp_rank, measured in results:
         stage = plan.stages[pp_rank]
         for kind in ("params", "grads", "optimizer"):
             planned, got = getattr(stage.states, kind), getattr(measured, kind)
             assert planned == pytest.approx(got, rel=0.02), (pp_rank, kind)
-        ratio = stage.activations.peak / measured.activations
-        assert 0.85 <= ratio <= 1.15, (pp_rank, stage.activations, measured, ratio)
+        least[pp_rank] = min(least.get(pp_rank, measured.activations), measured.activations)
+    for pp_rank, measured in least.items():
+        ratio = plan.stages[pp_rank].activations.peak / measured
+        assert 0.85 <= ratio <= 1.15, (pp_rank, plan.stages[pp_rank].activations, measured, ratio)
 
 
 COMM_LAYOUTS = [

@@ -19,7 +19,8 @@ class MeasuredMemory:
     params: int
     grads: int
     optimizer: int
-    activations: int  # peak net allocation of forward + backward, gathered zero-3 params excluded
+    activations: int | None  # peak net allocation of forward + backward, gathered zero-3 params
+    # excluded; None when the profiler recorded nothing
     gathered_params: int  # zero 3: bytes of the largest chunk's full params
 
 
@@ -48,10 +49,14 @@ def state_storage(trainer) -> dict[str, int]:
     }
 
 
-def _peak_net_bytes(prof) -> int:
+def _peak_net_bytes(prof) -> int | None:
     """Peak net allocation over the profiled region, all threads (gloo's worker threads free
-    the buffers of finished collectives, a little later from one run to the next)."""
+    the buffers of finished collectives, a little later from one run to the next); None when
+    the profiler recorded no allocation at all (it occasionally records nothing in a forked
+    process)."""
     events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    if not events:
+        return None
     live = peak = 0
     for e in sorted(events, key=lambda e: e.start_ns()):
         live += e.nbytes()
@@ -60,7 +65,11 @@ def _peak_net_bytes(prof) -> int:
 
 
 def measure_step(trainer) -> MeasuredMemory:
-    """Run one training step (after at least one earlier step) and measure this rank."""
+    """Run one training step (after at least one earlier step) and measure this rank.
+
+    ``activations`` is None when the profile came back empty (it occasionally does in a forked
+    process); the step still ran, so every rank stays in step with the others.
+    """
     states = state_storage(trainer)
     inner = trainer.forward_backward
     peaks = []
@@ -86,5 +95,5 @@ def measure_step(trainer) -> MeasuredMemory:
             gathered = sum(b.numel for b in trainer.zero.buckets) * 4
     return MeasuredMemory(
         params=states["params"], grads=states["grads"], optimizer=states["optimizer"],
-        activations=peaks[0] - gathered, gathered_params=gathered,
+        activations=None if peaks[0] is None else peaks[0] - gathered, gathered_params=gathered,
     )  # fmt: skip

@@ -55,8 +55,8 @@ MiB = 2**20
 def _measure(rank, world, overrides, repeats):
     trainer = build_trainer(rank, world, overrides, steps=repeats + 2)
     trainer.train_step()
-    best = min((measure_step(trainer) for _ in range(repeats)), key=lambda m: m.activations)
-    return trainer.topo.coords.pp, best.activations
+    runs = [measure_step(trainer).activations for _ in range(repeats)]
+    return trainer.topo.coords.pp, min(a for a in runs if a is not None)
 
 
 def measure(world, overrides, repeats):

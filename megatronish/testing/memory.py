@@ -22,6 +22,7 @@ class MeasuredMemory:
     activations: int | None  # peak net allocation of forward + backward, gathered zero-3 params
     # excluded; None when the profiler recorded nothing
     gathered_params: int  # zero 3: bytes of the largest chunk's full params
+    events: int = 0  # allocation events the profile recorded
 
 
 def _storage_bytes(tensors) -> int:
@@ -49,19 +50,27 @@ def state_storage(trainer) -> dict[str, int]:
     }
 
 
-def _peak_net_bytes(prof) -> int | None:
+def _peak_net_bytes(prof) -> tuple[int | None, int]:
     """Peak net allocation over the profiled region, all threads (gloo's worker threads free
     the buffers of finished collectives, a little later from one run to the next); None when
-    the profiler recorded no allocation at all (it occasionally records nothing in a forked
-    process)."""
+    the profiler recorded no allocation at all; and the number of allocation events (a forked
+    process's profile occasionally misses most of them: compare counts across steps)."""
     events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
     if not events:
-        return None
+        return None, 0
     live = peak = 0
     for e in sorted(events, key=lambda e: e.start_ns()):
         live += e.nbytes()
         peak = max(peak, live)
-    return peak
+    return peak, len(events)
+
+
+def least_activations(runs: list[MeasuredMemory]) -> int:
+    """The smallest activation peak of complete profiles: gloo's late frees only add, and a
+    profile with clearly fewer allocation events than the fullest one missed some."""
+    most = max(m.events for m in runs)
+    complete = [m.activations for m in runs if m.activations is not None and m.events >= 0.9 * most]
+    return min(complete)
 
 
 def measure_step(trainer) -> MeasuredMemory:
@@ -95,5 +104,6 @@ def measure_step(trainer) -> MeasuredMemory:
             gathered = sum(b.numel for b in trainer.zero.buckets) * 4
     return MeasuredMemory(
         params=states["params"], grads=states["grads"], optimizer=states["optimizer"],
-        activations=None if peaks[0] is None else peaks[0] - gathered, gathered_params=gathered,
+        activations=None if peaks[0][0] is None else peaks[0][0] - gathered,
+        gathered_params=gathered, events=peaks[0][1],
     )  # fmt: skip

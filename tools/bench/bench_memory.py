@@ -1,11 +1,13 @@
 """Activation memory per rank: measured vs the planner and Korthikanti et al.'s formulas.
 
 Every layout trains a gpt2-flavoured model (LayerNorm, GeLU MLP of 4h, a = 4 heads: the model
-the published formulas describe) in a forked gloo world, one thread per rank. After one warm-up
-step, ``megatronish.testing.memory.measure_step`` profiles the allocator over a step's forward
-and backward (peak net allocation above the states held when it starts; the smallest of four
-steps, since gloo's threads free some collective buffers late in some steps). Per layer is the
-difference between a 4-layer and a 2-layer model, halved, so embedding, head and loss cancel.
+the published formulas describe) in a forked gloo world, one thread per rank; tp=2 layouts run
+with dp=2, since in 2-rank tp worlds gloo's threads keep collective buffers alive for varying
+times. After one warm-up step, ``megatronish.testing.memory.measure_step`` profiles the
+allocator over a step's forward and backward (peak net allocation above the states held when it
+starts): the smallest of four steps whose profile is complete (late frees only add), then the
+lower median over a stage's ranks. Per layer is the difference between a 4-layer and a 2-layer
+model, halved, so embedding, head and loss cancel.
 
 Run alone: ``.venv/bin/python tools/bench/bench_memory.py [--quick]``.
 """
@@ -21,7 +23,7 @@ from sections import bench_cli, table
 from megatronish.plan.activations import interleaving_factor
 from megatronish.plan.estimate import make_plan
 from megatronish.plan.layout import layout_from_config, spec_of
-from megatronish.testing.memory import measure_step
+from megatronish.testing.memory import least_activations, measure_step
 from megatronish.testing.multiproc import run_world
 from megatronish.testing.runs import build_trainer
 from megatronish.testing.runs import test_config as tiny_config
@@ -37,10 +39,10 @@ LAYOUTS = {  # name -> (world, overrides)
     "tp=1": (1, []),
     "tp=1 selective": (1, ["trainer.recompute=selective"]),
     "tp=1 full": (1, ["trainer.recompute=full"]),
-    "tp=2": (2, ["parallel.tp=2"]),
-    "tp=2 sp": (2, ["parallel.tp=2", "parallel.sp=true"]),
-    "tp=2 sp selective": (2, ["parallel.tp=2", "parallel.sp=true", "trainer.recompute=selective"]),
-    "tp=2 sp full": (2, ["parallel.tp=2", "parallel.sp=true", "trainer.recompute=full"]),
+    "tp=2": (4, ["parallel.tp=2"]),
+    "tp=2 sp": (4, ["parallel.tp=2", "parallel.sp=true"]),
+    "tp=2 sp selective": (4, ["parallel.tp=2", "parallel.sp=true", "trainer.recompute=selective"]),
+    "tp=2 sp full": (4, ["parallel.tp=2", "parallel.sp=true", "trainer.recompute=full"]),
 }
 PIPELINES = {  # name -> (world, overrides); 8 layers, 8 microbatches of 1
     "pp=2": (2, ["parallel.pp=2"]),
@@ -55,17 +57,18 @@ MiB = 2**20
 def _measure(rank, world, overrides, repeats):
     trainer = build_trainer(rank, world, overrides, steps=repeats + 2)
     trainer.train_step()
-    runs = [measure_step(trainer).activations for _ in range(repeats)]
-    return trainer.topo.coords.pp, min(a for a in runs if a is not None)
+    runs = [measure_step(trainer) for _ in range(repeats)]
+    return trainer.topo.coords.pp, least_activations(runs)
 
 
 def measure(world, overrides, repeats):
+    """Each pipeline stage's activation peak: the lower median over its ranks."""
     if world == 1:
         return {0: _measure(0, 1, overrides, repeats)[1]}
-    out = {}
+    by_stage: dict[int, list[int]] = {}
     for pp_rank, act in run_world(_measure, world, overrides, repeats):
-        out[pp_rank] = min(out.get(pp_rank, act), act)
-    return out
+        by_stage.setdefault(pp_rank, []).append(act)
+    return {pp: sorted(v)[(len(v) - 1) // 2] for pp, v in by_stage.items()}
 
 
 def planned(world, overrides):

@@ -38,10 +38,6 @@ from megatronish.plan.layout import Layout
 INT64 = 8
 
 
-def _elem(layout: Layout) -> int:
-    return 2 if layout.precision == "bf16" else 4
-
-
 @dataclass(frozen=True)
 class LayerShape:
     s: int
@@ -81,7 +77,7 @@ def layer_bytes(spec: ModelSpec, layout: Layout, core: bool = True) -> int:
 
     ``core=False`` leaves out the attention core's own saved tensors (selective recompute).
     """
-    x, e = layer_shape(spec, layout), _elem(layout)
+    x, e = layer_shape(spec, layout), layout.activation_bytes
     tokens_r, tokens = x.s_r * x.b, x.s * x.b
     norms = 2 * _norm_bytes(spec, x, e)
     attn = tokens * (x.a + 2 * x.g) * x.d * e + tokens * x.a * x.d * e  # qkv out, SDPA out
@@ -109,7 +105,7 @@ def embedding_bytes(spec: ModelSpec, layout: Layout) -> int:
 
 def head_bytes(spec: ModelSpec, layout: Layout) -> int:
     """The last chunk's final norm, head input and the loss's saved softmax."""
-    x, e = layer_shape(spec, layout), _elem(layout)
+    x, e = layer_shape(spec, layout), layout.activation_bytes
     tokens = x.s * x.b
     norm = _norm_bytes(spec, x, e)
     if x.t == 1:
@@ -124,7 +120,7 @@ def loss_workspace(spec: ModelSpec, layout: Layout) -> int:
     x = layer_shape(spec, layout)
     tokens = x.s * x.b
     if x.t == 1:  # logits, the unpadded fp32 copy fed to cross entropy
-        return tokens * (spec.padded_vocab_size * _elem(layout) + spec.vocab_size * 4)
+        return tokens * (spec.padded_vocab_size * layout.activation_bytes + spec.vocab_size * 4)
     # logits, their copy with padding masked (on the rank holding padding), shifted, exp
     return 4 * tokens * (spec.padded_vocab_size // x.t) * 4
 
@@ -132,7 +128,7 @@ def loss_workspace(spec: ModelSpec, layout: Layout) -> int:
 def backward_workspace(spec: ModelSpec, layout: Layout) -> int:
     """Temporaries of one layer's backward: the incoming activation grad and the grad of the
     MLP's first projection output, the largest intermediate grad."""
-    x, e = layer_shape(spec, layout), _elem(layout)
+    x, e = layer_shape(spec, layout), layout.activation_bytes
     width = 2 * x.f if spec.is_llama else x.f
     return x.s * x.b * x.h * e + x.s * x.b * width * e
 
@@ -142,7 +138,7 @@ def p2p_workspace(spec: ModelSpec, layout: Layout) -> int:
     if layout.pp == 1:
         return 0
     x = layer_shape(spec, layout)
-    return 2 * layout.vpp * x.s_r * x.b * x.h * _elem(layout)
+    return 2 * layout.vpp * x.s_r * x.b * x.h * layout.activation_bytes
 
 
 def sp_workspace(spec: ModelSpec, layout: Layout) -> int:
@@ -151,14 +147,14 @@ def sp_workspace(spec: ModelSpec, layout: Layout) -> int:
     if not layout.sequence_parallel:
         return 0
     x = layer_shape(spec, layout)
-    return 2 * x.s * x.b * x.h * _elem(layout)
+    return 2 * x.s * x.b * x.h * layout.activation_bytes
 
 
 def chunk_bytes(spec: ModelSpec, layout: Layout, layers: int, first: bool, last: bool) -> int:
     """Bytes one microbatch's forward of a chunk keeps until its backward."""
     x = layer_shape(spec, layout)
     full = layer_bytes(spec, layout, core=layout.recompute != "selective")
-    group_input = x.s_r * x.b * x.h * _elem(layout)
+    group_input = x.s_r * x.b * x.h * layout.activation_bytes
     if layout.recompute == "full":
         n = layout.recompute_num_layers
         if layout.recompute_method == "uniform":
@@ -187,7 +183,7 @@ def recompute_workspace(spec: ModelSpec, layout: Layout, layers: int, last: bool
     if layout.recompute_method == "block":
         freed += (layers - n) * layer_bytes(spec, layout)
     x = layer_shape(spec, layout)
-    group_input = x.s_r * x.b * x.h * _elem(layout)  # already kept by the checkpoint
+    group_input = x.s_r * x.b * x.h * layout.activation_bytes  # already kept by the checkpoint
     return group * layer_bytes(spec, layout) - group_input - freed
 
 
@@ -213,7 +209,7 @@ def kept_per_layer(spec: ModelSpec, layout: Layout) -> float:
     if layout.recompute != "full":
         return layer_bytes(spec, layout, core=layout.recompute != "selective")
     x = layer_shape(spec, layout)
-    group_input = x.s_r * x.b * x.h * _elem(layout)
+    group_input = x.s_r * x.b * x.h * layout.activation_bytes
     n = layout.recompute_num_layers
     return group_input / n if layout.recompute_method == "uniform" else group_input
 

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 from megatronish.plan.advisor import Advice, Ranked, reason
+from megatronish.plan.devices import GiB
 from megatronish.plan.step_time import TERMS, Hardware
-
-GiB = 2**30
 
 
 def hardware_line(hw: Hardware, world_size: int, device_bytes: int, runtime_bytes: int) -> str:

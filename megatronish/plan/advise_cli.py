@@ -20,9 +20,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from megatronish.plan.devices import GiB
 from megatronish.plan.step_time import Hardware
-
-GiB = 2**30
 
 
 def parse_bool(text: str) -> bool:

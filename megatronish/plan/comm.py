@@ -14,10 +14,6 @@ from megatronish.plan.layout import Layout
 from megatronish.plan.states import FP32, meta_chunks
 
 
-def _elem(layout: Layout) -> int:
-    return 2 if layout.precision == "bf16" else 4
-
-
 def tp_volume(
     spec: ModelSpec, layout: Layout, pp_rank: int, chunks: list | None = None
 ) -> dict[str, tuple[int, int]]:
@@ -30,7 +26,7 @@ def tp_volume(
     n_layers = sum(layers[c] for c in mine)
     first, last = 0 in mine, len(layers) - 1 in mine
     m, s, b, h = layout.num_microbatches, spec.seq_length, layout.micro_batch_size, spec.hidden_size
-    act = s * b * h * _elem(layout)
+    act = s * b * h * layout.activation_bytes
     # Full recompute repeats a checkpointed group's forward collectives (two per layer) up to
     # the last saved tensor it must rebuild: the group's final reduction is skipped.
     groups = redo = 0
@@ -95,7 +91,7 @@ def pp_volume(spec: ModelSpec, layout: Layout, pp_rank: int) -> dict[str, tuple[
         return {}
     n = layout.pp * layout.vpp
     s_r = spec.seq_length // layout.tp if layout.sequence_parallel else spec.seq_length
-    msg = s_r * layout.micro_batch_size * spec.hidden_size * _elem(layout)
+    msg = s_r * layout.micro_batch_size * spec.hidden_size * layout.activation_bytes
     m = layout.num_microbatches
     mine = [pp_rank + v * layout.pp for v in range(layout.vpp)]
     sends = sum((c < n - 1) + (c > 0) for c in mine)  # activation out, grad back

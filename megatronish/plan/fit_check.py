@@ -8,10 +8,9 @@ import itertools
 from omegaconf import OmegaConf
 
 from megatronish.config.validate import ConfigError, config_errors
+from megatronish.plan.devices import GiB
 from megatronish.plan.estimate import make_plan
 from megatronish.plan.layout import layout_from_config, spec_of
-
-GiB = 2**30
 
 
 class LayoutDoesNotFit(ConfigError):

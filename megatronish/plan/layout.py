@@ -37,6 +37,11 @@ class Layout:
         return self.global_batch_size // (self.micro_batch_size * self.dp)
 
     @property
+    def activation_bytes(self) -> int:
+        """Bytes per element of activations: the autocast dtype (bf16) or fp32."""
+        return 2 if self.precision == "bf16" else 4
+
+    @property
     def sequence_parallel(self) -> bool:
         return self.sp and self.tp > 1
 

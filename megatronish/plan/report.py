@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
+from megatronish.plan.devices import GiB
 from megatronish.plan.estimate import Plan
-
-GiB = 2**30
 
 
 def gib(n: float) -> str:

@@ -157,10 +157,10 @@ class Trainer:
             self.state.skipped_in_a_row += 1
         else:
             self.state.skipped_in_a_row = 0
-            max_norm = self.cfg.optimizer.grad_clip
+            max_norm, clip = self.cfg.optimizer.grad_clip, 1.0
             if max_norm > 0 and norm > max_norm:
-                self.zero.scale_grads(max_norm / (norm + 1e-6))
-            self.optimizer.step(self.zero.optimizer_shards(), lr)
+                clip = max_norm / (norm + 1e-6)  # applied inside the update, no extra pass
+            self.optimizer.step(self.zero.optimizer_shards(), lr, grad_scale=clip)
         self.timers.stop("optimizer")
         self.zero.after_update()
         self.state.step += 1

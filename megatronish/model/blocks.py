@@ -38,7 +38,9 @@ class Norm(nn.Module):
             )  # fmt: skip
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.rms:  # normalised in fp32, as in HF Llama; torch's fused kernel
+        if self.rms and x.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), self.weight, eps=self.eps)
+        if self.rms:  # normalised in fp32, then scaled in the input's dtype, as in HF Llama
             return F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype) * self.weight
         return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
 

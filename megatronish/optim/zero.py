@@ -214,10 +214,6 @@ class ZeroDataParallel:
             all_reduce(sq, group)
         return sq.sqrt()
 
-    def scale_grads(self, coef: float) -> None:
-        for b in self.buckets:
-            self.owned_grad(b).mul_(coef)
-
     def optimizer_shards(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         return [(b.param_shard, self.owned_grad(b), b.decay_ranges) for b in self.buckets]
 

@@ -121,8 +121,9 @@ def loss_workspace(spec: ModelSpec, layout: Layout) -> int:
     tokens = x.s * x.b
     if x.t == 1:  # logits, the unpadded fp32 copy fed to cross entropy
         return tokens * (spec.padded_vocab_size * layout.activation_bytes + spec.vocab_size * 4)
-    # logits, their copy with padding masked (on the rank holding padding), shifted, exp
-    return 4 * tokens * (spec.padded_vocab_size // x.t) * 4
+    # logits, their copy with padding masked (on the rank holding padding), shifted (then exp)
+    buffers = 3 if spec.padded_vocab_size > spec.vocab_size else 2
+    return buffers * tokens * (spec.padded_vocab_size // x.t) * 4
 
 
 def backward_workspace(spec: ModelSpec, layout: Layout) -> int:

@@ -142,7 +142,9 @@ def _cross_entropy(rank, world, vocab, padded):
     return True
 
 
-@pytest.mark.parametrize("world,vocab,padded", [(1, 20, 32), (1, 32, 32), (2, 20, 32), (4, 29, 32), (2, 32, 32)])
+@pytest.mark.parametrize(
+    "world,vocab,padded", [(1, 20, 32), (1, 32, 32), (2, 20, 32), (4, 29, 32), (2, 32, 32)]
+)
 def test_vocab_parallel_cross_entropy_matches_cross_entropy(world, vocab, padded):
     assert all(run_world(_cross_entropy, world, vocab, padded))
 

@@ -37,10 +37,11 @@ VARIANTS = ("megatronish tp=2", "megatronish tp=2 sp", "DTensor tp=2", "DTensor 
 # Checked by listing the tensors each block saves (2026-11); re-check when the model changes.
 WHY_MORE = (
     "Why megatronish saves more than the fp32 formula (2026-11, by listing the saved tensors): "
-    "its RMSNorm is unfused and saves x, x*rsqrt(mean(x^2)) and its output (3 tensors of the "
-    "norm's input size, the formula counts 1 plus the linear input); SwiGLU keeps gate|up (2f), "
-    "SiLU(gate) (f) and the product (f) = 11h per token for f = 2.75h instead of GeLU's 8h; "
-    "GQA's K and V are saved after repeat_interleave, at full head count; and with sp the "
+    "its RMSNorm (torch's composite rms_norm) saves x, x*rsqrt(mean(x^2)) and its output (3 "
+    "tensors of the norm's input size, the formula counts 1 plus the linear input); SwiGLU "
+    "keeps gate|up (2f), SiLU(gate) (f) and the product (f) = 11h per token for f = 2.75h "
+    "instead of GeLU's 8h; attention keeps the whole q|k|v projection output (V is a view of "
+    "it) next to the rotated Q and K (GQA's K and V stay at the kv head count); and with sp the "
     "column-parallel linears save their all-gathered (full-sequence) input instead of the "
     "shard that Megatron-LM keeps and re-gathers in backward."
 )

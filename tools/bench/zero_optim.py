@@ -1,8 +1,9 @@
 """Thread-CPU time of the optimizer-side work of one step: megatronish vs torch (1 thread).
 
-megatronish's ``ShardedAdamW`` updates flat bucket shards with about ten whole-buffer tensor
-ops (and their temporaries); ``torch.optim.AdamW`` (CPU default: a per-parameter loop) runs the
-same ops one parameter at a time; ``torch._fused_adamw_`` does the whole update in one pass.
+megatronish's ``ShardedAdamW`` calls torch's fused AdamW kernel on the decayed and the
+undecayed runs of its flat bucket shards; ``torch.optim.AdamW`` (CPU default: a per-parameter
+loop) runs about ten tensor ops per parameter; one ``torch._fused_adamw_`` call over the whole
+shards (decay on every element) is the lower bound for a one-pass update.
 The grad-norm pair is ``ZeroDataParallel.grad_norm`` (over ranges) vs ``clip_grad_norm_``. Every
 candidate runs on the tiny model's real buffers (zero 0, one process), interleaved, medians.
 """
@@ -26,7 +27,7 @@ def _thread_ms(fn: Callable[[], object], calls: int) -> float:
 
 
 def _fused_step(shards, state, lr: float, cfg) -> None:
-    """One fused AdamW step over flat shards (decay on every element: a cost bound only)."""
+    """One fused AdamW call over the whole flat shards (decay on every element: a cost bound)."""
     o = cfg.optimizer
     params, grads, m, v, steps = state
     for s in steps:
@@ -54,7 +55,7 @@ def measure(extra: list[str], repeats: int = 7, calls: int = 10) -> dict[str, fl
         candidates = {
             "megatronish ShardedAdamW.step": lambda: opt.step(shards, lr),
             "torch.optim.AdamW.step (per-parameter loop)": ref.optimizer.step,
-            "torch._fused_adamw_ on the flat shards": lambda: _fused_step(
+            "torch._fused_adamw_, one call over the whole shards": lambda: _fused_step(
                 shards, state, lr, mish.cfg
             ),
             "megatronish ZeroDataParallel.grad_norm": zero.grad_norm,

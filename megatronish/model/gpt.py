@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatronish.model.blocks import Norm, TransformerBlock, rope_tables
+from megatronish.model.linear_cross_entropy import linear_cross_entropy
 from megatronish.model.spec import ModelSpec
 from megatronish.recompute import checkpointed
 from megatronish.tensor_parallel.context import TPContext
@@ -85,6 +86,12 @@ class Head(nn.Module):
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean next-token loss over the microbatch; ``targets`` is ``[b, s]``."""
+        if self.tp.size == 1:  # the whole vocabulary here: no [tokens, V] logits at all
+            x = self.norm(x)
+            w = self.weight if self.embedding is None else self.embedding.word.weight
+            return linear_cross_entropy(
+                x.reshape(-1, x.shape[-1]), w, targets.t().reshape(-1), self.spec.vocab_size
+            )
         logits = self.logits(x)
         losses = vocab_parallel_cross_entropy(
             logits, targets.t(), self.tp.group, self.spec.vocab_size

@@ -31,6 +31,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from megatronish.model.linear_cross_entropy import chunk_tokens
 from megatronish.model.spec import ModelSpec
 from megatronish.pipeline.schedule import schedule_ops
 from megatronish.plan.layout import Layout
@@ -104,23 +105,26 @@ def embedding_bytes(spec: ModelSpec, layout: Layout) -> int:
 
 
 def head_bytes(spec: ModelSpec, layout: Layout) -> int:
-    """The last chunk's final norm, head input and the loss's saved softmax."""
+    """The last chunk's final norm and what the loss keeps: at tp = 1 the grads of the head's
+    input and weight (computed in forward, ``model/linear_cross_entropy.py``), at tp > 1 the
+    head input and the vocab-parallel softmax."""
     x, e = layer_shape(spec, layout), layout.activation_bytes
     tokens = x.s * x.b
     norm = _norm_bytes(spec, x, e)
-    if x.t == 1:
-        loss = tokens * spec.vocab_size * 4 + tokens * INT64
-    else:
-        loss = tokens * (spec.padded_vocab_size // x.t) * 4 + tokens * (INT64 + 1)
-    return norm + loss
+    if x.t == 1:  # the grad of the head input takes the place of the input itself
+        return norm + spec.padded_vocab_size * x.h * 4
+    return norm + tokens * (spec.padded_vocab_size // x.t) * 4 + tokens * (INT64 + 1)
 
 
 def loss_workspace(spec: ModelSpec, layout: Layout) -> int:
     """Temporaries alive while the last chunk computes the loss (logits and their copies)."""
-    x = layer_shape(spec, layout)
+    x, e = layer_shape(spec, layout), layout.activation_bytes
     tokens = x.s * x.b
-    if x.t == 1:  # logits, the unpadded fp32 copy fed to cross entropy
-        return tokens * (spec.padded_vocab_size * layout.activation_bytes + spec.vocab_size * 4)
+    if x.t == 1:  # one chunk's logits and fp32 log-probabilities; the casts under autocast
+        v = spec.vocab_size
+        chunk = chunk_tokens(tokens, x.h, v)
+        casts = 0 if e == 4 else chunk * v * (4 + e) + v * x.h * e
+        return chunk * v * (e + 4) + casts
     # logits, their copy with padding masked (on the rank holding padding), shifted (then exp)
     buffers = 3 if spec.padded_vocab_size > spec.vocab_size else 2
     return buffers * tokens * (spec.padded_vocab_size // x.t) * 4

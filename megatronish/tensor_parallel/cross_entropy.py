@@ -59,7 +59,7 @@ class _CrossEntropy(torch.autograd.Function):
     torch's ``F.cross_entropy`` backward allocates a zero-filled one-hot gradient and a new
     ``[tokens, V]`` result for ``log_softmax``'s backward; here the saved log-probabilities are
     turned into the gradient in place (``softmax - one_hot``): the same values, one buffer and
-    about 40% less time for the loss on the CPU.
+    about half the loss's time on the CPU.
     """
 
     @staticmethod
@@ -74,9 +74,7 @@ class _CrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss):
         log_probs, idx = ctx.saved_tensors
         grad = log_probs.exp_()  # the saved tensor is not needed again
-        grad.scatter_add_(
-            -1, idx, torch.full(idx.shape, -1.0, dtype=grad.dtype, device=grad.device)
-        )
+        grad.scatter_add_(-1, idx, grad.new_full(idx.shape, -1.0))
         return grad.mul_(grad_loss.unsqueeze(-1)), None
 
 

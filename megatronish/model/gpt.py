@@ -74,6 +74,11 @@ class Head(nn.Module):
             # A tied head on another stage starts equal to (and is initialised as) the embedding.
             self.weight.tied_to = "embedding.word.weight" if spec.tie_embeddings else None
 
+    @property
+    def output_weight(self) -> nn.Parameter:
+        """The projection to (this rank's slice of) the vocabulary: own or the embedding's."""
+        return self.weight if self.embedding is None else self.embedding.word.weight
+
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """Local vocabulary slice of the logits, ``[s, b, V/tp]``."""
         x = self.norm(x)
@@ -81,16 +86,14 @@ class Head(nn.Module):
             x = gather_from_sp(x, self.tp.group)
         else:
             x = copy_to_tp(x, self.tp.group)
-        w = self.weight if self.embedding is None else self.embedding.word.weight
-        return F.linear(x, w)
+        return F.linear(x, self.output_weight)
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean next-token loss over the microbatch; ``targets`` is ``[b, s]``."""
         if self.tp.size == 1:  # the whole vocabulary here: no [tokens, V] logits at all
-            x = self.norm(x)
-            w = self.weight if self.embedding is None else self.embedding.word.weight
+            x = self.norm(x).reshape(-1, self.spec.hidden_size)
             return linear_cross_entropy(
-                x.reshape(-1, x.shape[-1]), w, targets.t().reshape(-1), self.spec.vocab_size
+                x, self.output_weight, targets.t().reshape(-1), self.spec.vocab_size
             )
         logits = self.logits(x)
         losses = vocab_parallel_cross_entropy(

@@ -3,7 +3,8 @@
 Each rank holds logits for its slice of the (padded) vocabulary. The softmax normaliser and the
 target logit are combined with three all-reduces of ``[s, b]`` tensors (max, sum of exp, target
 logit). Logits of padding ids (``>= vocab_size``) are excluded, so the loss is the same for every
-tp and equals the loss of the unpadded model.
+tp and equals the loss of the unpadded model. At tp = 1 the model's head uses the chunked
+projection + loss of ``megatronish/model/linear_cross_entropy.py`` instead.
 """
 
 from __future__ import annotations
@@ -53,36 +54,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad, None, None, None
 
 
-class _CrossEntropy(torch.autograd.Function):
-    """Cross entropy over the whole vocabulary, with a backward that reuses the forward's buffer.
-
-    torch's ``F.cross_entropy`` backward allocates a zero-filled one-hot gradient and a new
-    ``[tokens, V]`` result for ``log_softmax``'s backward; here the saved log-probabilities are
-    turned into the gradient in place (``softmax - one_hot``): the same values, one buffer and
-    about half the loss's time on the CPU.
-    """
-
-    @staticmethod
-    def forward(ctx, logits, target):
-        log_probs = torch.log_softmax(logits, dim=-1)
-        idx = target.unsqueeze(-1)
-        ctx.save_for_backward(log_probs, idx)
-        return log_probs.gather(-1, idx).squeeze(-1).neg()
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_loss):
-        log_probs, idx = ctx.saved_tensors
-        grad = log_probs.exp_()  # the saved tensor is not needed again
-        grad.scatter_add_(-1, idx, grad.new_full(idx.shape, -1.0))
-        return grad.mul_(grad_loss.unsqueeze(-1)), None
-
-
 def vocab_parallel_cross_entropy(
     logits: torch.Tensor, target: torch.Tensor, group: ParallelGroup, vocab_size: int
 ) -> torch.Tensor:
     """Per-token loss from local logits ``[..., V/tp]`` and global target ids ``[...]``."""
-    if group.size == 1:  # the whole vocabulary is here: no collectives, one log_softmax
-        flat = logits[..., :vocab_size].float().reshape(-1, vocab_size)
-        return _CrossEntropy.apply(flat, target.reshape(-1)).view(target.shape)
     return _VocabParallelCrossEntropy.apply(logits, target, group, vocab_size)

@@ -106,17 +106,28 @@ def build_job(cfg, launch: LaunchEnv) -> Job:
     p = cfg.parallel
     topo = Topology.build(tp=p.tp, dp=derived.dp, pp=p.pp, rank=launch.rank, device=device,
                           timeout_s=p.collective_timeout_s)  # fmt: skip
+    try:
+        return _build_on(cfg, launch, topo, derived)
+    except BaseException:
+        topo.close()  # the caller destroys the process groups
+        raise
+
+
+def _build_on(cfg, launch: LaunchEnv, topo: Topology, derived: Derived) -> Job:
     if topo.rank == 0:
         print(rank_map_table(topo.tp, topo.dp, topo.pp), flush=True)
 
     train_data, valid_data, tokenizer = build_data(cfg, topo, launch)
     errors = config_errors(cfg, launch.world_size, vocab_size=tokenizer.vocab_size)
-    agree("; ".join(errors) if errors else None, topo.world_group)
+    try:  # the same rules on every rank; agreeing keeps any disagreement from hanging
+        agree("; ".join(errors) if errors else None, topo.world_group)
+    except PeerError as e:
+        raise ConfigError(errors or [str(e)]) from None
     spec = ModelSpec.from_config(cfg.model, tokenizer.vocab_size)
     if cfg.trainer.check_memory:
         check_memory_fits(cfg, launch, topo, tokenizer.vocab_size)
 
-    rng = RNGTracker(device)
+    rng = RNGTracker(topo.device)
     rng.seed(cfg.trainer.seed, tp_rank=topo.coords.tp, pp_rank=topo.coords.pp)
     chunks = build_model(cfg, topo, derived, spec, rng)
     return Job(cfg, launch, topo, derived, spec, chunks, rng, train_data, valid_data, tokenizer)

@@ -17,9 +17,10 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import traceback
 
 import hydra
-import torch.distributed as dist
+import torch
 from hydra.errors import HydraException
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -29,10 +30,11 @@ from megatronish.config.cli_errors import composition_error_reason
 from megatronish.config.compose import CONFIG_DIR
 from megatronish.config.derived import derive, pad_vocab
 from megatronish.config.schema import register_configs
-from megatronish.config.validate import ConfigError, config_errors
+from megatronish.config.validate import ConfigError, config_errors, config_notes
 from megatronish.distributed.agree import PeerError
 from megatronish.distributed.comm import CollectiveError
 from megatronish.distributed.launch import detect_launch
+from megatronish.distributed.shutdown import shutdown_process_groups
 from megatronish.numerics import TooManySkippedSteps
 from megatronish.stop import StopRequest
 
@@ -41,6 +43,7 @@ EXIT_DATA = 3
 EXIT_STOPPED = 4
 EXIT_NONFINITE = 5
 EXIT_COMM = 6
+SHUTDOWN_WAIT_S = 30.0  # the longest wait for process-group threads to end at exit
 
 
 def tokenizer_vocab_size(data_cfg) -> int:
@@ -84,35 +87,55 @@ def run(cfg, stop: StopRequest | None = None):
     ``stop``'s signal handlers are installed for training and the final save only: a signal
     during start-up keeps its default action (there is nothing to save yet).
     """
-    from megatronish.checkpoint.resume import load_with_fallback, plan_resume, saved_run_id
-    from megatronish.checkpoint.save import CheckpointSaver
     from megatronish.job import build_job
-    from megatronish.metrics import device_peak_flops
-    from megatronish.progress import ProgressLogger
-    from megatronish.trainer import Trainer
 
     launch = detect_launch()
     job = build_job(cfg, launch)
+    try:
+        return _train(cfg, launch, job, stop)
+    finally:
+        job.topo.close()  # its process groups are destroyed by main_with_config
+
+
+def _train(cfg, launch, job, stop: StopRequest | None):
+    from megatronish.checkpoint.resume import plan_resume, saved_run_id
+    from megatronish.progress import ProgressLogger
+
     topo = job.topo
     if topo.rank == 0:  # the only file written outside checkpoints and logging
         os.makedirs(cfg.out_dir, exist_ok=True)
         OmegaConf.save(cfg, os.path.join(cfg.out_dir, "config.yaml"), resolve=True)
-    ckpt = cfg.checkpoint
-    plan = plan_resume(ckpt, topo.world_group)  # tidies up after an interrupted save
-    for name in plan.restored:
-        print(f"restored {name}, moved aside by an interrupted save", flush=True)
-    for name in plan.removed:
-        print(f"removed {name}, left by an interrupted save", flush=True)
-    run_id = saved_run_id(plan) or f"{cfg.name}-{launch.run_id or 'local'}"
-    loss_rank = topo.is_last_stage and topo.coords.tp == 0 and topo.coords.dp == 0
-    logger = ProgressLogger(cfg, enabled=loss_rank, run_dir=cfg.out_dir, run_id=run_id)
+    label = f"{cfg.name} ({launch.run_id})" if launch.run_id else cfg.name
+    # Locks checkpoint.dir for this run, checks every rank can write there, tidies it up.
+    with plan_resume(cfg.checkpoint, topo.world_group, label) as plan:
+        for name in plan.restored:
+            print(f"restored {name}, moved aside by an interrupted save", flush=True)
+        for name in plan.removed:
+            print(f"removed {name}, left by an interrupted save", flush=True)
+        run_id = saved_run_id(plan) or f"{cfg.name}-{launch.run_id or 'local'}"
+        loss_rank = topo.is_last_stage and topo.coords.tp == 0 and topo.coords.dp == 0
+        logger = ProgressLogger(cfg, enabled=loss_rank, run_dir=cfg.out_dir, run_id=run_id)
+        try:
+            return _fit_and_save(cfg, job, plan, run_id, logger, stop)
+        finally:
+            logger.close()
+
+
+def _fit_and_save(cfg, job, plan, run_id: str, logger, stop: StopRequest | None):
+    from megatronish.checkpoint.resume import load_with_fallback
+    from megatronish.checkpoint.save import CheckpointSaver
+    from megatronish.metrics import device_peak_flops
+    from megatronish.trainer import Trainer
+
+    topo, ckpt = job.topo, cfg.checkpoint
     peak = device_peak_flops(topo.device, cfg.trainer.precision, cfg.trainer.peak_tflops)
     trainer = Trainer(
         cfg, topo, job.spec, job.derived, job.chunks, job.train_data, job.valid_data,
         logger=logger, peak_flops=peak,
     )  # fmt: skip
     if ckpt.dir:
-        trainer.saver = CheckpointSaver(cfg, trainer, job.rng, run_id)
+        tokens = job.tokenizer.special_token_ids() if job.tokenizer is not None else None
+        trainer.saver = CheckpointSaver(cfg, trainer, job.rng, run_id, tokens)
     load_with_fallback(trainer, plan, job.rng, cfg.trainer.seed, log=logger.info)
     logger.info(
         f"training {job.spec.arch} ({sum(p.numel() for c in job.chunks for p in c.parameters()):,}"
@@ -127,6 +150,9 @@ def run(cfg, stop: StopRequest | None = None):
             if trainer.saver is not None:
                 trainer.saver.wait()  # a save started before the fault (every rank stops here)
             raise
+        finally:
+            if trainer.saver is not None:
+                trainer.saver.join_writer()  # no file writes left running at exit
         if trainer.saver is not None:
             trainer.saver.wait()
             done = trainer.saver.last_published or ""
@@ -136,7 +162,6 @@ def run(cfg, stop: StopRequest | None = None):
                             f"{trainer.state.skipped_in_a_row} step(s) were skipped")  # fmt: skip
             elif final:
                 logger.info(f"saved checkpoint {trainer.saver.save(blocking=True)}")
-    logger.close()
     return history
 
 
@@ -147,7 +172,8 @@ def main_with_config(cfg) -> int:
     world = launch.world_size
     if cfg.world_size is not None and cfg.trainer.dry_run:
         world = cfg.world_size
-    errors = config_errors(cfg, world)
+    cuda = None if cfg.trainer.dry_run else torch.cuda.is_available()
+    errors = config_errors(cfg, world, cuda_available=cuda)
     if cfg.world_size is not None and not cfg.trainer.dry_run and cfg.world_size != world:
         errors.append(
             f"world_size={cfg.world_size} but the job was launched with {world} rank(s); "
@@ -159,12 +185,33 @@ def main_with_config(cfg) -> int:
         else:
             print(f"{prefix}invalid config: {errors[0]}", file=sys.stderr, flush=True)
         return EXIT_CONFIG
+    if launch.rank == 0:
+        for note in config_notes(cfg):
+            print(f"note: {note}", flush=True)
     if cfg.trainer.dry_run:
         if launch.rank == 0:
             print(dry_run_report(cfg, world), flush=True)
         return 0
     try:
         stop = StopRequest.from_config(cfg.trainer)  # the exit_after_minutes clock starts here
+    except ConfigError as e:
+        print(f"{prefix}{e}", file=sys.stderr, flush=True)
+        return EXIT_CONFIG
+    code = 1  # an unexpected error: its traceback follows
+    try:
+        code = _run_and_report(cfg, stop, prefix)
+    finally:
+        _end_process_groups(cfg, code, prefix)
+    if code == 0 and stop.reason is not None:
+        if launch.rank == 0:
+            print(f"stopped early ({stop.reason}), exit code {EXIT_STOPPED}", flush=True)
+        return EXIT_STOPPED
+    return code
+
+
+def _run_and_report(cfg, stop: StopRequest, prefix: str) -> int:
+    """Train; a failure a user can act on is one line on stderr and its exit code."""
+    try:
         run(cfg, stop)
     except ConfigError as e:
         print(f"{prefix}{e}", file=sys.stderr, flush=True)
@@ -178,14 +225,27 @@ def main_with_config(cfg) -> int:
     except CollectiveError as e:
         print(f"{prefix}error: {e}", file=sys.stderr, flush=True)
         return EXIT_COMM
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    if stop.reason is not None:
-        if launch.rank == 0:
-            print(f"stopped early ({stop.reason}), exit code {EXIT_STOPPED}", flush=True)
-        return EXIT_STOPPED
     return 0
+
+
+def _end_process_groups(cfg, code: int, prefix: str) -> None:
+    """Destroy every process group before returning (see megatronish/distributed/shutdown.py).
+
+    When some of their threads are still there after the wait (a worker in an op with a peer
+    that is gone, or groups torch's profiler keeps), the process ends here with ``code``,
+    skipping the interpreter's finalization, which could abort with those threads running.
+    """
+    why = shutdown_process_groups(min(SHUTDOWN_WAIT_S, cfg.parallel.collective_timeout_s))
+    if why is None:
+        return
+    if sys.exc_info()[0] is not None:
+        traceback.print_exc()
+    if cfg.trainer.profile.steps:
+        why += " (torch's profiler keeps the groups whose ops it recorded)"
+    print(f"{prefix}note: {why}; exiting with code {code} without finalizing the interpreter",
+          file=sys.stderr, flush=True)  # fmt: skip
+    sys.stdout.flush()
+    os._exit(code)
 
 
 @hydra.main(config_path=CONFIG_DIR, config_name="train", version_base=None)

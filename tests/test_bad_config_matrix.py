@@ -12,11 +12,26 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 
+import numpy as np
 import pytest
+import torch
 
 from megatronish.config.compose import load_config
+from megatronish.data.indexed import IndexedDatasetWriter
 from megatronish.testing.multiproc import run_world
+
+
+def _tiny_indexed_dataset() -> str:
+    """A valid .bin/.idx prefix (a data-free stand-in: the rules only look at the files)."""
+    prefix = os.path.join(tempfile.mkdtemp(prefix="bad-config-"), "corpus")
+    with IndexedDatasetWriter(prefix, np.uint16) as w:
+        w.add_document([1, 2, 3])
+    return prefix
+
+
+INDEXED = _tiny_indexed_dataset()
 
 # (overrides, a phrase the reason must contain); each breaks exactly one rule in a 2-rank world.
 CASES = [
@@ -49,7 +64,45 @@ CASES = [
     (["data=indexed", f"data.tokenizer_model={__file__}"], "needs data.prefix"),
     (["data=indexed", "data.prefix=/nonexistent/corpus", f"data.tokenizer_model={__file__}"],
      "/nonexistent/corpus.idx does not exist"),
+    # Accepted silently or with a traceback before they were rules.
+    (["optimizer.beta1=1.0"], "optimizer.beta1=1.0 must be in [0, 1)"),
+    (["optimizer.beta2=-0.1"], "optimizer.beta2=-0.1 must be in [0, 1)"),
+    (["optimizer.eps=-1e-8"], "optimizer.eps=-1e-08 must be > 0"),
+    (["optimizer.weight_decay=-0.1"], "optimizer.weight_decay=-0.1 must be >= 0"),
+    (["model.rope_theta=0"], "model.rope_theta=0.0 must be > 0"),
+    (["model.norm_eps=0"], "model.norm_eps=0.0 must be > 0"),
+    (["model.norm_eps=nan"], "model.norm_eps=nan is not a finite number"),
+    (["model.init_std=-0.02"], "model.init_std=-0.02 must be > 0"),
+    (["trainer.num_threads=0"], "trainer.num_threads=0 must be >= 1"),
+    (["trainer.peak_tflops=0"], "trainer.peak_tflops=0.0 must be > 0"),
+    (["trainer.seed=-1"], "trainer.seed=-1 must be >= 0"),
+    (["data.vocab_size=300"], "data.vocab_size=300 is too small to train a tokenizer"),
+    (["data.max_corpus_mb=0"], "data.max_corpus_mb=0.0 must be > 0"),
+    (["name="], "name='' is empty: every unnamed run would share outputs/"),
+    (["model.max_position_embeddings=128"], "model.seq_length=256 exceeds model.max_position_embeddings=128"),
+    (["checkpoint.keep_last=0"], "checkpoint.keep_last=0 would keep no checkpoint; use null to keep every step"),
+    (["data=indexed", f"data.prefix={INDEXED}", f"data.tokenizer_model={os.path.dirname(INDEXED)}"],
+     "is a directory; give the sentencepiece .model file in it"),
+    # What a hurried user types.
+    (["optimizer.lr=nan"], "optimizer.lr=nan is not a finite number"),
+    (["optimizer.grad_clip=inf"], "optimizer.grad_clip=inf is not a finite number"),
+    (["trainer.eval_iters=0"], "trainer.eval_iters=0 with trainer.eval_interval=100"),
+    (["checkpoint.resume=none"], "checkpoint.resume='none' reads like a keyword, not a path"),
+    (["checkpoint.resume=Auto"], "checkpoint.resume='Auto' reads like a keyword"),
+    (["logging.wandb_mode=ofline"], "logging.wandb_mode='ofline' is not one of online, offline, disabled"),
+    (["optimizer.lr=0.1", "optimizer.weight_decay=10"], "optimizer.lr*weight_decay = 0.1*10.0 >= 1"),
+    (["data.cache_dir="], "data.cache_dir is empty"),
+    (["checkpoint.allow_model_changes=[hidden_size]"], "checkpoint.allow_model_changes has hidden_size: only rope_theta"),
+    (["out_dir="], "out_dir is empty"),
+    (["checkpoint.dir="], "checkpoint.dir is empty; set a directory, or null to save no checkpoints"),
+    (["trainer.profile.steps=[400,405]"], "trainer.profile.steps=[400, 405] starts after trainer.max_steps=300"),
+    (["trainer.exit_after_minutes=0"], "trainer.exit_after_minutes=0.0 must be positive"),
+    (["trainer.stop_signals=[SIGFOO]"], "trainer.stop_signals has SIGFOO: not a signal"),
 ]  # fmt: skip
+if not torch.cuda.is_available():  # the rule is about this machine
+    CASES.append(
+        (["trainer.device=cuda"], "trainer.device=cuda but this machine has no CUDA device")
+    )
 
 
 def _main_with_every_config(rank, world, configs):
@@ -84,6 +137,26 @@ def test_invalid_config_exits_2_with_one_line_on_every_rank(every_rank, index):
         lines = err.splitlines()
         assert len(lines) == 1, err
         assert lines[0].startswith(f"[rank {rank}] invalid config: ") and needle in lines[0], err
+
+
+def _main_with_a_note(rank, world):
+    import megatronish.train as entry
+
+    entry.run = lambda cfg, stop=None: []  # this forked rank only: nothing to train
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = entry.main_with_config(load_config(["parallel.sp=true"]))
+    return code, out.getvalue()
+
+
+def test_sequence_parallel_without_tp_is_noted_once_and_runs():
+    (code0, out0), (code1, out1) = run_world(_main_with_a_note, 2)
+    assert code0 == code1 == 0
+    assert out0.splitlines() == [
+        "note: parallel.sp=true has no effect with parallel.tp=1 (sequence parallelism splits "
+        "the sequence over the tp group): the run is the same as with sp=false"
+    ]
+    assert out1 == ""
 
 
 # -- the real command line ----------------------------------------------------------------------

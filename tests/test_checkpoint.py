@@ -6,9 +6,10 @@ import os
 import pytest
 import torch
 
+from megatronish.checkpoint.directory import clean_stale
 from megatronish.checkpoint.format import CheckpointError, read_metadata, resolve_step_dir
-from megatronish.checkpoint.load import load_into
-from megatronish.checkpoint.save import CheckpointSaver, clean_stale
+from megatronish.checkpoint.load import check_tensor_shapes, load_into
+from megatronish.checkpoint.save import CheckpointSaver
 from megatronish.testing.compare import assert_parity
 from megatronish.testing.multiproc import run_world
 from megatronish.testing.runs import build_trainer, losses_of, merge_params, train_layout
@@ -144,8 +145,14 @@ def test_tensors_that_would_be_cut_or_dropped_are_refused(tmp_path):
         load_into(longer, str(tmp_path / "gpt2"))
     run(1, [], 1, save=str(tmp_path / "llama"))
     tied = build_trainer(0, 1, ["model.tie_embeddings=true"], 1)
-    with pytest.raises(CheckpointError, match="not in this model: head.weight"):
+    with pytest.raises(
+        CheckpointError, match="model.tie_embeddings: checkpoint False, config True"
+    ):
         load_into(tied, str(tmp_path / "llama"))
+    meta = read_metadata(resolve_step_dir(str(tmp_path / "llama")))
+    meta.config = {}  # a checkpoint without its config: the tensors alone are compared
+    with pytest.raises(CheckpointError, match="not in this model: head.weight"):
+        check_tensor_shapes(meta, tied, "llama")
 
 
 def test_resaving_an_older_step_keeps_latest_and_its_directory(tmp_path):

@@ -98,6 +98,20 @@ def test_bad_magic(tmp_path):
         IndexedDataset(prefix)
 
 
+def test_dtype_byte_that_does_not_match_the_bin_says_so(tmp_path):
+    prefix = _write(tmp_path / "ds", DOCS, np.uint16)
+    data = bytearray((tmp_path / "ds.idx").read_bytes())
+    assert data[17] == 8  # after the 9-byte magic and the 8-byte version: uint16
+    data[17] = 4  # int32
+    (tmp_path / "ds.idx").write_bytes(bytes(data))
+    with pytest.raises(ValueError) as err:
+        IndexedDataset(prefix)
+    message = str(err.value)
+    assert "header's dtype byte says int32 (4 bytes per token)" in message
+    assert "its pointers are 2 bytes per token" in message and "preprocess_data.py" in message
+    assert "contiguously" not in message
+
+
 def test_truncated_idx(tmp_path):
     prefix = _write(tmp_path / "ds", DOCS, np.uint16)
     data = (tmp_path / "ds.idx").read_bytes()

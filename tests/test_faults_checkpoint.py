@@ -10,15 +10,15 @@ import pytest
 
 from megatronish.checkpoint import resume as resume_module
 from megatronish.checkpoint import save as save_module
+from megatronish.checkpoint.directory import LOCK_NAME, clean_stale
 from megatronish.checkpoint.format import CheckpointError
 from megatronish.checkpoint.load import load_into
 from megatronish.checkpoint.resume import (
-    ResumePlan,
     auto_candidates,
     load_with_fallback,
     plan_resume,
 )
-from megatronish.checkpoint.save import CheckpointSaver, clean_stale
+from megatronish.checkpoint.save import CheckpointSaver
 from megatronish.distributed.agree import PeerError
 from megatronish.testing.multiproc import WorldError, run_world
 from megatronish.testing.runs import build_trainer
@@ -46,6 +46,8 @@ def resume(rank, world, ckpt, overrides=(), steps=2):
         meta = load_with_fallback(trainer, plan, log=lines.append)
     except CheckpointError as e:
         return plan.removed, str(e), lines
+    finally:
+        plan.__exit__()
     return plan.removed, meta.step if meta else None, lines
 
 
@@ -86,7 +88,7 @@ def test_rank_killed_mid_save_keeps_latest_and_next_start_cleans_up(tmp_path, as
     results = run_world(resume, 2, str(tmp_path), ["parallel.zero_stage=1"], timeout=120)
     assert results[0][0] == [".tmp_step_0000002"]  # rank 0 removed the partial save
     assert [step for _, step, _ in results] == [1, 1]  # and every rank loaded step 1
-    assert sorted(os.listdir(tmp_path)) == ["latest", STEP1]
+    assert sorted(os.listdir(tmp_path)) == [LOCK_NAME, "latest", STEP1]  # the lock file stays
 
 
 def test_crash_inside_a_resave_puts_the_published_step_back(tmp_path, monkeypatch):
@@ -183,8 +185,13 @@ def test_auto_resume_falls_back_to_the_previous_step(two_steps, tmp_path, damage
     assert step == 1
     assert f"skipped checkpoint {ckpt / STEP2}" in lines[0]
     assert re.search(DAMAGE[damage][2], lines[0])  # the reason
-    assert lines[-1].startswith(f"resumed from {ckpt / STEP1} at step 1")
-    assert (ckpt / "latest").read_text() == STEP2  # nothing is deleted: the next save replaces it
+    assert lines[1].startswith(f"resumed from {ckpt / STEP1} at step 1")
+    # Nothing is deleted: the damaged step is set aside, out of the way of latest and pruning.
+    assert lines[2] == f"set aside damaged checkpoint {ckpt / STEP2} as damaged_{STEP2}"
+    assert (ckpt / "latest").read_text() == STEP1
+    assert not (ckpt / STEP2).exists()
+    reason = (ckpt / f"damaged_{STEP2}" / "DAMAGED.txt").read_text()
+    assert re.search(DAMAGE[damage][2], reason) and f"rename it back to {STEP2}" in reason
 
 
 def test_without_fallback_a_damaged_latest_stops_the_start(two_steps, tmp_path):
@@ -252,6 +259,8 @@ def test_damage_seen_by_one_rank_makes_every_rank_fall_back(tmp_path):
     assert [step for _, step, _ in results] == [1, 1]
     for _, _, lines in results:
         assert "rank 1: checksum mismatch in model-rank00001.safetensors" in lines[0]
+    os.rename(tmp_path / f"damaged_{STEP2}", tmp_path / STEP2)  # as DAMAGED.txt says
+    (tmp_path / "latest").write_text(STEP2)
     stopped = run_world(resume, 2, str(tmp_path), [*tp2, "checkpoint.fallback=false"])
     assert stopped[0][1] == stopped[1][1] and "rank 1: checksum mismatch" in stopped[0][1]
 
@@ -259,6 +268,7 @@ def test_damage_seen_by_one_rank_makes_every_rank_fall_back(tmp_path):
 def test_resume_never_and_an_explicit_path(two_steps, tmp_path):
     trainer = build_trainer(0, 1, ["checkpoint.resume=never", f"checkpoint.dir={two_steps}"], 2)
     plan = plan_resume(trainer.cfg.checkpoint, trainer.topo.world_group)
-    assert plan == ResumePlan() and load_with_fallback(trainer, plan) is None
+    with plan:
+        assert plan.candidates == [] and load_with_fallback(trainer, plan) is None
     step1 = f"checkpoint.resume={two_steps / STEP1}"
     assert resume(0, 1, str(tmp_path / "new"), [step1])[1] == 1

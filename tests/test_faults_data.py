@@ -144,7 +144,7 @@ CASES = {
     "missing-bin": (lambda p: os.remove(p + ".bin"), [], EXIT_DATA, r"ds.bin does not exist"),
     "ids-beyond-vocab": (ids_beyond_vocab, [], EXIT_DATA,
                          f"contains token id {VOCAB + 50} but tokenizer .* has vocab_size {VOCAB}"),
-    "model-vocab-too-small": (lambda p: None, ["model.vocab_size=256"], EXIT_DATA,
+    "model-vocab-too-small": (lambda p: None, ["model.vocab_size=256"], EXIT_CONFIG,
                               f"the tokenizer has {VOCAB} tokens but model.vocab_size=256"),
     "missing-prefix": (lambda p: [os.remove(p + e) for e in (".bin", ".idx")], [], EXIT_CONFIG,
                        r"ds.idx does not exist"),

@@ -19,6 +19,7 @@ import torch
 from omegaconf import OmegaConf
 from safetensors.torch import save_file
 
+from megatronish.checkpoint.format import CheckpointError
 from megatronish.checkpoint.hf import from_hf, to_hf
 from megatronish.checkpoint.load import load_into
 from megatronish.testing.multiproc import run_world
@@ -122,6 +123,46 @@ def test_llama_biases_and_tied_head_match_transformers(tmp_path):
         if name == "embedding.word.weight":
             t = torch.cat([t[:VOCAB], torch.zeros(256 - VOCAB, t.shape[1])])  # zero padding
         assert torch.equal(tensors_back[name], t), name
+
+
+@pytest.mark.slow
+def test_an_imported_llama_keeps_its_rope_theta_norm_eps_and_token_ids(tmp_path):
+    """A Llama 3 style model (rope_theta 500000, rms_norm_eps 1e-6, its own special ids): the
+    import records every value, a run with other values is refused until it says so, and the
+    export writes them all back."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=16,
+        rope_theta=500000.0, rms_norm_eps=1e-6, bos_token_id=5, eos_token_id=6, pad_token_id=7,
+    ))  # fmt: skip
+    hf.save_pretrained(tmp_path / "hf")
+    assert tool("import_hf").main([str(tmp_path / "hf"), str(tmp_path / "ckpt")]) == 0
+    ids = {"bos_token_id": 5, "eos_token_id": 6, "pad_token_id": 7}
+    meta = json.loads((tmp_path / "ckpt" / "step_0000000" / "metadata.json").read_text())
+    assert meta["tokenizer"] == ids
+    assert meta["config"]["model"]["rope_theta"] == 500000.0
+
+    with pytest.raises(CheckpointError) as refused:  # the default rope_theta and norm_eps
+        load_into(build_trainer(0, 1, [], steps=1), str(tmp_path / "ckpt"))
+    assert "model.rope_theta: checkpoint 500000.0, config 10000.0" in str(refused.value)
+    assert "model.norm_eps: checkpoint 1e-06, config 1e-05" in str(refused.value)
+    assert "checkpoint.allow_model_changes=[rope_theta,norm_eps]" in str(refused.value)
+    allowed = build_trainer(0, 1, ["checkpoint.allow_model_changes=[rope_theta,norm_eps]"], 1)
+    load_into(allowed, str(tmp_path / "ckpt"))  # a deliberate change
+    matching = build_trainer(0, 1, ["model.rope_theta=500000", "model.norm_eps=1e-6"], 1)
+    load_into(matching, str(tmp_path / "ckpt"))
+    with torch.no_grad():  # the same function as transformers' under its own values
+        chunk = matching.chunks[0].eval()
+        ours = chunk.head.logits(chunk(tokens())).transpose(0, 1)[..., :VOCAB]
+        assert (ours - hf.eval()(tokens()).logits).abs().max().item() < 1e-5
+
+    assert tool("export_hf").main([str(tmp_path / "ckpt"), str(tmp_path / "back")]) == 0
+    config = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert {k: config[k] for k in ids} == ids
+    assert config["rope_theta"] == 500000.0 and config["rms_norm_eps"] == 1e-6
 
 
 def test_from_hf_refuses_what_megatronish_cannot_represent():

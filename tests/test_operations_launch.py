@@ -83,8 +83,8 @@ def assert_same_tensors(got, want):
     assert not different, f"not bit-identical: {different[:5]}"
 
 
-def stopped_step(text: str) -> int:
-    m = re.search(r"stopping after step (\d+) \(signal SIGTERM\); saved checkpoint", text)
+def stopped_step(text: str, signal_name: str = "SIGTERM") -> int:
+    m = re.search(rf"stopping after step (\d+) \(signal {signal_name}\); saved checkpoint", text)
     assert m, text[-3000:]
     return int(m.group(1))
 
@@ -110,6 +110,22 @@ def test_sigterm_to_torchrun_saves_stops_and_the_next_launch_continues_bit_ident
     assert code == 0, text[-3000:]
     assert f"resumed from {out / 'checkpoints' / f'step_{step:07d}'}" in text
     assert_same_tensors(final_tensors(out), uninterrupted)
+
+
+@pytest.mark.slow
+def test_sigusr2_to_torchrun_reaches_the_workers_which_save_and_stop(cache_dir, tmp_path):
+    out, log = tmp_path / "run", tmp_path / "log"
+    proc = launch_local(overrides(cache_dir, out, 1000), log)
+    wait_for(log, r"^step\s+3/1000", proc)
+    workers = training_workers(proc.pid)
+    assert len(workers) == 2, workers
+    proc.send_signal(signal.SIGUSR2)  # without --signals-to-handle it would end torchrun alone
+    code, text = finish(proc, log)
+    step = stopped_step(text, "SIGUSR2")
+    assert "stopped early (signal SIGUSR2), exit code 4" in text and code == 1
+    assert latest(out) == f"step_{step:07d}"
+    alive = [pid for pid in workers if os.path.exists(f"/proc/{pid}")]
+    assert not alive, f"workers {alive} outlived torchrun"
 
 
 # -- elastic restart ----------------------------------------------------------------------------

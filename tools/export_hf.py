@@ -77,7 +77,8 @@ def export(ckpt: str, out_dir: str, vocab_size: int | None = None, dtype: str = 
         for name in meta.tensors
         if name.startswith("model/")
     }
-    config, state = to_hf(tensors, meta.config["model"], vocab, getattr(torch, dtype))
+    config, state = to_hf(tensors, meta.config["model"], vocab, getattr(torch, dtype),
+                          special_tokens=meta.tokenizer or None)  # fmt: skip
     os.makedirs(out_dir, exist_ok=True)
     save_file(state, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(out_dir, "config.json"), "w") as f:

@@ -63,7 +63,8 @@ def read_hf_dir(hf_dir: str) -> tuple[dict, dict]:
     return config, state
 
 
-def write_checkpoint(ckpt_dir: str, model_cfg: dict, tensors: dict, source: str) -> str:
+def write_checkpoint(ckpt_dir: str, model_cfg: dict, tensors: dict, source: str,
+                     special_tokens: dict | None = None) -> str:  # fmt: skip
     """Publish ``tensors`` as the weights-only step 0 of ``ckpt_dir``; returns the step dir."""
     from megatronish.checkpoint.format import TMP_PREFIX, step_dir_name
     from megatronish.checkpoint.save import merge_and_publish, write_rank_files
@@ -97,8 +98,9 @@ def write_checkpoint(ckpt_dir: str, model_cfg: dict, tensors: dict, source: str)
             "run_id": None,
             "imported_from": os.path.abspath(source),
         },  # fmt: skip
+        "tokenizer": dict(special_tokens or {}),
     }
-    return merge_and_publish(ckpt_dir, tmp_dir, 0, 1, header, keep_last=0)
+    return merge_and_publish(ckpt_dir, tmp_dir, 0, 1, header, keep_last=None)
 
 
 def existing_checkpoints(ckpt_dir: str) -> list[str]:
@@ -111,7 +113,7 @@ def existing_checkpoints(ckpt_dir: str) -> list[str]:
 def import_hf(hf_dir: str, ckpt_dir: str, seq_length: int | None = None,
               force: bool = False) -> tuple[dict, str]:  # fmt: skip
     """Convert ``hf_dir`` into ``ckpt_dir``; returns ``(model config, step dir)``."""
-    from megatronish.checkpoint.hf import from_hf
+    from megatronish.checkpoint.hf import from_hf, special_tokens_of
 
     ckpt_dir = os.path.expanduser(ckpt_dir)
     found = existing_checkpoints(ckpt_dir)
@@ -123,7 +125,8 @@ def import_hf(hf_dir: str, ckpt_dir: str, seq_length: int | None = None,
     for name in found:
         path = os.path.join(ckpt_dir, name)
         shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
-    return model_cfg, write_checkpoint(ckpt_dir, model_cfg, tensors, hf_dir)
+    step_dir = write_checkpoint(ckpt_dir, model_cfg, tensors, hf_dir, special_tokens_of(config))
+    return model_cfg, step_dir
 
 
 def _importable() -> None:

@@ -68,6 +68,9 @@ class Metadata:
     config: dict
     trainer: dict
     tensors: dict[str, TensorEntry]
+    # The special token ids of the run's tokenizer, by their Hugging Face names (bos_token_id,
+    # eos_token_id, pad_token_id); empty in checkpoints from before the field existed.
+    tokenizer: dict = field(default_factory=dict)
 
     def to_json(self) -> str:
         """The JSON text, with ``crc32``: the CRC32 of the rest (see :func:`_crc_of`)."""
@@ -113,6 +116,12 @@ def _check_crc(raw: dict, stored: int, path: str) -> None:
 
 def step_dir_name(step: int) -> str:
     return f"{STEP_PREFIX}{step:07d}"
+
+
+def step_of(name: str) -> int | None:
+    """The step of a ``step_XXXXXXX`` directory name (None for any other name)."""
+    digits = name[len(STEP_PREFIX) :]
+    return int(digits) if name.startswith(STEP_PREFIX) and digits.isdigit() else None
 
 
 def crc32_of(t: torch.Tensor) -> int:

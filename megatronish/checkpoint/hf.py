@@ -38,8 +38,15 @@ from megatronish.model.spec import ModelSpec
 
 VOCAB_MULTIPLE = 128
 GPT2_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")  # all the tanh approximation
-# Megatronish's sentencepiece tokenizers: 0 <unk>, 1 <s>, 2 </s> (end of document).
-BOS_ID, EOS_ID = 1, 2
+# Megatronish's sentencepiece tokenizers: 0 <unk>, 1 <s>, 2 </s> (end of document), no padding.
+# Exports of checkpoints that do not record their tokenizer's ids use these.
+DEFAULT_SPECIAL_TOKENS = {"bos_token_id": 1, "eos_token_id": 2}
+SPECIAL_TOKEN_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def special_tokens_of(hf_config: dict) -> dict:
+    """The special token ids an HF ``config.json`` declares (eos may be a list of ids)."""
+    return {k: hf_config[k] for k in SPECIAL_TOKEN_KEYS if hf_config.get(k) is not None}
 
 
 def model_spec(model_cfg: dict, vocab_size: int) -> ModelSpec:
@@ -69,11 +76,13 @@ def to_hf(
     model_cfg: dict,
     vocab_size: int | None = None,
     dtype: torch.dtype | None = None,
+    special_tokens: dict | None = None,
 ) -> tuple[dict, dict[str, torch.Tensor]]:
     """``(config.json dict, state dict)`` of the HF model equal to megatronish ``tensors``.
 
     ``tensors`` maps global names (without the ``model/`` prefix) to global tensors and
-    ``model_cfg`` is the checkpoint's ``model`` config section. The vocabulary is cut to
+    ``model_cfg`` is the checkpoint's ``model`` config section; ``special_tokens`` its
+    tokenizer's ids (:data:`DEFAULT_SPECIAL_TOKENS` when unknown). The vocabulary is cut to
     ``vocab_size`` (default ``model_cfg["vocab_size"]``; when both are unknown the padded size is
     kept, and the padding ids are then valid, never-trained tokens of the HF model).
     """
@@ -92,6 +101,7 @@ def to_hf(
         config, state = _gpt2_config(spec, vocab), _gpt2_to_hf(tensors, spec, vocab)
     else:
         raise ValueError(f"cannot export model.arch={spec.arch!r} (llama or gpt2)")
+    config.update(special_tokens or DEFAULT_SPECIAL_TOKENS)
     dtype = dtype or torch.float32
     config["torch_dtype"] = config["dtype"] = str(dtype).removeprefix("torch.")
     return config, {k: _own(v, dtype) for k, v in state.items()}
@@ -102,8 +112,6 @@ def _common_config(spec: ModelSpec, vocab: int) -> dict:
         "vocab_size": vocab,
         "initializer_range": spec.init_std,
         "tie_word_embeddings": spec.tie_embeddings,
-        "bos_token_id": BOS_ID,
-        "eos_token_id": EOS_ID,
         "use_cache": True,
     }
 

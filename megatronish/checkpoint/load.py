@@ -10,6 +10,7 @@ layout is the one that saved them; otherwise every rank is re-seeded from the se
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 import torch
 from safetensors.torch import load_file
@@ -23,27 +24,46 @@ from megatronish.checkpoint.format import (
     resolve_step_dir,
 )
 from megatronish.checkpoint.pieces import copy_threads, range_requests, saved_name
+from megatronish.config.schema import FUNCTION_KEYS
 from megatronish.model.spec import ModelSpec
 
+# Never allowed to differ: they decide which tensors there are and their shapes, and arch also
+# the norm (RMSNorm / LayerNorm) and the activation (SwiGLU / GELU). FUNCTION_KEYS change what the
+# same tensors compute: refused unless checkpoint.allow_model_changes names them.
 SHAPE_KEYS = ("arch", "num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
-              "ffn_hidden_size")  # fmt: skip
+              "ffn_hidden_size", "bias", "tie_embeddings")  # fmt: skip
 
 
-def check_compatible(meta: Metadata, spec: ModelSpec, where: str) -> None:
-    """Refuse a checkpoint whose model shape or vocabulary does not fit ``spec``."""
-    saved = meta.config.get("model", {})
+def _saved_model_values(saved: dict) -> dict:
+    """The checkpoint's model values as a ModelSpec names them (nulls resolved as at save)."""
+    arch = saved.get("arch")
+    values = dict(saved)
+    for key in ("bias", "tie_embeddings"):
+        if values.get(key) is None and arch is not None:
+            values[key] = arch == "gpt2"
+    if values.get("num_query_groups") is None:
+        values["num_query_groups"] = values.get("num_attention_heads")
+    return values
+
+
+def check_compatible(
+    meta: Metadata, spec: ModelSpec, where: str, allowed: Sequence[str] = ()
+) -> None:
+    """Refuse a checkpoint whose model shape, vocabulary or any setting that changes what the
+    tensors compute (:data:`FUNCTION_KEYS`, except those in ``allowed``) differs from ``spec``."""
+    saved = _saved_model_values(meta.config.get("model", {}))
     mine = {
         "arch": spec.arch, "num_layers": spec.num_layers, "hidden_size": spec.hidden_size,
         "num_attention_heads": spec.num_heads, "num_query_groups": spec.num_kv_heads,
-        "ffn_hidden_size": spec.ffn_hidden_size,
+        "ffn_hidden_size": spec.ffn_hidden_size, "rope_theta": spec.rope_theta,
+        "norm_eps": spec.norm_eps, "vocab_size": spec.vocab_size, "bias": spec.bias,
+        "tie_embeddings": spec.tie_embeddings,
     }  # fmt: skip
-    wrong = []
-    for key in SHAPE_KEYS:
-        theirs = saved.get(key)
-        if key == "num_query_groups" and theirs is None:
-            theirs = saved.get("num_attention_heads")
-        if theirs is not None and theirs != mine[key]:
-            wrong.append(f"model.{key}: checkpoint {theirs}, config {mine[key]}")
+    keys = [*SHAPE_KEYS, *(k for k in FUNCTION_KEYS if k not in allowed)]
+    if spec.arch != "llama":
+        keys = [k for k in keys if k != "rope_theta"]  # no rotary embedding
+    changed = [k for k in keys if saved.get(k) is not None and saved[k] != mine[k]]
+    wrong = [f"model.{k}: checkpoint {saved[k]}, config {mine[k]}" for k in changed]
     emb = meta.tensors.get("model/embedding.word.weight")
     if emb is not None and emb.shape != [spec.padded_vocab_size, spec.hidden_size]:
         wrong.append(
@@ -51,10 +71,13 @@ def check_compatible(meta: Metadata, spec: ModelSpec, where: str) -> None:
             f"[{spec.padded_vocab_size}, {spec.hidden_size}] (padded vocab)"
         )
     if wrong:
+        hint = ""
+        if changed and len(changed) == len(wrong) and set(changed) <= set(FUNCTION_KEYS):
+            hint = f", allow the change with checkpoint.allow_model_changes=[{','.join(changed)}]"
         raise CheckpointError(
             f"checkpoint {where} does not fit this model: "
             + "; ".join(wrong)
-            + ". Use the checkpoint's model config or set checkpoint.resume=never."
+            + f". Use the checkpoint's model config{hint} or set checkpoint.resume=never."
         )
 
 
@@ -90,7 +113,7 @@ def load_into(trainer, path: str, rng=None, seed: int = 0, threads: int = READ_T
     reading the files with ``threads`` threads."""
     step_dir = resolve_step_dir(path)
     meta = read_metadata(step_dir)
-    check_compatible(meta, trainer.spec, step_dir)
+    check_compatible(meta, trainer.spec, step_dir, trainer.cfg.checkpoint.allow_model_changes)
     zero, topo, opt = trainer.zero, trainer.topo, trainer.optimizer
     has_moments = any(name.startswith("exp_avg/") for name in meta.tensors)
     if not has_moments and int(meta.trainer.get("optimizer_steps", 0)) > 0:

@@ -11,6 +11,7 @@ fit the model is a config problem, never skipped: older steps would not fit eith
 from __future__ import annotations
 
 import os
+import random
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -18,14 +19,24 @@ from dataclasses import dataclass, field
 import torch
 from safetensors import SafetensorError
 
+from megatronish.checkpoint.directory import (
+    RunLock,
+    clean_stale,
+    collect_probes,
+    damaged_name,
+    restore_replaced,
+    set_aside_damaged,
+    write_latest,
+    write_probe,
+)
 from megatronish.checkpoint.format import (
     LATEST,
-    STEP_PREFIX,
     CheckpointError,
     Metadata,
     read_metadata,
     resolve_step_dir,
     step_dir_name,
+    step_of,
 )
 from megatronish.checkpoint.load import (
     check_compatible,
@@ -33,7 +44,6 @@ from megatronish.checkpoint.load import (
     find_resume_path,
     load_into,
 )
-from megatronish.checkpoint.save import clean_stale, restore_replaced
 from megatronish.distributed.agree import PeerError, agree
 from megatronish.distributed.comm import ParallelGroup, broadcast
 
@@ -48,12 +58,15 @@ class ResumePlan:
     fallback: bool = False  # whether a damaged candidate is skipped for the next one
     removed: list[str] = field(default_factory=list)  # leftovers of an interrupted save
     restored: list[str] = field(default_factory=list)  # steps put back after a re-save crash
+    lock: RunLock | None = None  # rank 0's hold on checkpoint.dir for this run
 
+    def __enter__(self) -> ResumePlan:
+        return self
 
-def step_of(name: str) -> int | None:
-    """The step of a ``step_XXXXXXX`` directory name (None for any other name)."""
-    digits = name[len(STEP_PREFIX) :]
-    return int(digits) if name.startswith(STEP_PREFIX) and digits.isdigit() else None
+    def __exit__(self, *exc) -> None:
+        """The run ends: another run may use ``checkpoint.dir``."""
+        if self.lock is not None:
+            self.lock.release()
 
 
 def auto_candidates(ckpt_dir: str) -> list[int]:
@@ -77,12 +90,14 @@ def auto_candidates(ckpt_dir: str) -> list[int]:
     return [latest] + [s for s in published if s < latest]
 
 
-def plan_resume(ckpt_cfg, group: ParallelGroup) -> ResumePlan:
-    """Collective. Rank 0 tidies ``checkpoint.dir`` after an interrupted save and lists the
-    candidates; every rank gets rank 0's list (and waits for the tidying)."""
+def plan_resume(ckpt_cfg, group: ParallelGroup, label: str | None = None) -> ResumePlan:
+    """Collective. Take ``checkpoint.dir`` for this run (:func:`open_checkpoint_dir`), let rank 0
+    tidy it after an interrupted save and list the candidates; every rank gets rank 0's list."""
     resume, ckpt_dir = ckpt_cfg.resume, ckpt_cfg.dir
     ckpt_dir = os.path.expanduser(ckpt_dir) if ckpt_dir else None
     plan, steps, error = ResumePlan(fallback=bool(ckpt_cfg.fallback) and resume == "auto"), [], None
+    if ckpt_dir:
+        plan.lock = open_checkpoint_dir(ckpt_dir, group, label)
     try:
         if group.rank == 0 and ckpt_dir:
             plan.restored = restore_replaced(ckpt_dir)
@@ -93,11 +108,43 @@ def plan_resume(ckpt_cfg, group: ParallelGroup) -> ResumePlan:
             plan.candidates = [path] if path else []
     except (OSError, CheckpointError) as e:
         error = str(e)
-    agree(error, group)
+    _agree_or_unlock(error, group, plan.lock)
     if resume == "auto" and ckpt_dir:
         steps = _share_ints(steps, group)
         plan.candidates = [os.path.join(ckpt_dir, step_dir_name(s)) for s in steps]
     return plan
+
+
+def open_checkpoint_dir(ckpt_dir: str, group: ParallelGroup, label: str | None) -> RunLock | None:
+    """Collective, at start-up before any step: rank 0 creates ``ckpt_dir`` and locks it for this
+    run (a second run on it is refused, naming the first); every rank must be able to write
+    there, and rank 0 must see what they wrote (one directory for all, not one per node).
+    Returns rank 0's lock (None on other ranks); raises :class:`PeerError` on every rank."""
+    lock, error = None, None
+    if group.rank == 0:
+        try:
+            os.makedirs(ckpt_dir, exist_ok=True)
+            lock = RunLock.acquire(ckpt_dir, label)
+        except CheckpointError as e:
+            error = str(e)
+        except OSError as e:
+            error = (f"cannot use checkpoint.dir={ckpt_dir} ({e.strerror}); fix its permissions "
+                     "or set checkpoint.dir to a writable directory")  # fmt: skip
+    _agree_or_unlock(error, group, lock)
+    nonce = _share_ints([random.getrandbits(48)], group)[0]
+    _agree_or_unlock(write_probe(ckpt_dir, nonce, group.rank), group, lock)
+    error = collect_probes(ckpt_dir, nonce, group.size) if group.rank == 0 else None
+    _agree_or_unlock(error, group, lock)
+    return lock
+
+
+def _agree_or_unlock(error: str | None, group: ParallelGroup, lock: RunLock | None) -> None:
+    try:
+        agree(error, group)
+    except PeerError:
+        if lock is not None:
+            lock.release()
+        raise
 
 
 def _share_ints(values: list[int], group: ParallelGroup) -> list[int]:
@@ -155,6 +202,7 @@ def load_with_fallback(
     """
     group = trainer.topo.world_group
     skipped: list[str] = []
+    damaged: list[tuple[str, str]] = []
     for i, path in enumerate(plan.candidates):
         if i > 0:  # a failed attempt may have filled some Adam moments; the next may have none
             for t in (*trainer.optimizer.exp_avg, *trainer.optimizer.exp_avg_sq):
@@ -168,6 +216,7 @@ def load_with_fallback(
         if reason is None:
             after = f", the newest that loads ({len(skipped)} skipped)" if skipped else ""
             log(f"resumed from {path} at step {meta.step} (saved with {meta.layout}){after}")
+            _set_aside(damaged, path, group, log)
             return meta
         if not plan.fallback:
             raise CheckpointError(
@@ -177,6 +226,7 @@ def load_with_fallback(
             )
         log(f"skipped checkpoint {path}: {reason}")
         skipped.append(f"{os.path.basename(path)} ({reason})")
+        damaged.append((path, reason))
     if skipped:
         raise CheckpointError(
             f"no checkpoint could be loaded: {'; '.join(skipped)}. Repair or move the damaged "
@@ -186,10 +236,33 @@ def load_with_fallback(
     return None
 
 
+def _set_aside(damaged: list[tuple[str, str]], loaded: str, group: ParallelGroup, log) -> None:
+    """Collective, after ``loaded`` loaded in place of newer ``damaged`` steps: rank 0 renames
+    them ``damaged_step_*`` and points ``latest`` at ``loaded``, so that neither ``latest`` nor
+    pruning (``checkpoint.keep_last``) ever prefers a damaged step to the one the run uses.
+    Every rank logs the new names (the rank that logs may not be rank 0)."""
+    if not damaged:
+        return
+    ckpt_dir, suffixes, error = os.path.dirname(loaded), [], None
+    if group.rank == 0:
+        try:
+            for path, reason in damaged:  # ``latest`` may name a step that is gone: 0
+                exists = os.path.isdir(path)
+                suffixes.append(set_aside_damaged(ckpt_dir, os.path.basename(path), reason)
+                                if exists else 0)  # fmt: skip
+            write_latest(ckpt_dir, os.path.basename(loaded))
+        except OSError as e:
+            error = f"setting aside the damaged checkpoints in {ckpt_dir} failed: {e}"
+    agree(error, group)
+    for (path, _), n in zip(damaged, _share_ints(suffixes, group)):
+        if n:
+            log(f"set aside damaged checkpoint {path} as {damaged_name(os.path.basename(path), n)}")
+
+
 def _read_metadata(path: str) -> Metadata:
     return read_metadata(resolve_step_dir(path))
 
 
 def _check_fits(meta: Metadata, trainer, path: str) -> None:
-    check_compatible(meta, trainer.spec, path)
+    check_compatible(meta, trainer.spec, path, trainer.cfg.checkpoint.allow_model_changes)
     check_tensor_shapes(meta, trainer, path)

@@ -9,7 +9,7 @@
 
 With ``async_save`` step 1's file writing runs in a background thread; the trainer polls at each
 step boundary and publishes once every rank has finished. A crash before the rename leaves only a
-``.tmp_`` directory, which the next start removes (:func:`clean_stale`); a crash inside the
+``.tmp_`` directory, which the next start removes (``directory.clean_stale``); a crash inside the
 re-save of an existing step leaves that step under ``.tmp_old_``, which the next start puts back.
 """
 
@@ -24,12 +24,18 @@ import torch
 from omegaconf import OmegaConf
 from safetensors.torch import save_file
 
+from megatronish.checkpoint.directory import (
+    REPLACED_PREFIX,
+    fsync_path,
+    prune,
+    published_latest,
+    write_latest,
+)
 from megatronish.checkpoint.format import (
     FORMAT_VERSION,
-    LATEST,
     METADATA,
-    STEP_PREFIX,
     TMP_PREFIX,
+    CheckpointError,
     Metadata,
     Shard,
     TensorEntry,
@@ -43,12 +49,11 @@ from megatronish.checkpoint.pieces import (
     saved_name,
     writes,
 )
-from megatronish.distributed.agree import agree
+from megatronish.distributed.agree import PeerError, agree
 from megatronish.distributed.comm import all_reduce
 from megatronish.tensor_parallel.sharding import global_shape
 
 KINDS = ("model", "exp_avg", "exp_avg_sq")
-REPLACED_PREFIX = f"{TMP_PREFIX}old_"  # a published step while its re-save is being published
 
 
 def snapshot(trainer, rng) -> tuple[dict[str, dict[str, torch.Tensor]], list[dict]]:
@@ -81,31 +86,41 @@ def _snapshot_buckets(zero, optimizer, topo, tensors, index) -> None:
                                   "file": "model" if kind == "model" else "optim"})  # fmt: skip
 
 
+def write_failure(path: str, error: BaseException) -> str:
+    """``path: cause`` for a failed write (safetensors wraps the OS error in its own text)."""
+    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    for wrapper in ("Error while serializing: ", "I/O error: "):
+        text = text.removeprefix(wrapper)
+    if isinstance(error, OSError) and error.strerror:
+        text = f"{error.strerror} (errno {error.errno})"
+    return f"{path}: {text}"
+
+
 def write_rank_files(tmp_dir: str, rank: int, tensors, index) -> None:
-    """Write this rank's safetensors files and index, flushed to disk."""
+    """Write this rank's safetensors files and index, flushed to disk.
+
+    Raises OSError naming the file and the cause (disk full, file size limit, I/O error).
+    """
     names = {kind: f"{kind}-rank{rank:05d}.safetensors" for kind in tensors}
     for kind, group in tensors.items():
         path = os.path.join(tmp_dir, names[kind])
-        save_file(group, path)
-        _fsync(path)
+        try:
+            save_file(group, path)
+            fsync_path(path)
+        except Exception as e:  # noqa: BLE001 - SafetensorError is not an OSError
+            raise OSError(write_failure(path, e)) from e
     for entry in index:
         group = tensors[entry["file"]]
         entry["crc32"] = crc32_of(group[entry["key"]])
         entry["file"] = names[entry["file"]]
     path = os.path.join(tmp_dir, f"index-rank{rank:05d}.json")
-    with open(path, "w") as f:
-        json.dump(index, f)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _fsync(path: str) -> None:
-    """Flush a file, or a directory's entries (so a rename in it survives a power loss)."""
-    fd = os.open(path, os.O_RDONLY)
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        with open(path, "w") as f:
+            json.dump(index, f)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        raise OSError(write_failure(path, e)) from e
 
 
 def merge_and_publish(ckpt_dir: str, tmp_dir: str, step: int, world: int, header: dict,
@@ -130,71 +145,21 @@ def merge_and_publish(ckpt_dir: str, tmp_dir: str, step: int, world: int, header
         old = os.path.join(ckpt_dir, REPLACED_PREFIX + step_dir_name(step))
         os.rename(final, old)
     os.rename(tmp_dir, final)
-    _fsync(ckpt_dir)
-    latest_tmp = os.path.join(ckpt_dir, f"{TMP_PREFIX}{LATEST}")
-    with open(latest_tmp, "w") as f:
-        f.write(step_dir_name(step))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(latest_tmp, os.path.join(ckpt_dir, LATEST))
-    _fsync(ckpt_dir)
+    fsync_path(ckpt_dir)
+    write_latest(ckpt_dir, step_dir_name(step))
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
     prune(ckpt_dir, keep_last, keep=step_dir_name(step))
     return final
 
 
-def prune(ckpt_dir: str, keep_last: int, keep: str | None = None) -> None:
-    """Remove published steps beyond the newest ``keep_last`` (0 keeps all); never ``keep``
-    (the step ``latest`` names)."""
-    if keep_last <= 0:
-        return
-    steps = sorted(d for d in os.listdir(ckpt_dir) if d.startswith(STEP_PREFIX) and d != keep)
-    kept = keep_last - (keep is not None)
-    for old in steps[: len(steps) - kept] if kept > 0 else steps:
-        # Renamed first: a crash during the removal leaves a .tmp_ directory, not a partial step.
-        doomed = os.path.join(ckpt_dir, f"{TMP_PREFIX}pruned_{old}")
-        try:
-            os.rename(os.path.join(ckpt_dir, old), doomed)
-        except OSError:  # already gone: nothing to prune
-            continue
-        shutil.rmtree(doomed, ignore_errors=True)
-
-
-def restore_replaced(ckpt_dir: str) -> list[str]:
-    """Put back steps a crash left renamed aside in the middle of a re-save (the new copy was
-    never published); returns their names."""
-    if not os.path.isdir(ckpt_dir):
-        return []
-    restored = []
-    for d in sorted(os.listdir(ckpt_dir)):
-        step = d[len(REPLACED_PREFIX) :]
-        if d.startswith(REPLACED_PREFIX) and not os.path.exists(os.path.join(ckpt_dir, step)):
-            os.rename(os.path.join(ckpt_dir, d), os.path.join(ckpt_dir, step))
-            restored.append(step)
-    return restored
-
-
-def clean_stale(ckpt_dir: str) -> list[str]:
-    """Remove what a crash during a save or a prune left behind; returns the removed names.
-
-    A step renamed aside by an interrupted re-save is put back first (:func:`restore_replaced`).
-    """
-    restore_replaced(ckpt_dir)
-    if not os.path.isdir(ckpt_dir):
-        return []
-    stale = sorted(d for d in os.listdir(ckpt_dir) if d.startswith(TMP_PREFIX))
-    for d in stale:
-        path = os.path.join(ckpt_dir, d)
-        shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.remove(path)
-    return stale
-
-
 class CheckpointSaver:
     """Periodic, final and asynchronous saves of a Trainer's state."""
 
-    def __init__(self, cfg, trainer, rng=None, run_id: str | None = None):
+    def __init__(self, cfg, trainer, rng=None, run_id: str | None = None,
+                 special_tokens: dict | None = None):  # fmt: skip
         self.cfg, self.trainer, self.rng = cfg, trainer, rng
+        self.special_tokens = dict(special_tokens or {})  # the tokenizer's, recorded for exports
         self.dir = os.path.expanduser(cfg.checkpoint.dir)
         self.run_id = run_id
         self.config_dict = OmegaConf.to_container(cfg, resolve=True)
@@ -215,6 +180,7 @@ class CheckpointSaver:
             "config": self.config_dict,
             "trainer": {"skipped_steps": t.state.skipped_steps,
                         "optimizer_steps": t.optimizer.step_count, "run_id": self.run_id},
+            "tokenizer": self.special_tokens,
         }  # fmt: skip
 
     def save(self, blocking: bool | None = None) -> str | None:
@@ -223,11 +189,15 @@ class CheckpointSaver:
         topo, step = self.trainer.topo, self.trainer.state.step
         blocking = (not self.cfg.checkpoint.async_save) if blocking is None else blocking
         tmp_dir = os.path.join(self.dir, TMP_PREFIX + step_dir_name(step))
+        error = None
         if topo.rank == 0:
-            os.makedirs(self.dir, exist_ok=True)
-            shutil.rmtree(tmp_dir, ignore_errors=True)
-            os.makedirs(tmp_dir)
-        all_reduce(torch.zeros(1), topo.world_group)  # the directory exists for everyone
+            try:
+                os.makedirs(self.dir, exist_ok=True)
+                shutil.rmtree(tmp_dir, ignore_errors=True)
+                os.makedirs(tmp_dir)
+            except OSError as e:
+                error = f"saving checkpoint step {step} failed: {write_failure(tmp_dir, e)}"
+        self._agree(error, tmp_dir)  # the directory exists for everyone
         tensors, index = snapshot(self.trainer, self.rng)
         header = self._header()
         errors: list[str] = []
@@ -235,8 +205,8 @@ class CheckpointSaver:
         def write() -> None:
             try:
                 write_rank_files(tmp_dir, topo.rank, tensors, index)
-            except OSError as e:
-                errors.append(f"writing checkpoint step {step} to {tmp_dir} failed: {e}")
+            except Exception as e:  # noqa: BLE001 - reported on every rank by _publish
+                errors.append(f"saving checkpoint step {step} failed: {e}")
 
         thread = threading.Thread(target=write, daemon=True)
         thread.start()
@@ -260,11 +230,17 @@ class CheckpointSaver:
         self.pending[2].join()
         return self._publish()
 
+    def join_writer(self) -> None:
+        """Wait until a background write has finished, without publishing it (a run that ends
+        on an error leaves no thread writing files into the interpreter's exit)."""
+        if self.pending is not None:
+            self.pending[2].join()
+
     def _publish(self) -> str:
         step, tmp_dir, _, header, errors = self.pending
         self.pending = None
         topo = self.trainer.topo
-        agree(errors[0] if errors else None, topo.world_group)  # every rank's files are on disk
+        self._agree(errors[0] if errors else None, tmp_dir)  # every rank's files are on disk
         path, error = os.path.join(self.dir, step_dir_name(step)), None
         if topo.rank == 0:
             try:
@@ -272,6 +248,24 @@ class CheckpointSaver:
                                          self.cfg.checkpoint.keep_last)  # fmt: skip
             except OSError as e:
                 error = f"publishing checkpoint step {step} failed: {e}"
-        agree(error, topo.world_group)  # published before anyone reads it
+        self._agree(error, tmp_dir)  # published before anyone reads it
         self.last_published = path
         return path
+
+    def _agree(self, error: str | None, tmp_dir: str) -> None:
+        """Collective: on any rank's failure, rank 0 removes the unpublished step and every rank
+        raises :class:`CheckpointError` with the first failure and what is still published."""
+        topo = self.trainer.topo
+        try:
+            agree(error, topo.world_group)
+        except PeerError as e:
+            latest = None
+            if topo.rank == 0:
+                shutil.rmtree(tmp_dir, ignore_errors=True)
+                latest = published_latest(self.dir)
+            raise CheckpointError(
+                f"{e}; the checkpoints published before are unchanged"
+                + (f" (latest: {latest})" if latest else "")
+                + ". Free space or repair checkpoint.dir's filesystem and relaunch: the run "
+                "resumes from the latest checkpoint"
+            ) from None

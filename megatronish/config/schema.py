@@ -107,16 +107,24 @@ class TrainerConfig:
     profile: ProfileConfig = field(default_factory=ProfileConfig)
 
 
+# Model keys that change what a checkpoint's tensors compute without changing which tensors
+# there are (bias and tie_embeddings do change them).
+FUNCTION_KEYS = ("rope_theta", "norm_eps", "vocab_size")
+
+
 @dataclass
 class CheckpointConfig:
     dir: str | None = "${out_dir}/checkpoints"
     interval: int = 0  # 0: only at the end
     resume: str = "auto"  # auto | never | PATH
-    keep_last: int = 2
+    keep_last: int | None = 2  # the newest N published steps; null keeps every step
     async_save: bool = False
     save_final: bool = True
     fallback: bool = True  # resume=auto: skip a damaged step for the newest older one that loads
     verify: bool = True  # check the CRC32 of every shard read on load
+    # FUNCTION_KEYS that may differ from the checkpoint's on load, e.g. [rope_theta] to extend
+    # the context, [vocab_size] to use padding rows as new tokens
+    allow_model_changes: list[str] = field(default_factory=list)
 
 
 @dataclass

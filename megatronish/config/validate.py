@@ -6,11 +6,14 @@ the values and the fix. :func:`check_config` raises :class:`ConfigError` with al
 
 from __future__ import annotations
 
+import math
 import os
+from types import SimpleNamespace
 
 from omegaconf import DictConfig, OmegaConf
 
 from megatronish.config.derived import default_ffn_hidden, pad_vocab
+from megatronish.config.schema import FUNCTION_KEYS
 
 CHOICES = {
     "model.arch": ("llama", "gpt2"),
@@ -23,6 +26,12 @@ CHOICES = {
     "data.source": ("stdlib", "indexed"),
     "logging.timers": ("cheap", "detailed"),
 }
+NULLABLE_CHOICES = {"logging.wandb_mode": ("online", "offline", "disabled")}
+# The smallest vocabulary a tokenizer trained on the built-in corpus can have: byte fallback
+# takes 259 ids (256 bytes, unk, bos, eos) and every character of the corpus one more (222 in
+# the whole standard library of CPython 3.11).
+MIN_STDLIB_VOCAB = 512
+RESUME_WORDS = ("auto", "never")
 
 
 class ConfigError(ValueError):
@@ -74,10 +83,82 @@ def _positive(cfg, keys: list[str], errors: list[str], allow_zero: bool = False)
             errors.append(f"{key}={v} must be {bound}")
 
 
-def config_errors(cfg, world_size: int, vocab_size: int | None = None) -> list[str]:
+def _not_finite(cfg, prefix: str = "") -> list[str]:
+    """Every float of ``cfg`` that is nan or infinite (each passes ``<`` checks silently)."""
+    errors = []
+    items = vars(cfg).items() if isinstance(cfg, SimpleNamespace) else cfg.items()
+    for key, value in items:
+        if isinstance(value, (DictConfig, SimpleNamespace)):
+            errors += _not_finite(value, f"{prefix}{key}.")
+        elif isinstance(value, float) and not math.isfinite(value):
+            errors.append(f"{prefix}{key}={value} is not a finite number")
+    return errors
+
+
+def _value_errors(cfg) -> list[str]:
+    """Single values out of range (ranges other than plain positivity)."""
+    o, c, errors = cfg.optimizer, cfg.checkpoint, []
+    for key in ("optimizer.beta1", "optimizer.beta2"):
+        v = _get(cfg, key)
+        if not 0.0 <= v < 1.0:
+            errors.append(f"{key}={v} must be in [0, 1) (typical: beta1 0.9, beta2 0.95-0.999)")
+    if o.eps <= 0:
+        errors.append(f"optimizer.eps={o.eps} must be > 0 (typical 1e-8): Adam divides by it")
+    if o.weight_decay < 0:
+        errors.append(f"optimizer.weight_decay={o.weight_decay} must be >= 0 (0 disables it)")
+    for key in ("model.rope_theta", "model.norm_eps", "model.init_std"):
+        if _get(cfg, key) <= 0:
+            errors.append(f"{key}={_get(cfg, key)} must be > 0")
+    if not str(cfg.name).strip():
+        errors.append(
+            f"name={cfg.name!r} is empty: every unnamed run would share outputs/; "
+            "set name=<something that says what this run is>"
+        )
+    if not str(cfg.out_dir).strip():
+        errors.append("out_dir is empty; set out_dir=<a directory> (default outputs/${name})")
+    if not str(cfg.data.cache_dir).strip():
+        errors.append("data.cache_dir is empty; set a directory (default ~/.cache/megatronish)")
+    if c.dir is not None and not str(c.dir).strip():
+        errors.append("checkpoint.dir is empty; set a directory, or null to save no checkpoints")
+    if c.keep_last is not None and c.keep_last < 1:
+        errors.append(
+            f"checkpoint.keep_last={c.keep_last} would keep no checkpoint; use null to keep "
+            "every step or N >= 1 to keep the newest N"
+        )
+    resume = str(c.resume)
+    if resume not in RESUME_WORDS and (resume.lower() in (*RESUME_WORDS, "none", "null", "false",
+                                                          "no", "off", "true", "")):  # fmt: skip
+        errors.append(
+            f"checkpoint.resume={resume!r} reads like a keyword, not a path: use auto (resume "
+            "from checkpoint.dir's latest step), never (start from scratch) or a checkpoint path"
+        )
+    unknown = [k for k in c.allow_model_changes if k not in FUNCTION_KEYS]
+    if unknown:
+        errors.append(
+            f"checkpoint.allow_model_changes has {', '.join(map(str, unknown))}: only "
+            f"{', '.join(FUNCTION_KEYS)} can differ from a checkpoint (shapes never can)"
+        )
+    return errors
+
+
+def config_notes(cfg) -> list[str]:
+    """Settings that are valid but do nothing here, said once at start-up by rank 0."""
+    notes = []
+    if cfg.parallel.sp and cfg.parallel.tp == 1:
+        notes.append(
+            "parallel.sp=true has no effect with parallel.tp=1 (sequence parallelism splits "
+            "the sequence over the tp group): the run is the same as with sp=false"
+        )
+    return notes
+
+
+def config_errors(
+    cfg, world_size: int, vocab_size: int | None = None, cuda_available: bool | None = None
+) -> list[str]:
     """Every rule ``cfg`` breaks for a job of ``world_size`` ranks (empty list: valid).
 
-    ``vocab_size`` is the tokenizer's vocabulary when known (checked against tp and the model).
+    ``vocab_size`` is the tokenizer's vocabulary when known (checked against tp and the model);
+    ``cuda_available`` whether this machine has a GPU (None: not checked, e.g. dry runs).
     """
     errors: list[str] = [
         f"unknown key {key} (not in the config schema): check the spelling; "
@@ -90,8 +171,19 @@ def config_errors(cfg, world_size: int, vocab_size: int | None = None) -> list[s
         v = _get(cfg, key)
         if v not in allowed:
             errors.append(f"{key}={v!r} is not one of {', '.join(allowed)}")
+    if cfg.trainer.device == "cuda" and cuda_available is False:
+        errors.append(
+            "trainer.device=cuda but this machine has no CUDA device (torch sees none); "
+            "use trainer.device=cpu or auto, or run where a GPU is visible"
+        )
+    for key, allowed in NULLABLE_CHOICES.items():
+        v = _get(cfg, key)
+        if v is not None and v not in allowed:
+            errors.append(f"{key}={v!r} is not one of {', '.join(allowed)} (or null)")
 
     _positive(cfg, ["parallel.tp", "parallel.pp", "parallel.vpp", "parallel.dp",
+                    "trainer.num_threads", "trainer.peak_tflops", "data.max_corpus_mb",
+                    "data.vocab_size",
                     "model.num_layers", "model.hidden_size", "model.num_attention_heads",
                     "model.num_query_groups", "model.ffn_hidden_size", "model.seq_length",
                     "model.vocab_size", "model.make_vocab_size_divisible_by",
@@ -100,8 +192,10 @@ def config_errors(cfg, world_size: int, vocab_size: int | None = None) -> list[s
                     "parallel.bucket_size_mb", "parallel.collective_timeout_s"],
               errors)  # fmt: skip
     _positive(cfg, ["trainer.max_steps", "trainer.eval_interval", "trainer.eval_iters",
-                    "checkpoint.interval", "scheduler.warmup_steps", "checkpoint.keep_last",
-                    "trainer.max_skipped_steps"], errors, allow_zero=True)  # fmt: skip
+                    "checkpoint.interval", "scheduler.warmup_steps", "trainer.max_skipped_steps",
+                    "trainer.seed"], errors, allow_zero=True)  # fmt: skip
+    errors += _not_finite(cfg)
+    errors += _value_errors(cfg)
     if world_size < 1:
         errors.append(f"world size {world_size} must be >= 1")
     if errors:  # the divisibility rules below assume positive sizes
@@ -164,12 +258,11 @@ def config_errors(cfg, world_size: int, vocab_size: int | None = None) -> list[s
             f"the tokenizer has {vocab_size} tokens but model.vocab_size={m.vocab_size}; "
             "set model.vocab_size=null to take the tokenizer's"
         )
-    if m.arch == "gpt2" and m.max_position_embeddings is not None:
-        if m.seq_length > m.max_position_embeddings:
-            errors.append(
-                f"model.seq_length={m.seq_length} exceeds "
-                f"model.max_position_embeddings={m.max_position_embeddings}"
-            )
+    if m.max_position_embeddings is not None and m.seq_length > m.max_position_embeddings:
+        errors.append(
+            f"model.seq_length={m.seq_length} exceeds model.max_position_embeddings="
+            f"{m.max_position_embeddings}; raise it or set it to null (= seq_length)"
+        )
     for key in ("model.hidden_dropout", "model.attention_dropout"):
         if not 0.0 <= _get(cfg, key) < 1.0:
             errors.append(f"{key}={_get(cfg, key)} must be in [0, 1)")
@@ -223,6 +316,16 @@ def config_errors(cfg, world_size: int, vocab_size: int | None = None) -> list[s
             f"scheduler.warmup_steps={s.warmup_steps} exceeds scheduler.decay_steps="
             f"{s.decay_steps}; lower the warm-up or raise the decay length"
         )
+    if o.lr > 0 and o.weight_decay >= 0 and o.lr * o.weight_decay >= 1:
+        errors.append(
+            f"optimizer.lr*weight_decay = {o.lr}*{o.weight_decay} >= 1: every step would "
+            "scale the weights by 1 - lr*weight_decay <= 0; typical weight_decay is 0.01-0.1"
+        )
+    if t.eval_interval and t.eval_iters == 0:
+        errors.append(
+            f"trainer.eval_iters=0 with trainer.eval_interval={t.eval_interval}: evaluation "
+            "would average no batches; set eval_iters >= 1 or eval_interval=0 (no evaluation)"
+        )
 
     # Profiling.
     steps = t.profile.steps
@@ -230,6 +333,11 @@ def config_errors(cfg, world_size: int, vocab_size: int | None = None) -> list[s
         errors.append(
             f"trainer.profile.steps={list(steps)} must be [first, last] with "
             "1 <= first <= last, e.g. trainer.profile.steps=[5,7]"
+        )
+    elif steps is not None and steps[0] > t.max_steps:
+        errors.append(
+            f"trainer.profile.steps={list(steps)} starts after trainer.max_steps={t.max_steps}: "
+            "nothing would be traced; profile steps within the run"
         )
 
     # Data.
@@ -239,6 +347,11 @@ def config_errors(cfg, world_size: int, vocab_size: int | None = None) -> list[s
             errors.append("data.source=indexed needs data.prefix (the .bin/.idx path prefix)")
         if not d.tokenizer_model:
             errors.append("data.source=indexed needs data.tokenizer_model (a sentencepiece file)")
+        elif os.path.isdir(os.path.expanduser(d.tokenizer_model)):
+            errors.append(
+                f"data.tokenizer_model={d.tokenizer_model} is a directory; give the "
+                "sentencepiece .model file in it (tools/train_tokenizer.py writes <prefix>.model)"
+            )
         elif not os.path.exists(os.path.expanduser(d.tokenizer_model)):
             errors.append(f"data.tokenizer_model={d.tokenizer_model} does not exist")
         if d.prefix and not os.path.exists(os.path.expanduser(d.prefix) + ".idx"):
@@ -246,6 +359,12 @@ def config_errors(cfg, world_size: int, vocab_size: int | None = None) -> list[s
                 f"data.prefix={d.prefix}: {d.prefix}.idx does not exist; create it with "
                 "tools/preprocess_data.py"
             )
+    elif d.vocab_size < MIN_STDLIB_VOCAB:
+        errors.append(
+            f"data.vocab_size={d.vocab_size} is too small to train a tokenizer on the built-in "
+            "corpus: byte fallback takes 259 ids and each of the corpus's characters one more; "
+            f"use at least {MIN_STDLIB_VOCAB}"
+        )
     if not 0.0 < d.valid_fraction < 1.0:
         errors.append(f"data.valid_fraction={d.valid_fraction} must be in (0, 1)")
     return errors

@@ -202,10 +202,23 @@ class IndexedDataset:
         self._token_offsets = np.zeros(n_seq + 1, dtype=np.int64)
         np.cumsum(self.sizes, out=self._token_offsets[1:])
         if not np.array_equal(self.pointers, self._token_offsets[:-1] * self.dtype.itemsize):
-            raise ValueError(
-                f"{self.idx_path}: sequences are not stored contiguously in {self.bin_path}; "
-                "only contiguous MMIDIDX files are supported"
-            )
+            raise ValueError(self._pointer_problem())
+
+    def _pointer_problem(self) -> str:
+        """Why the byte pointers disagree with the sequence lengths and the dtype."""
+        offsets = self._token_offsets[:-1]
+        for size in sorted({np.dtype(t).itemsize for t in DTYPE_CODES.values()}):
+            if size != self.dtype.itemsize and np.array_equal(self.pointers, offsets * size):
+                return (
+                    f"{self.idx_path}: its header's dtype byte says {self.dtype} "
+                    f"({self.dtype.itemsize} bytes per token) but its pointers are "
+                    f"{size} bytes per token: the header does not match {self.bin_path} "
+                    "(edited or damaged); regenerate both with tools/preprocess_data.py"
+                )
+        return (
+            f"{self.idx_path}: sequences are not stored contiguously in {self.bin_path}; "
+            "only contiguous MMIDIDX files are supported"
+        )
 
     def _check_tables(self, n_seq: int) -> None:
         """Refuse an index whose tables contradict each other (a damaged or edited file)."""

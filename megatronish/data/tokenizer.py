@@ -38,6 +38,12 @@ class Tokenizer:
                 "token; retrain it with tools/train_tokenizer.py"
             )
 
+    def special_token_ids(self) -> dict[str, int]:
+        """bos / eos / pad ids by their Hugging Face names (pieces the model lacks left out)."""
+        ids = {"bos_token_id": self._sp.bos_id(), "eos_token_id": self.eod_id,
+               "pad_token_id": self._sp.pad_id()}  # fmt: skip
+        return {k: v for k, v in ids.items() if v >= 0}
+
     @property
     def vocab_size(self) -> int:
         """Number of pieces (ids are in ``[0, vocab_size)``)."""

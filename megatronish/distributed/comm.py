@@ -77,6 +77,13 @@ class ParallelGroup:
     def global_rank(self, index: int) -> int:
         return self.ranks[index]
 
+    def handle(self) -> dist.ProcessGroup:
+        """The torch process group; refused once the Topology was closed at shutdown (an op
+        would otherwise fall through to the default group)."""
+        if self.pg is None:
+            raise CollectiveError(f"group {self.name} (ranks {list(self.ranks)}) is closed")
+        return self.pg
+
     def _record(self, op: str, t: torch.Tensor, numel: int | None = None) -> None:
         if self.stats is not None:
             n = t.numel() if numel is None else numel
@@ -152,7 +159,7 @@ def all_reduce(t: torch.Tensor, group: ParallelGroup, op: str = "sum", async_op:
         return None if async_op else t
     group._record("all_reduce", t)
     with named_failures(group, "all_reduce"):
-        work = dist.all_reduce(t, op=_OPS[op], group=group.pg, async_op=async_op)
+        work = dist.all_reduce(t, op=_OPS[op], group=group.handle(), async_op=async_op)
     return _named(work, group, "all_reduce") if async_op else t
 
 
@@ -164,7 +171,7 @@ def all_gather_dim0(t: torch.Tensor, group: ParallelGroup) -> torch.Tensor:
     out = torch.empty((group.size * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
     group._record("all_gather", out)
     with named_failures(group, "all_gather"):
-        _all_gather_single(out, t, group=group.pg)
+        _all_gather_single(out, t, group=group.handle())
     return out
 
 
@@ -176,7 +183,7 @@ def all_gather_into(out: torch.Tensor, shard: torch.Tensor, group: ParallelGroup
         return None
     group._record("all_gather", out)
     with named_failures(group, "all_gather"):
-        work = _all_gather_single(out, shard, group=group.pg, async_op=async_op)
+        work = _all_gather_single(out, shard, group=group.handle(), async_op=async_op)
     return _named(work, group, "all_gather")
 
 
@@ -190,7 +197,7 @@ def reduce_scatter_dim0(t: torch.Tensor, group: ParallelGroup) -> torch.Tensor:
     out = torch.empty((t.shape[0] // group.size, *t.shape[1:]), dtype=t.dtype, device=t.device)
     group._record("reduce_scatter", t)
     with named_failures(group, "reduce_scatter"):
-        _reduce_scatter_single(out, t, group=group.pg)
+        _reduce_scatter_single(out, t, group=group.handle())
     return out
 
 
@@ -204,7 +211,7 @@ def reduce_scatter_into(
         return None
     group._record("reduce_scatter", full)
     with named_failures(group, "reduce_scatter"):
-        work = _reduce_scatter_single(out, full, group=group.pg, async_op=async_op)
+        work = _reduce_scatter_single(out, full, group=group.handle(), async_op=async_op)
     return _named(work, group, "reduce_scatter")
 
 
@@ -214,7 +221,7 @@ def broadcast(t: torch.Tensor, group: ParallelGroup, src_index: int = 0) -> torc
         return t
     group._record("broadcast", t)
     with named_failures(group, "broadcast"):
-        dist.broadcast(t, src=group.global_rank(src_index), group=group.pg)
+        dist.broadcast(t, src=group.global_rank(src_index), group=group.handle())
     return t
 
 
@@ -223,7 +230,8 @@ def isend(t: torch.Tensor, group: ParallelGroup, peer: int):
     group._record("send", t)
     op = f"send to rank {group.global_rank(peer)}"
     with named_failures(group, op):
-        return NamedWork(dist.isend(t, dst=group.global_rank(peer), group=group.pg), group, op)
+        work = dist.isend(t, dst=group.global_rank(peer), group=group.handle())
+    return NamedWork(work, group, op)
 
 
 def irecv(t: torch.Tensor, group: ParallelGroup, peer: int):
@@ -231,4 +239,5 @@ def irecv(t: torch.Tensor, group: ParallelGroup, peer: int):
     group._record("recv", t)
     op = f"recv from rank {group.global_rank(peer)}"
     with named_failures(group, op):
-        return NamedWork(dist.irecv(t, src=group.global_rank(peer), group=group.pg), group, op)
+        work = dist.irecv(t, src=group.global_rank(peer), group=group.handle())
+    return NamedWork(work, group, op)

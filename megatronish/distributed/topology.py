@@ -59,6 +59,13 @@ class Topology:
     def world_group(self) -> ParallelGroup:
         return self.groups["world"]
 
+    def close(self) -> None:
+        """Drop this Topology's references to its process groups, so that destroying them
+        (:func:`~megatronish.distributed.shutdown.shutdown_process_groups`) ends their threads.
+        The groups cannot be used afterwards."""
+        for group in self.groups.values():
+            group.pg = None
+
     @property
     def is_first_stage(self) -> bool:
         return self.coords.pp == 0

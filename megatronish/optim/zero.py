@@ -15,6 +15,8 @@ model-parallel sum first (sequence-parallel replicas, tied embeddings) are reduc
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import nn
 
@@ -134,14 +136,22 @@ class ZeroDataParallel:
             b.work = None
 
     def _make_hook(self, b: Bucket):
+        # The hook is held in C++ by the parameter, out of the garbage collector's sight: strong
+        # references back to this object and the bucket (which holds the parameter) would keep
+        # the model, its buffers and any pending work handle alive after the run.
+        owner, bucket = weakref.ref(self), weakref.ref(b)
+
         def hook(p: nn.Parameter) -> None:
+            zero, b = owner(), bucket()
+            if zero is None or b is None:
+                return
             if p.grad.data_ptr() != p.main_grad.data_ptr():
                 # Autograd replaced the view with a new tensor holding the accumulated grad.
                 p.main_grad.copy_(p.grad)
                 p.grad = p.main_grad
             b.pending -= 1
             if b.pending == 0 and not b.late:
-                self._launch(b)
+                zero._launch(b)
 
         return hook
 
@@ -182,10 +192,10 @@ class ZeroDataParallel:
             self._launch(b, async_op=False)
         scale = 1.0 / self.topo.dp
         for b in self.buckets:
-            if b.work is not None:
+            work, b.work = b.work, None  # not kept when the wait fails (it holds its group)
+            if work is not None:
                 with self.timers.region(None, "wait grads"):
-                    b.work.wait()
-            b.work = None
+                    work.wait()
             self.owned_grad(b).mul_(scale)
             if self.stage >= 2:  # keep only the reduced shard
                 b.grad_flat = None

@@ -29,7 +29,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child(fn, rank, world, port, conn, collective_timeout, args, kwargs) -> None:
+def _child(fn, rank, world, port, conn, collective_timeout, init, args, kwargs) -> None:
     code = 0
     try:
         torch.set_num_threads(1)
@@ -37,24 +37,23 @@ def _child(fn, rank, world, port, conn, collective_timeout, args, kwargs) -> Non
             MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
             WORLD_SIZE=str(world), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1",
         )  # fmt: skip
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world,
-            timeout=datetime.timedelta(seconds=collective_timeout),
-        )
+        if init:
+            dist.init_process_group(
+                "gloo",
+                init_method=f"tcp://127.0.0.1:{port}",
+                rank=rank,
+                world_size=world,
+                timeout=datetime.timedelta(seconds=collective_timeout),
+            )
         result = fn(rank, world, *args, **kwargs)
         conn.send((rank, True, pickle.dumps(result)))  # synchronous: done before we exit
     except BaseException:  # noqa: BLE001 - everything must reach the parent
         conn.send((rank, False, traceback.format_exc()))
         code = 1
     finally:
-        try:
-            if dist.is_initialized():
-                dist.destroy_process_group()
-        except Exception:  # noqa: BLE001
-            pass
+        # No destroy_process_group: _exit skips interpreter finalization, so no thread left
+        # running can abort the rank, while joining gloo threads after a test ran torch's
+        # profiler over their ops can (their thread-exit cleanup finds a corrupted heap).
         os._exit(code)
 
 
@@ -76,11 +75,14 @@ def run_world(
     *args: Any,
     timeout: float = 120.0,
     collective_timeout: float = 60.0,
+    init: bool = True,
     **kwargs: Any,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` forked gloo ranks.
 
-    Returns the per-rank return values in rank order.
+    Returns the per-rank return values in rank order. With ``init=False`` the ranks get
+    torchrun's environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ...) but no process group:
+    ``fn`` starts it, as the entry point does.
     """
     ctx = mp.get_context("fork")
     port = free_port()
@@ -88,7 +90,7 @@ def run_world(
     procs = [
         ctx.Process(
             target=_child,
-            args=(fn, r, world_size, port, pipes[r][1], collective_timeout, args, kwargs),
+            args=(fn, r, world_size, port, pipes[r][1], collective_timeout, init, args, kwargs),
             daemon=True,
         )
         for r in range(world_size)

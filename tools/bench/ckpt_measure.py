@@ -28,7 +28,7 @@ MODEL = [
     "model.hidden_size=512", "model.num_layers=8", "model.num_attention_heads=8",
     "model.num_query_groups=4", "model.ffn_hidden_size=1408", "model.seq_length=64",
     "trainer.micro_batch_size=1", "trainer.global_batch_size=1",
-    "checkpoint.keep_last=0",  # the bench removes old steps itself, outside the timings
+    "checkpoint.keep_last=null",  # the bench removes old steps itself, outside the timings
 ]  # fmt: skip
 MODEL_TEXT = (
     "llama, 8 layers, hidden 512, 8 heads, 4 kv heads, ffn 1408, vocab 4096, seq 64, batch 1"

@@ -1,0 +1,73 @@
+"""The abort at exit, reproduced on demand: a gloo worker that releases a finished op's tensors
+after interpreter finalization has begun kills the process (SIGABRT), and shutting the process
+groups down before returning, as ``megatronish.train`` does on every exit path, prevents it.
+
+Each case starts two real interpreters (``megatronish/testing/late_work.py``), since the abort
+happens in interpreter finalization, which forked test ranks skip.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from megatronish.testing.multiproc import free_port
+
+
+def _late_work(mode: str) -> tuple[int, str]:
+    """Run both ranks; rank 1's exit code and stderr."""
+    port = str(free_port())
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "megatronish.testing.late_work", mode]
+    ranks = [subprocess.Popen([*cmd, str(r), port], env=env, stderr=subprocess.PIPE, text=True)
+             for r in (0, 1)]  # fmt: skip
+    try:
+        outs = [p.communicate(timeout=90)[1] for p in ranks]
+    finally:
+        for p in ranks:
+            p.kill()
+    return ranks[1].returncode, outs[1]
+
+
+@pytest.mark.slow
+def test_groups_left_running_at_exit_abort_the_process():
+    code, err = _late_work("left")
+    assert code == -signal.SIGABRT, err
+    assert "terminate called without an active exception" in err
+
+
+@pytest.mark.slow
+def test_groups_shut_down_before_exit_end_cleanly():
+    code, err = _late_work("shutdown")
+    assert code == 0, err
+    assert "terminate called" not in err
+
+
+SMALL = [
+    "model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4",
+    "model.num_query_groups=2", "model.ffn_hidden_size=128", "model.seq_length=32",
+    "trainer.micro_batch_size=2", "trainer.global_batch_size=4", "trainer.eval_interval=0",
+    "logging.log_interval=1", "scheduler.warmup_steps=1", "data.max_corpus_mb=0.5",
+    "data.vocab_size=512", "trainer.device=cpu", "trainer.peak_tflops=1", "trainer.max_steps=4",
+]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_a_profiled_torchrun_run_ends_with_its_code_and_says_why_it_skipped_finalization(
+    tmp_path,
+):
+    """torch's profiler keeps the groups it recorded (and their threads) alive: the entry point
+    then ends the process itself, which cannot abort."""
+    env = dict(os.environ, WANDB_MODE="disabled", OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "megatronish.train", *SMALL, "trainer.profile.steps=[2,3]",
+           f"data.cache_dir={tmp_path / 'cache'}", f"out_dir={tmp_path / 'out'}"]  # fmt: skip
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "terminate called" not in r.stderr and "Fatal Python error" not in r.stderr
+    for rank in (0, 1):
+        assert f"[rank {rank}] note: torch still holds " in r.stderr
+        assert (tmp_path / "out" / "profile" / f"rank{rank:05d}.json").exists()
+    assert "profiler keeps the groups whose ops it recorded); exiting with code 0" in r.stderr

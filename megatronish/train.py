@@ -30,7 +30,8 @@ from megatronish.config.cli_errors import composition_error_reason
 from megatronish.config.compose import CONFIG_DIR
 from megatronish.config.derived import derive, pad_vocab
 from megatronish.config.schema import register_configs
-from megatronish.config.validate import ConfigError, config_errors, config_notes
+from megatronish.config.validate import ConfigError, config_errors
+from megatronish.config.value_rules import config_notes
 from megatronish.distributed.agree import PeerError
 from megatronish.distributed.comm import CollectiveError
 from megatronish.distributed.launch import detect_launch

@@ -27,7 +27,7 @@ from megatronish.checkpoint.save import CheckpointSaver
 from megatronish.distributed.agree import PeerError
 from megatronish.distributed.comm import single_group
 from megatronish.testing.multiproc import run_world
-from megatronish.testing.runs import build_trainer
+from megatronish.testing.runs import SMALL_STDLIB_RUN, build_trainer
 
 
 def step(n: int) -> str:
@@ -262,13 +262,6 @@ def test_a_second_run_is_refused_naming_the_first_and_a_killed_run_leaves_no_loc
 
 
 # -- through the entry point --------------------------------------------------------------------
-SMALL = [
-    "model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4",
-    "model.num_query_groups=2", "model.ffn_hidden_size=128", "model.seq_length=32",
-    "trainer.micro_batch_size=2", "trainer.global_batch_size=4", "trainer.eval_interval=0",
-    "logging.log_interval=1", "scheduler.warmup_steps=1", "data.max_corpus_mb=0.5",
-    "data.vocab_size=512", "trainer.device=cpu", "trainer.peak_tflops=1",
-]  # fmt: skip
 
 
 def _train(tmp_path, steps, file_size_limit=None):
@@ -279,7 +272,7 @@ def _train(tmp_path, steps, file_size_limit=None):
             resource.setrlimit(resource.RLIMIT_FSIZE, (file_size_limit, file_size_limit))
 
     env = dict(os.environ, WANDB_MODE="disabled", OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "megatronish.train", *SMALL, f"trainer.max_steps={steps}",
+    cmd = [sys.executable, "-m", "megatronish.train", *SMALL_STDLIB_RUN, f"trainer.max_steps={steps}",
            f"data.cache_dir={tmp_path / 'cache'}", f"out_dir={tmp_path / 'out'}"]  # fmt: skip
     return subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env,
                           preexec_fn=limit)  # fmt: skip

@@ -14,6 +14,7 @@ import sys
 import pytest
 
 from megatronish.testing.multiproc import free_port
+from megatronish.testing.runs import SMALL_STDLIB_RUN
 
 
 def _late_work(mode: str) -> tuple[int, str]:
@@ -45,13 +46,7 @@ def test_groups_shut_down_before_exit_end_cleanly():
     assert "terminate called" not in err
 
 
-SMALL = [
-    "model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4",
-    "model.num_query_groups=2", "model.ffn_hidden_size=128", "model.seq_length=32",
-    "trainer.micro_batch_size=2", "trainer.global_batch_size=4", "trainer.eval_interval=0",
-    "logging.log_interval=1", "scheduler.warmup_steps=1", "data.max_corpus_mb=0.5",
-    "data.vocab_size=512", "trainer.device=cpu", "trainer.peak_tflops=1", "trainer.max_steps=4",
-]  # fmt: skip
+SMALL = [*SMALL_STDLIB_RUN, "trainer.max_steps=4"]
 
 
 @pytest.mark.slow

@@ -18,15 +18,9 @@ import pytest
 
 from megatronish.config.compose import load_config
 from megatronish.testing.multiproc import run_world
+from megatronish.testing.runs import SMALL_STDLIB_RUN
 
-SMALL = [
-    "model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4",
-    "model.num_query_groups=2", "model.ffn_hidden_size=128", "model.seq_length=32",
-    "trainer.micro_batch_size=2", "trainer.global_batch_size=4", "trainer.eval_interval=0",
-    "logging.log_interval=1", "scheduler.warmup_steps=1", "data.max_corpus_mb=0.5",
-    "data.vocab_size=512", "trainer.device=cpu", "trainer.peak_tflops=1",
-    "trainer.max_steps=3",
-]  # fmt: skip
+SMALL = [*SMALL_STDLIB_RUN, "trainer.max_steps=3"]
 TIMEOUT_S = 2  # parallel.collective_timeout_s of the cases where a peer hangs
 
 

@@ -140,6 +140,7 @@ def write_probe(ckpt_dir: str, nonce: int, rank: int) -> str | None:
     """Create this rank's probe file in ``ckpt_dir``; the reason when it cannot (else None)."""
     path = os.path.join(ckpt_dir, probe_name(nonce, rank))
     try:
+        os.makedirs(ckpt_dir, exist_ok=True)  # a node without it creates its own: found below
         with open(path, "w") as f:
             f.write(str(rank))
     except OSError as e:

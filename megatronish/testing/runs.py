@@ -35,6 +35,17 @@ TINY_TEST_MODEL = [
 ]
 
 
+# A real run of the entry point small enough for many subprocess and multi-rank tests: the
+# built-in corpus cut to 0.5 MB with a 512-piece tokenizer (built once per cache directory).
+SMALL_STDLIB_RUN = [
+    "model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4",
+    "model.num_query_groups=2", "model.ffn_hidden_size=128", "model.seq_length=32",
+    "trainer.micro_batch_size=2", "trainer.global_batch_size=4", "trainer.eval_interval=0",
+    "logging.log_interval=1", "scheduler.warmup_steps=1", "data.max_corpus_mb=0.5",
+    "data.vocab_size=512", "trainer.device=cpu", "trainer.peak_tflops=1",
+]  # fmt: skip
+
+
 @dataclass
 class LayoutRun:
     """What one rank reports after :func:`train_layout`."""

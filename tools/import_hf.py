@@ -110,10 +110,16 @@ def existing_checkpoints(ckpt_dir: str) -> list[str]:
     return sorted(d for d in os.listdir(ckpt_dir) if d.startswith("step_") or d == "latest")
 
 
+def special_tokens_of(hf_config: dict) -> dict:
+    """The special token ids an HF ``config.json`` declares (eos may be a list of ids)."""
+    keys = ("bos_token_id", "eos_token_id", "pad_token_id")
+    return {k: hf_config[k] for k in keys if hf_config.get(k) is not None}
+
+
 def import_hf(hf_dir: str, ckpt_dir: str, seq_length: int | None = None,
               force: bool = False) -> tuple[dict, str]:  # fmt: skip
     """Convert ``hf_dir`` into ``ckpt_dir``; returns ``(model config, step dir)``."""
-    from megatronish.checkpoint.hf import from_hf, special_tokens_of
+    from megatronish.checkpoint.hf import from_hf
 
     ckpt_dir = os.path.expanduser(ckpt_dir)
     found = existing_checkpoints(ckpt_dir)

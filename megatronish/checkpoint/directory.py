@@ -44,14 +44,19 @@ def write_latest(ckpt_dir: str, name: str) -> None:
     fsync_path(ckpt_dir)
 
 
-def published_latest(ckpt_dir: str) -> str | None:
-    """The step directory ``latest`` names, when it is there."""
+def read_latest(ckpt_dir: str) -> str | None:
+    """The step name ``latest`` holds (None without a readable ``latest``)."""
     try:
         with open(os.path.join(ckpt_dir, LATEST)) as f:
-            name = f.read().strip()
+            return f.read().strip()
     except OSError:
         return None
-    return name if os.path.isdir(os.path.join(ckpt_dir, name)) else None
+
+
+def published_latest(ckpt_dir: str) -> str | None:
+    """The step directory ``latest`` names, when it is there."""
+    name = read_latest(ckpt_dir)
+    return name if name and os.path.isdir(os.path.join(ckpt_dir, name)) else None
 
 
 def prune(ckpt_dir: str, keep_last: int | None, keep: str | None = None) -> None:

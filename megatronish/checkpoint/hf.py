@@ -41,12 +41,6 @@ GPT2_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")  # all the tan
 # Megatronish's sentencepiece tokenizers: 0 <unk>, 1 <s>, 2 </s> (end of document), no padding.
 # Exports of checkpoints that do not record their tokenizer's ids use these.
 DEFAULT_SPECIAL_TOKENS = {"bos_token_id": 1, "eos_token_id": 2}
-SPECIAL_TOKEN_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
-
-
-def special_tokens_of(hf_config: dict) -> dict:
-    """The special token ids an HF ``config.json`` declares (eos may be a list of ids)."""
-    return {k: hf_config[k] for k in SPECIAL_TOKEN_KEYS if hf_config.get(k) is not None}
 
 
 def model_spec(model_cfg: dict, vocab_size: int) -> ModelSpec:

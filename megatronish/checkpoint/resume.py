@@ -24,13 +24,13 @@ from megatronish.checkpoint.directory import (
     clean_stale,
     collect_probes,
     damaged_name,
+    read_latest,
     restore_replaced,
     set_aside_damaged,
     write_latest,
     write_probe,
 )
 from megatronish.checkpoint.format import (
-    LATEST,
     CheckpointError,
     Metadata,
     read_metadata,
@@ -79,12 +79,7 @@ def auto_candidates(ckpt_dir: str) -> list[int]:
         (s for d in os.listdir(ckpt_dir) if (s := step_of(d)) is not None
          and os.path.isdir(os.path.join(ckpt_dir, d))), reverse=True,
     )  # fmt: skip
-    latest = None
-    try:
-        with open(os.path.join(ckpt_dir, LATEST)) as f:
-            latest = step_of(f.read().strip())
-    except OSError:
-        pass
+    latest = step_of(read_latest(ckpt_dir) or "")
     if latest is None:
         return published
     return [latest] + [s for s in published if s < latest]

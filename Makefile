@@ -8,7 +8,7 @@ export HF_DATASETS_OFFLINE ?= 1
 export WANDB_MODE ?= offline
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install train test bench lint format clean
+.PHONY: install train test bench gpu-check lint format clean
 
 install: $(STAMP)
 
@@ -24,6 +24,11 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) tools/bench/run_all.py $(ARGS)
+
+# One GPU, under 8 minutes: throughput vs plain PyTorch, flash attention, memory vs the planner,
+# bit-exact resume, recompute policies -> docs/gpu.md. ARGS=--smoke: the same on the CPU, toy size.
+gpu-check: $(STAMP)
+	$(PY) tools/gpu_check.py $(ARGS)
 
 lint: $(STAMP)
 	$(PY) -m ruff check megatronish tools tests

@@ -15,6 +15,7 @@ from megatronish.distributed.rank_math import rank_map_table
 from megatronish.distributed.topology import Topology
 from megatronish.model.build import build_chunks
 from megatronish.model.spec import ModelSpec
+from megatronish.precision import apply_fp32_matmul_setting
 from megatronish.recompute import apply_recompute
 from megatronish.tensor_parallel.context import TPContext
 from megatronish.tensor_parallel.random import RNGTracker
@@ -102,6 +103,7 @@ def build_job(cfg, launch: LaunchEnv) -> Job:
     set_threads(cfg, launch)
     derived = derive(cfg, launch.world_size)
     device = pick_device(cfg.trainer.device, launch.local_rank)
+    apply_fp32_matmul_setting(device, cfg.trainer.tf32)
     init_process_group(launch, device, cfg.parallel.collective_timeout_s)
     p = cfg.parallel
     topo = Topology.build(tp=p.tp, dp=derived.dp, pp=p.pp, rank=launch.rank, device=device,

@@ -19,12 +19,7 @@ import time
 import torch
 
 from megatronish.model.spec import ModelSpec
-
-# Dense peak FLOP/s per GPU for the compute dtype (vendor datasheets, without sparsity).
-GPU_PEAK_TFLOPS = {
-    ("H200", "bf16"): 989.0, ("H100", "bf16"): 989.0, ("A100", "bf16"): 312.0,
-    ("H200", "fp32"): 67.0, ("H100", "fp32"): 67.0, ("A100", "fp32"): 19.5,
-}  # fmt: skip
+from megatronish.plan.devices import gpu_for_cuda_name
 
 
 def matmul_params(spec: ModelSpec) -> int:
@@ -69,16 +64,20 @@ def measure_matmul_peak(size: int = 1024, repeats: int = 5) -> float:
 
 
 def device_peak_flops(device: torch.device, precision: str, configured_tflops: float | None):
-    """Peak FLOP/s of one device: configured, the GPU table, or a CPU probe; None if unknown."""
+    """Peak FLOP/s of one device: configured, the GPU table (``plan.devices.GPUS``, by the CUDA
+    device name), or a CPU probe; None for a GPU the table does not list."""
     if configured_tflops:
         return configured_tflops * 1e12
     if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for (gpu, dtype), tflops in GPU_PEAK_TFLOPS.items():
-            if gpu in name and dtype == precision:
-                return tflops * 1e12
-        return None
+        gpu = gpu_for_cuda_name(torch.cuda.get_device_name(device))
+        return None if gpu is None else gpu.peak_tflops(precision, tf32_matmuls()) * 1e12
     return measure_matmul_peak()
+
+
+def tf32_matmuls() -> bool:
+    """Whether fp32 matmuls on CUDA may use TF32 tensor cores (torch's default: no)."""
+    new_api = getattr(torch.backends.cuda.matmul, "fp32_precision", "none")
+    return new_api == "tf32" or torch.get_float32_matmul_precision() != "highest"
 
 
 def peak_memory_bytes(device: torch.device) -> int:

@@ -9,7 +9,8 @@ Exit codes: 0 done, 2 invalid config, 3 bad data or a failure reported by anothe
 4 stopped early by a signal or ``trainer.exit_after_minutes`` with a checkpoint saved (the next
 launch resumes from it; see docs/operations.md), 5 ``trainer.max_skipped_steps`` steps in a row
 had a non-finite loss or grad norm (nothing saved since the fault), 6 a collective failed or
-timed out (a peer rank died or hangs; the message names the group and op).
+timed out (a peer rank died or hangs; the message names the group and op; also on NCCL, see
+megatronish/distributed/nccl_errors.py). A CUDA error is a device fault: exit 1, traceback.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from megatronish.config.value_rules import config_notes
 from megatronish.distributed.agree import PeerError
 from megatronish.distributed.comm import CollectiveError
 from megatronish.distributed.launch import detect_launch
+from megatronish.distributed.nccl_errors import describe_comm_error, failed_groups_message
 from megatronish.distributed.shutdown import shutdown_process_groups
 from megatronish.numerics import TooManySkippedSteps
 from megatronish.stop import StopRequest
@@ -154,6 +156,8 @@ def _fit_and_save(cfg, job, plan, run_id: str, logger, stop: StopRequest | None)
         finally:
             if trainer.saver is not None:
                 trainer.saver.join_writer()  # no file writes left running at exit
+        if (failed := failed_groups_message(topo.groups.values())) is not None:
+            raise CollectiveError(failed)  # an NCCL op of the last step failed after its wait
         if trainer.saver is not None:
             trainer.saver.wait()
             done = trainer.saver.last_published or ""
@@ -225,6 +229,11 @@ def _run_and_report(cfg, stop: StopRequest, prefix: str) -> int:
         return EXIT_NONFINITE
     except CollectiveError as e:
         print(f"{prefix}error: {e}", file=sys.stderr, flush=True)
+        return EXIT_COMM
+    except RuntimeError as e:  # a torch.distributed / NCCL error outside the comm wrappers
+        if (why := describe_comm_error(e)) is None:
+            raise
+        print(f"{prefix}error: {why}", file=sys.stderr, flush=True)
         return EXIT_COMM
     return 0
 

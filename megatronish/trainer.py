@@ -1,8 +1,11 @@
-"""The training loop: microbatches -> forward/backward -> grad sync -> clip -> step -> log."""
+"""The training loop: microbatches -> forward/backward -> grad sync -> clip -> step -> log.
+
+``trainer.precision=bf16`` trains bf16 params and activations against fp32 main params and
+grads (see :mod:`megatronish.optim.zero`); there is no autocast.
+"""
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 import time
@@ -27,6 +30,8 @@ from megatronish.pipeline.engine import (
     forward_only_pipeline,
 )
 from megatronish.pipeline.no_pipeline import forward_backward_no_pipeline
+from megatronish.pipeline.p2p import BatchedP2P
+from megatronish.precision import DTYPES
 from megatronish.profiling import StepProfiler
 from megatronish.progress import ProgressLogger
 from megatronish.timers import Timers, device_sync, max_min_over_ranks, timer_metrics
@@ -68,6 +73,7 @@ class Trainer:
         logger: ProgressLogger | None = None,
         peak_flops: float | None = None,
         forward_backward=None,
+        p2p=None,
     ):
         self.cfg, self.topo, self.spec, self.derived = cfg, topo, spec, derived
         self.chunks = chunks
@@ -78,9 +84,11 @@ class Trainer:
         self.timers = Timers(cfg.logging.timers, device_sync(topo.device))
         prof = cfg.trainer.profile
         self.profiler = StepProfiler(prof.steps, prof.dir, topo.rank, topo.device, self.timers)
+        self.param_dtype = DTYPES[cfg.trainer.precision]
         self.zero = ZeroDataParallel(
             chunks, topo, p.zero_stage, p.bucket_size_mb, keep_gathered=p.zero3_keep_gathered,
-            timers=self.timers,
+            timers=self.timers, param_dtype=self.param_dtype,
+            reduce_dtype=DTYPES[p.grad_reduce_dtype],
         )  # fmt: skip
         self.optimizer = ShardedAdamW(
             [shard.numel() for shard, _, _ in self.zero.optimizer_shards()], topo.device,
@@ -88,6 +96,8 @@ class Trainer:
         )  # fmt: skip
         self.lr_at = schedule_from_config(cfg.optimizer, cfg.scheduler, cfg.trainer.max_steps)
         self.timeline: Timeline | None = None
+        # Pipeline p2p: a factory ``group -> P2PCommunicator`` (default: batched isend/irecv).
+        self.p2p = p2p or BatchedP2P
         self.forward_backward = forward_backward or self._default_forward_backward()
         self.state = TrainState()
         self.saver = None  # a CheckpointSaver: periodic and asynchronous saves from fit()
@@ -99,7 +109,8 @@ class Trainer:
         """The activation every stage sends: ``[s or s/tp with sp, micro batch, hidden]``."""
         s, tp = self.spec.seq_length, self.topo.tp
         seq = s // tp if self.cfg.parallel.sp and tp > 1 else s
-        return PipelineShape((seq, self.cfg.trainer.micro_batch_size, self.spec.hidden_size))
+        shape = (seq, self.cfg.trainer.micro_batch_size, self.spec.hidden_size)
+        return PipelineShape(shape, self.param_dtype)
 
     def _default_forward_backward(self):
         if self.topo.pp == 1:
@@ -108,7 +119,8 @@ class Trainer:
         def run(chunks, microbatches, **kw):
             return forward_backward_pipeline(
                 chunks, microbatches, topo=self.topo, vpp=self.cfg.parallel.vpp,
-                shape=self.pipeline_shape(), timeline=self.timeline, timers=self.timers, **kw,
+                shape=self.pipeline_shape(), timeline=self.timeline, timers=self.timers,
+                comm=self.p2p(self.topo.pp_group), **kw,
             )  # fmt: skip
 
         return run
@@ -127,11 +139,6 @@ class Trainer:
             out.append((batch[:, :-1].contiguous(), batch[:, 1:].contiguous()))
         return out
 
-    def autocast(self):
-        if self.cfg.trainer.precision == "bf16":
-            return torch.autocast(self.topo.device.type, dtype=torch.bfloat16)
-        return contextlib.nullcontext()
-
     # -- one step ---------------------------------------------------------------------------
     def train_step(self) -> StepResult:
         step = self.state.step
@@ -141,9 +148,8 @@ class Trainer:
             batches = self.microbatches(self.train_data, self.state.consumed_samples)
         self.zero.start_step(len(batches))
         losses = self.forward_backward(
-            self.chunks, batches, loss_scale=1.0 / len(batches), autocast=self.autocast,
-            param_hooks=self.zero,
-        )  # fmt: skip
+            self.chunks, batches, loss_scale=1.0 / len(batches), param_hooks=self.zero
+        )
         self.zero.finish_reduction()
         self.timers.start("optimizer", "optimizer")  # grad norm, clipping and the update
         loss = self._mean_loss(losses)
@@ -202,15 +208,15 @@ class Trainer:
             if self.topo.pp > 1:
                 losses += forward_only_pipeline(
                     self.chunks, batches, topo=self.topo, vpp=self.cfg.parallel.vpp,
-                    shape=self.pipeline_shape(), autocast=self.autocast, param_hooks=self.zero,
+                    shape=self.pipeline_shape(), param_hooks=self.zero,
+                    comm=self.p2p(self.topo.pp_group),
                 )  # fmt: skip
                 continue
             for inputs, targets in batches:
                 self.zero.gather(0)
-                with self.autocast():
-                    losses.append(self.chunks[0](inputs, targets).detach())
+                losses.append(self.chunks[0](inputs, targets).detach())
                 self.zero.release(0)
-        self.zero.after_update()  # zero 3 with keep_gathered: release
+        self.zero.release_all()  # zero 3 with keep_gathered
         return self._mean_loss(losses)
 
     # -- the loop ---------------------------------------------------------------------------

@@ -98,6 +98,8 @@ CASES = [
     (["trainer.profile.steps=[400,405]"], "trainer.profile.steps=[400, 405] starts after trainer.max_steps=300"),
     (["trainer.exit_after_minutes=0"], "trainer.exit_after_minutes=0.0 must be positive"),
     (["trainer.stop_signals=[SIGFOO]"], "trainer.stop_signals has SIGFOO: not a signal"),
+    (["parallel.grad_reduce_dtype=bf16"], "grad_reduce_dtype=bf16 needs trainer.precision=bf16"),
+    (["parallel.grad_reduce_dtype=fp16"], "parallel.grad_reduce_dtype='fp16' is not one of"),
 ]  # fmt: skip
 if not torch.cuda.is_available():  # the rule is about this machine
     CASES.append(

@@ -27,6 +27,11 @@ LAYOUTS = [
     (4, ["parallel.pp=2", "parallel.vpp=2", "trainer.micro_batch_size=2", "parallel.zero_stage=1"]),
     (2, ["parallel.zero_stage=3", "trainer.recompute=full", "trainer.recompute_num_layers=2"]),
     (4, ["parallel.tp=2", "parallel.pp=2", "parallel.sp=true", "model.arch=gpt2"]),
+    # bf16: bf16 params and activations beside fp32 main params, grads and moments
+    (1, ["trainer.precision=bf16"]),
+    (4, ["trainer.precision=bf16", "parallel.tp=2", "parallel.sp=true", "parallel.zero_stage=1"]),
+    (2, ["trainer.precision=bf16", "parallel.pp=2"]),
+    (2, ["trainer.precision=bf16", "parallel.zero_stage=3", "trainer.recompute=full"]),
 ]
 
 
@@ -80,6 +85,9 @@ COMM_LAYOUTS = [
     (4, ["parallel.pp=2", "parallel.vpp=2", "parallel.zero_stage=3", "model.arch=gpt2"]),
     (4, ["parallel.pp=2", "parallel.zero_stage=1", "trainer.recompute=full"]),
     (2, ["parallel.zero_stage=0"]),
+    (4, ["trainer.precision=bf16", "parallel.tp=2", "parallel.sp=true", "parallel.pp=2"]),
+    (4, ["trainer.precision=bf16", "parallel.zero_stage=3", "parallel.grad_reduce_dtype=bf16"]),
+    (2, ["trainer.precision=bf16", "parallel.zero_stage=0", "parallel.grad_reduce_dtype=bf16"]),
 ]
 
 

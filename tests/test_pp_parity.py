@@ -1,5 +1,7 @@
 """Pipeline parallelism (1F1B and interleaved) alone and with tp/sp/dp equals one process."""
 
+from collections import Counter
+
 import pytest
 import torch
 
@@ -39,8 +41,10 @@ ARCH_CASES = [("llama", *c) for c in CASES] + [("gpt2", *c) for c in CASES if c 
 
 @pytest.mark.parametrize("arch,world,layout,layers", ARCH_CASES)
 def test_pipeline_matches_serial(arch, world, layout, layers):
+    # llama runs with a send completing only once the peer received it, as on NCCL.
     got = run_world(train_layout, world, [f"model.arch={arch}", f"model.num_layers={layers}",
-                                          *layout], 10, timeout=300)  # fmt: skip
+                                          *layout], 10, strict_p2p=arch == "llama",
+                    timeout=300)  # fmt: skip
     assert_parity(reference(arch, layers), got)
 
 
@@ -58,15 +62,15 @@ def _one_step(rank, world, vpp):
     return [name for name, _, _ in timeline.events]
 
 
-def test_timeline_records_every_op_in_schedule_order():
+def test_timeline_records_every_op_in_posting_order():
+    from megatronish.pipeline.grouping import run_order, training_steps
     from megatronish.pipeline.schedule import schedule_ops
 
     names = run_world(_one_step, 2, 2)
     for rank, recorded in enumerate(names):
-        expected = [
-            f"{op.kind} mb{op.microbatch} c{op.chunk}" for op in schedule_ops(2, 2, 4, rank)
-        ]
-        assert recorded == expected
+        ops = run_order(training_steps(2, 2, 4, rank))
+        assert recorded == [f"{op.kind} mb{op.microbatch} c{op.chunk}" for op in ops]
+        assert Counter(ops) == Counter(schedule_ops(2, 2, 4, rank))  # every op, once
 
 
 def test_uneven_layer_split_matches_serial():

@@ -72,11 +72,15 @@ def test_bucket_reductions_start_during_the_last_backward():
         assert launched == buckets  # every bucket launched from its hook, before the step ends
 
 
-def test_bf16_compute_keeps_fp32_master_weights_and_tracks_fp32():
+def test_bf16_holds_bf16_params_beside_fp32_main_params_and_tracks_fp32():
     ref = train_layout(0, 1, [], 3)
     runs = run_world(train_layout, 4, ["trainer.precision=bf16", "parallel.tp=2",
                                        "parallel.sp=true", "parallel.zero_stage=1"], 3)  # fmt: skip
     losses = next(r.losses for r in runs if r.losses[0] == r.losses[0])
     assert all(abs(a - b) / a < 2e-2 for a, b in zip(ref.losses, losses))
     params = {k: v for r in runs for k, v in r.params.items()}
-    assert all(v.dtype == torch.float32 for v in params.values())
+    assert all(v.dtype == torch.bfloat16 for v in params.values())
+    for r in runs:  # bf16 model params (2 bytes) + fp32 main params of the dp shard (4 / dp)
+        held = r.state_bytes
+        assert held["params"] == held["buffer_numel"] * 2 + held["buffer_numel"] // 2 * 4
+        assert held["grads"] == held["buffer_numel"] * 4

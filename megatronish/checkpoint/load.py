@@ -122,16 +122,15 @@ def load_into(trainer, path: str, rng=None, seed: int = 0, threads: int = READ_T
     verify = trainer.cfg.checkpoint.verify  # CRC32 of every shard read
     with ShardReader(step_dir, meta, verify, threads) as reader, copy_threads():
         ranges = []
+        targets = zero.model_load_targets()
         for i, bucket in enumerate(zero.buckets):
-            if zero.stage < 3:  # every rank holds the whole bucket's params
-                ranges.append((bucket, "model", bucket.param_flat, 0, bucket.numel))
-            else:
-                ranges.append((bucket, "model", bucket.param_shard, *bucket.shard_range))
+            ranges.append((bucket, "model", *targets[i]))
             if has_moments:
                 lo, hi = zero._owned(bucket)
                 ranges.append((bucket, "exp_avg", opt.exp_avg[i], lo, hi))
                 ranges.append((bucket, "exp_avg_sq", opt.exp_avg_sq[i], lo, hi))
         _fill(reader, ranges, topo)
+    zero.params_from_main()
     opt.step_count = int(meta.trainer.get("optimizer_steps", 0))
     trainer.state.step = meta.step
     trainer.state.consumed_samples = meta.consumed_samples

@@ -129,12 +129,13 @@ def writes(name: str, p: nn.Parameter, bucket: Bucket, offset: int, tp_rank: int
 
 @torch.no_grad()
 def full_local_values(zero, optimizer, index: int, bucket: Bucket):
-    """Full flat ``(params, exp_avg, exp_avg_sq)`` of one bucket on this rank (collective)."""
+    """Full flat fp32 ``(main params, exp_avg, exp_avg_sq)`` of one bucket on this rank
+    (collective)."""
     dp = zero.topo.dp_group
     if zero.stage == 0:
-        return bucket.param_flat, optimizer.exp_avg[index], optimizer.exp_avg_sq[index]
+        return bucket.main_shard, optimizer.exp_avg[index], optimizer.exp_avg_sq[index]
     out = []
-    for shard in (bucket.param_shard, optimizer.exp_avg[index], optimizer.exp_avg_sq[index]):
+    for shard in (bucket.main_shard, optimizer.exp_avg[index], optimizer.exp_avg_sq[index]):
         full = torch.empty(bucket.numel, device=shard.device)
         all_gather_into(full, shard, dp)
         out.append(full)

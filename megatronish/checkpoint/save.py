@@ -50,7 +50,8 @@ from megatronish.checkpoint.pieces import (
     writes,
 )
 from megatronish.distributed.agree import PeerError, agree
-from megatronish.distributed.comm import all_reduce
+from megatronish.distributed.comm import CollectiveError, all_reduce
+from megatronish.distributed.nccl_errors import failed_groups_message
 from megatronish.tensor_parallel.sharding import global_shape
 
 KINDS = ("model", "exp_avg", "exp_avg_sq")
@@ -187,6 +188,8 @@ class CheckpointSaver:
         """Save the current step. Collective. Returns the published path (None while async)."""
         self.wait()
         topo, step = self.trainer.topo, self.trainer.state.step
+        if (failed := failed_groups_message(topo.groups.values())) is not None:
+            raise CollectiveError(failed)  # never save what an aborted NCCL op left behind
         blocking = (not self.cfg.checkpoint.async_save) if blocking is None else blocking
         tmp_dir = os.path.join(self.dir, TMP_PREFIX + step_dir_name(step))
         error = None

@@ -44,6 +44,7 @@ class ParallelConfig:
     zero3_keep_gathered: bool = False
     pipeline_layer_split: list[int] | None = None  # layers per chunk; null = even split
     collective_timeout_s: float = 600.0  # bounds start-up and every collective and p2p op
+    grad_reduce_dtype: str = "fp32"  # fp32 | bf16: dtype of the dp grad reduction (bf16 runs)
 
 
 @dataclass
@@ -88,7 +89,8 @@ class TrainerConfig:
     global_batch_size: int = 8
     max_steps: int = 100
     seed: int = 1234
-    precision: str = "fp32"  # fp32 | bf16
+    precision: str = "fp32"  # fp32 | bf16 (bf16 params and activations, fp32 main params/grads)
+    tf32: bool = True  # CUDA: fp32 matmuls and convolutions may use TF32 tensor cores
     recompute: str = "none"  # none | selective | full
     recompute_method: str = "uniform"  # uniform | block
     recompute_num_layers: int = 1
@@ -103,7 +105,6 @@ class TrainerConfig:
     peak_tflops: float | None = None  # per device, for MFU; null: measured (CPU) or table (GPU)
     check_memory: bool = True  # stop at start-up when the planned peak exceeds the device
     max_skipped_steps: int = 5  # stop after this many non-finite steps in a row; 0: never
-    deterministic: bool = True
     profile: ProfileConfig = field(default_factory=ProfileConfig)
 
 

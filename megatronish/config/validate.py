@@ -16,6 +16,7 @@ from megatronish.config.value_rules import MIN_STDLIB_VOCAB, get, not_finite, va
 CHOICES = {
     "model.arch": ("llama", "gpt2"),
     "trainer.precision": ("fp32", "bf16"),
+    "parallel.grad_reduce_dtype": ("fp32", "bf16"),
     "trainer.recompute": ("none", "selective", "full"),
     "trainer.recompute_method": ("uniform", "block"),
     "trainer.device": ("auto", "cpu", "cuda"),
@@ -137,6 +138,11 @@ def config_errors(
         errors.append(f"parallel.zero_stage={p.zero_stage} must be 0, 1, 2 or 3")
     if p.vpp > 1 and p.pp == 1:
         errors.append(f"parallel.vpp={p.vpp} needs parallel.pp > 1 (interleaving splits stages)")
+    if p.grad_reduce_dtype == "bf16" and cfg.trainer.precision != "bf16":
+        errors.append(
+            "parallel.grad_reduce_dtype=bf16 needs trainer.precision=bf16 (fp32 training "
+            "reduces its fp32 grads); set parallel.grad_reduce_dtype=fp32"
+        )
 
     # Model shape against tp.
     heads, kv = m.num_attention_heads, m.num_query_groups or m.num_attention_heads

@@ -9,8 +9,10 @@ tensor; ``all_gather`` counts the gathered (full) output; ``reduce_scatter`` cou
 ``send`` / ``recv`` count the tensor.
 
 A failed or timed-out op (gloo raises when ``collective_timeout_s`` passes or a peer's connection
-closes) is re-raised as :class:`CollectiveError` naming the group, its ranks and the op; work
-handles of asynchronous ops do the same in ``wait()``.
+closes; NCCL when an op is posted on a communicator its watchdog aborted, or in ``wait()``) is
+re-raised as :class:`CollectiveError` naming the group, its ranks and the op; work handles of
+asynchronous ops do the same in ``wait()``. NCCL's texts are read by
+:mod:`megatronish.distributed.nccl_errors`. A CUDA error is a device fault and passes through.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+
+from megatronish.distributed.nccl_errors import describe_nccl, parse_nccl_failure
 
 # torch 2.13 renamed the tensor collectives; keep one spelling that works from torch 2.6 on.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -56,6 +60,20 @@ class CommStats:
 
 
 @dataclass
+class OpLog:
+    """How many ops this rank posted on a group, and the names of the last two (a failure NCCL
+    reports on a later op is then named by the one before it)."""
+
+    count: int = 0
+    last: str | None = None
+    previous: str | None = None
+
+    def post(self, op: str) -> None:
+        self.count += 1
+        self.previous, self.last = self.last, op
+
+
+@dataclass
 class ParallelGroup:
     """A process group together with this rank's place in it.
 
@@ -69,6 +87,7 @@ class ParallelGroup:
     pg: dist.ProcessGroup | None = None
     stats: CommStats | None = None
     timeout_s: float | None = None  # the process group's collective timeout, for messages
+    posted: OpLog = field(default_factory=OpLog, repr=False, compare=False)
 
     @property
     def size(self) -> int:
@@ -84,7 +103,9 @@ class ParallelGroup:
             raise CollectiveError(f"group {self.name} (ranks {list(self.ranks)}) is closed")
         return self.pg
 
-    def _record(self, op: str, t: torch.Tensor, numel: int | None = None) -> None:
+    def record(self, op: str, t: torch.Tensor, numel: int | None = None) -> None:
+        """Count an op this rank posts on the group (CommStats and the log of posted ops)."""
+        self.posted.post(op)
         if self.stats is not None:
             n = t.numel() if numel is None else numel
             self.stats.record(self.name, op, n * t.element_size())
@@ -99,6 +120,9 @@ _PEER_GONE = ("connection closed", "connection reset", "broken pipe", "connectio
 
 def describe_failure(group: ParallelGroup, op: str, error: BaseException) -> str:
     """One line for a failed ``op`` on ``group``: what happened, the likely cause, the fix."""
+    nccl = parse_nccl_failure(str(error))
+    if nccl is not None:
+        return describe_nccl(nccl, group, op)
     text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     if text.startswith("[") and "] " in text:  # drop gloo's "[path/to/file.cc:123] " prefix
         text = text.split("] ", 1)[1]
@@ -127,7 +151,15 @@ def named_failures(group: ParallelGroup, op: str) -> Iterator[None]:
     except CollectiveError:
         raise
     except RuntimeError as e:  # gloo/nccl errors are RuntimeError (torch.distributed.DistError)
+        if _device_fault(e):
+            raise
         raise CollectiveError(describe_failure(group, op, e)) from e
+
+
+def _device_fault(error: RuntimeError) -> bool:
+    """A CUDA error (torch.AcceleratorError, ``CUDA error: ...``): the device's, not the op's."""
+    accelerator_error = getattr(torch, "AcceleratorError", ())
+    return isinstance(error, accelerator_error) or str(error).startswith("CUDA error")
 
 
 class NamedWork:
@@ -157,7 +189,7 @@ def all_reduce(t: torch.Tensor, group: ParallelGroup, op: str = "sum", async_op:
     """In-place all-reduce; returns the tensor (or a work handle when ``async_op``)."""
     if group.size == 1:
         return None if async_op else t
-    group._record("all_reduce", t)
+    group.record("all_reduce", t)
     with named_failures(group, "all_reduce"):
         work = dist.all_reduce(t, op=_OPS[op], group=group.handle(), async_op=async_op)
     return _named(work, group, "all_reduce") if async_op else t
@@ -169,7 +201,7 @@ def all_gather_dim0(t: torch.Tensor, group: ParallelGroup) -> torch.Tensor:
         return t
     t = t.contiguous()
     out = torch.empty((group.size * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
-    group._record("all_gather", out)
+    group.record("all_gather", out)
     with named_failures(group, "all_gather"):
         _all_gather_single(out, t, group=group.handle())
     return out
@@ -181,7 +213,7 @@ def all_gather_into(out: torch.Tensor, shard: torch.Tensor, group: ParallelGroup
         if out.data_ptr() != shard.data_ptr():
             out.copy_(shard)
         return None
-    group._record("all_gather", out)
+    group.record("all_gather", out)
     with named_failures(group, "all_gather"):
         work = _all_gather_single(out, shard, group=group.handle(), async_op=async_op)
     return _named(work, group, "all_gather")
@@ -195,7 +227,7 @@ def reduce_scatter_dim0(t: torch.Tensor, group: ParallelGroup) -> torch.Tensor:
     if t.shape[0] % group.size:
         raise ValueError(f"dim 0 ({t.shape[0]}) is not divisible by {group.name} size {group.size}")
     out = torch.empty((t.shape[0] // group.size, *t.shape[1:]), dtype=t.dtype, device=t.device)
-    group._record("reduce_scatter", t)
+    group.record("reduce_scatter", t)
     with named_failures(group, "reduce_scatter"):
         _reduce_scatter_single(out, t, group=group.handle())
     return out
@@ -209,7 +241,7 @@ def reduce_scatter_into(
         if out.data_ptr() != full.data_ptr():
             out.copy_(full)
         return None
-    group._record("reduce_scatter", full)
+    group.record("reduce_scatter", full)
     with named_failures(group, "reduce_scatter"):
         work = _reduce_scatter_single(out, full, group=group.handle(), async_op=async_op)
     return _named(work, group, "reduce_scatter")
@@ -219,7 +251,7 @@ def broadcast(t: torch.Tensor, group: ParallelGroup, src_index: int = 0) -> torc
     """Broadcast ``t`` in place from the member at ``src_index``."""
     if group.size == 1:
         return t
-    group._record("broadcast", t)
+    group.record("broadcast", t)
     with named_failures(group, "broadcast"):
         dist.broadcast(t, src=group.global_rank(src_index), group=group.handle())
     return t
@@ -227,7 +259,7 @@ def broadcast(t: torch.Tensor, group: ParallelGroup, src_index: int = 0) -> torc
 
 def isend(t: torch.Tensor, group: ParallelGroup, peer: int):
     """Asynchronous send to member ``peer`` of ``group``; returns the work handle."""
-    group._record("send", t)
+    group.record("send", t)
     op = f"send to rank {group.global_rank(peer)}"
     with named_failures(group, op):
         work = dist.isend(t, dst=group.global_rank(peer), group=group.handle())
@@ -236,7 +268,7 @@ def isend(t: torch.Tensor, group: ParallelGroup, peer: int):
 
 def irecv(t: torch.Tensor, group: ParallelGroup, peer: int):
     """Asynchronous receive into ``t`` from member ``peer`` of ``group``."""
-    group._record("recv", t)
+    group.record("recv", t)
     op = f"recv from rank {group.global_rank(peer)}"
     with named_failures(group, op):
         work = dist.irecv(t, src=group.global_rank(peer), group=group.handle())

@@ -1,4 +1,5 @@
-"""Launch environment detection (plain process, torchrun, SLURM) and process-group start-up."""
+"""Launch environment detection (plain process, torchrun, SLURM) and process-group start-up
+(with the NCCL settings that make a failed collective an error instead of an abort)."""
 
 from __future__ import annotations
 
@@ -84,6 +85,24 @@ def pick_device(requested: str, local_rank: int) -> torch.device:
     return torch.device(requested)
 
 
+def nccl_error_env(env: Mapping[str, str]) -> dict[str, str]:
+    """The variables to add to ``env`` before NCCL groups exist. Pure.
+
+    torch's ProcessGroupNCCL reads TORCH_NCCL_ASYNC_ERROR_HANDLING (or the older
+    NCCL_ASYNC_ERROR_HANDLING) whenever a group is created; its default, 3, ends the process
+    from the watchdog thread (SIGABRT) when an op fails or times out. 2 ("clean up only") makes
+    the watchdog abort that group's communicators, which ends the stuck kernels and frees a
+    thread blocked on the device, and leaves the process alive: the training thread then gets a
+    DistBackendError from its next op on the group, which the comm wrappers name (exit code 6).
+    The timeout itself is the groups' ``timeout`` (``parallel.collective_timeout_s``). A value
+    the user set under either name is kept.
+    """
+    names = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING")
+    if any(env.get(name) for name in names):
+        return {}
+    return {names[0]: "2"}
+
+
 def init_process_group(launch: LaunchEnv, device: torch.device, timeout_s: float) -> None:
     """Start torch.distributed for a multi-rank job: nccl on GPUs, gloo on CPUs.
 
@@ -92,11 +111,14 @@ def init_process_group(launch: LaunchEnv, device: torch.device, timeout_s: float
     bookkeeping) through gloo, so no host value needs a round trip through the device.
 
     ``timeout_s`` bounds the rendezvous and every op of the default group. A rendezvous that
-    fails or times out raises :class:`CollectiveError` saying who waited for whom.
+    fails or times out raises :class:`CollectiveError` saying who waited for whom. With NCCL,
+    :func:`nccl_error_env` is applied first, so failed ops raise instead of ending the process.
     """
     if launch.world_size == 1 or dist.is_initialized():
         return
     backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        os.environ.update(nccl_error_env(os.environ))
     os.environ.setdefault("MASTER_ADDR", launch.master_addr)
     os.environ.setdefault("MASTER_PORT", str(launch.master_port))
     try:

@@ -93,7 +93,9 @@ class Topology:
 
         torch.distributed must already be initialised when the world has more than one rank.
         ``timeout_s`` (``parallel.collective_timeout_s``) bounds every op of the new groups: they
-        do not inherit the default group's timeout. None keeps torch's default.
+        do not inherit the default group's timeout. None keeps torch's default. Each new group's
+        description (``group_desc``) is its name; the world group is torch's default group,
+        described as ``default_pg``.
         """
         world = tp * dp * pp
         if world > 1 and not (dist.is_available() and dist.is_initialized()):
@@ -113,7 +115,7 @@ class Topology:
                     continue
                 if name == "world":
                     pg = dist.group.WORLD
-                else:  # group_desc names the group in NCCL watchdog reports
+                else:  # NCCL's reports name it: "[PG ID 2 PG GUID 5(tp) Rank 1] ..."
                     pg = dist.new_group(ranks, timeout=timeout, group_desc=name)
                 if rank in ranks:
                     mine = pg

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megatronish.model.rms_norm import low_precision_rms_norm
 from megatronish.model.spec import ModelSpec
 from megatronish.tensor_parallel.context import TPContext
 from megatronish.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -40,8 +41,8 @@ class Norm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.rms and x.dtype == torch.float32:
             return F.rms_norm(x, (x.shape[-1],), self.weight, eps=self.eps)
-        if self.rms:  # normalised in fp32, then scaled in the input's dtype, as in HF Llama
-            return F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype) * self.weight
+        if self.rms:  # bf16: computed in fp32, rounded once
+            return low_precision_rms_norm(x, self.weight, self.eps)
         return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
 
 

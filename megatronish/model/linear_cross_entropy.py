@@ -9,8 +9,8 @@ alive from forward to backward is ``[tokens, h]`` plus the weight's ``[V, h]`` i
 fresh pages on a CPU and often the step's memory peak on a GPU. The same matmuls run as in the
 unfused head (the two grad matmuls move from backward into forward).
 
-Under autocast the matmuls run in the autocast dtype and the softmax in fp32, as autocast would
-run the unfused head.
+The matmuls run in the input's dtype (or the autocast dtype) and the softmax and the loss in
+fp32, as autocast would run the unfused head; the weight's grad is summed over chunks in fp32.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         with torch.autocast(x.device.type, enabled=False):
             w = weight[:vocab_size].to(dtype)  # padding rows get no logits and no grad
             grad_x = torch.empty_like(x)
-            grad_w = torch.zeros_like(weight)
+            grad_w = torch.zeros_like(weight, dtype=torch.float32)  # summed over chunks in fp32
             total = torch.zeros((), dtype=torch.float32, device=x.device)
             for start in range(0, n, step):
                 xc = x[start : start + step].to(dtype)
@@ -53,11 +53,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 grad = log_probs.exp_()  # d(sum of chunk losses)/d(logits) = softmax - one_hot
                 grad.scatter_add_(-1, idx, grad.new_full(idx.shape, -1.0))
                 grad = grad.to(dtype)
-                if dtype == weight.dtype == x.dtype:  # straight into the outputs
+                same = dtype == weight.dtype == x.dtype
+                if same:  # straight into the output
                     torch.mm(grad, w, out=grad_x[start : start + step])
-                    grad_w[:vocab_size].addmm_(grad.t(), xc)
                 else:
                     grad_x[start : start + step] = grad @ w
+                if same and dtype == torch.float32:
+                    grad_w[:vocab_size].addmm_(grad.t(), xc)
+                else:
                     grad_w[:vocab_size] += grad.t() @ xc
         ctx.save_for_backward(grad_x, grad_w)
         ctx.tokens = n

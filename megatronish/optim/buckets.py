@@ -1,9 +1,9 @@
 """Contiguous flat buffers for parameters and gradients, split into buckets, sharded over dp.
 
-Each bucket owns a flat fp32 region of ``numel`` elements (padded to a multiple of dp); every
-parameter of the bucket is a view into its param buffer and accumulates into a ``main_grad``
-view of its grad buffer. dp rank ``r`` owns elements ``[r * numel/dp, (r+1) * numel/dp)`` of
-every bucket (its ZeRO shard).
+Each bucket owns a flat region of ``numel`` elements (padded to a multiple of dp); every
+parameter of the bucket is a view into its param buffer (fp32 or bf16) and accumulates into a
+``main_grad`` view of its fp32 grad buffer. dp rank ``r`` owns elements
+``[r * numel/dp, (r+1) * numel/dp)`` of every bucket (its ZeRO shard).
 
 Parameters whose grads need a model-parallel sum first (replicated params fed by sequence
 shards, tied embedding copies) go to "late" buckets that are reduced after that sum; all other
@@ -31,6 +31,7 @@ class Bucket:
     device: torch.device
     param_flat: torch.Tensor | None = None  # full (zero 0-2) params; None under zero 3
     param_shard: torch.Tensor | None = None  # this rank's slice (a view, or owned under zero 3)
+    main_shard: torch.Tensor | None = None  # fp32 values of the owned slice the optimizer updates
     grad_flat: torch.Tensor | None = None  # full grads while accumulating
     grad_shard: torch.Tensor | None = None  # reduced slice (zero >= 1)
     # [lo, hi) ranges of the owned part (relative to its start) where weight decay applies, and

@@ -7,6 +7,13 @@
   forward and again before its backward and released after each (or kept for the whole step
   with ``keep_gathered``).
 
+Precision (Megatron-LM's mixed-precision recipe): the model's params are ``param_dtype`` (bf16
+on GPUs), so activations, sequence-parallel collectives and pipeline messages are bf16 too. The
+optimizer updates fp32 *main* params (only this rank's shard under ZeRO >= 1), which are cast
+into the model's params after every step; grads are accumulated in fp32 ``main_grad`` buffers,
+and reduced over dp in ``reduce_dtype`` (fp32 by default). With fp32 params the main params are
+the params themselves and nothing is copied.
+
 A bucket's reduction starts from a post-accumulate-grad hook as soon as every param in it has
 received the grads of all microbatches of the step, so nothing is communicated during earlier
 microbatches and reductions overlap the rest of backward. Buckets holding params that need a
@@ -42,9 +49,13 @@ class ZeroDataParallel:
         bucket_mb: float,
         keep_gathered: bool = False,
         timers: Timers | None = None,
+        param_dtype: torch.dtype = torch.float32,
+        reduce_dtype: torch.dtype = torch.float32,
     ):
         self.chunks, self.topo, self.stage = chunks, topo, stage
         self.keep_gathered = keep_gathered
+        self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
+        self.separate_main = param_dtype != torch.float32
         self.timers = timers or Timers.off()  # param_gather, grad_reduce_wait; profiler ranges
         dp = topo.dp_group
         tied_names = self._tied_names(chunks, topo)
@@ -75,13 +86,16 @@ class ZeroDataParallel:
 
     @torch.no_grad()
     def _allocate(self, b: Bucket) -> None:
-        flat = torch.zeros(b.numel, device=b.device)
-        for _, p, view in b.views(flat):
+        main = torch.zeros(b.numel, device=b.device)  # fp32 values as initialised
+        for _, p, view in b.views(main):
             view.copy_(p.data)
-            p.data = view
         lo, hi = self._owned(b)
+        flat = main.to(self.param_dtype) if self.separate_main else main
+        for _, p, view in b.views(flat):
+            p.data = view
         b.param_flat = flat
         b.param_shard = flat[lo:hi] if self.stage < 3 else flat[lo:hi].clone()
+        b.main_shard = main[lo:hi].clone() if self.separate_main else b.param_shard
         if self.stage == 3:
             _resize(flat, 0)  # params live as shards; gathered on demand
         if self.stage < 2:
@@ -97,7 +111,8 @@ class ZeroDataParallel:
         b.grad_flat = torch.zeros(b.numel, device=b.device)
         for _, p, view in b.views(b.grad_flat):
             p.main_grad = view
-            p.grad = view  # autograd accumulates in place into the bucket (no extra copy)
+            if not self.separate_main:  # autograd accumulates in place (no extra copy)
+                p.grad = view
         if self.stage == 1:  # reduced in place into this rank's slice
             lo, hi = b.shard_range
             b.grad_shard = b.grad_flat[lo:hi]
@@ -145,7 +160,10 @@ class ZeroDataParallel:
             zero, b = owner(), bucket()
             if zero is None or b is None:
                 return
-            if p.grad.data_ptr() != p.main_grad.data_ptr():
+            if p.grad.dtype != p.main_grad.dtype:  # a bf16 microbatch grad, summed in fp32
+                p.main_grad.add_(p.grad)
+                p.grad = None
+            elif p.grad.data_ptr() != p.main_grad.data_ptr():
                 # Autograd replaced the view with a new tensor holding the accumulated grad.
                 p.main_grad.copy_(p.grad)
                 p.grad = p.main_grad
@@ -157,12 +175,17 @@ class ZeroDataParallel:
 
     def _launch(self, b: Bucket, async_op: bool = True) -> None:
         dp = self.topo.dp_group
+        full, out = b.grad_flat, b.grad_shard
+        if self.reduce_dtype != full.dtype and dp.size > 1:  # reduced in a narrower dtype
+            full = b.extra["wire"] = full.to(self.reduce_dtype)
+            if self.stage > 0:
+                out = b.extra["wire_out"] = full.new_empty(b.shard_size)
         if self.stage == 0:
             with self.timers.region(None, "all-reduce grads"):
-                work = all_reduce(b.grad_flat, dp, async_op=async_op)
+                work = all_reduce(full, dp, async_op=async_op)
         else:
             with self.timers.region(None, "reduce-scatter grads"):
-                work = reduce_scatter_into(b.grad_shard, b.grad_flat, dp, async_op=async_op)
+                work = reduce_scatter_into(out, full, dp, async_op=async_op)
         b.work = work if async_op else None
         b.extra["launched"] = True
 
@@ -196,6 +219,9 @@ class ZeroDataParallel:
             if work is not None:
                 with self.timers.region(None, "wait grads"):
                     work.wait()
+            wire, wire_out = b.extra.pop("wire", None), b.extra.pop("wire_out", None)
+            if wire is not None:
+                self.owned_grad(b).copy_(wire if wire_out is None else wire_out)
             self.owned_grad(b).mul_(scale)
             if self.stage >= 2:  # keep only the reduced shard
                 b.grad_flat = None
@@ -225,25 +251,59 @@ class ZeroDataParallel:
         return sq.sqrt()
 
     def optimizer_shards(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        return [(b.param_shard, self.owned_grad(b), b.decay_ranges) for b in self.buckets]
+        """``(fp32 main params, fp32 grads, decay ranges)`` of this rank's owned part."""
+        return [(b.main_shard, self.owned_grad(b), b.decay_ranges) for b in self.buckets]
+
+    def model_load_targets(self) -> list[tuple[torch.Tensor, int, int]]:
+        """Where a checkpoint's parameter values go, per bucket: ``(dest, lo, hi)`` for
+        elements ``[lo, hi)`` of the bucket; call :meth:`params_from_main` after loading."""
+        if self.separate_main:
+            return [(b.main_shard, *self._owned(b)) for b in self.buckets]
+        if self.stage < 3:  # every rank holds the whole bucket's params
+            return [(b.param_flat, 0, b.numel) for b in self.buckets]
+        return [(b.param_shard, *b.shard_range) for b in self.buckets]
+
+    @torch.no_grad()
+    def params_from_main(self) -> None:
+        """Cast the main params into the model's params and make them whole (after a load)."""
+        if self.separate_main:
+            self._cast_main()
+            self._gather_updated()
+
+    @torch.no_grad()
+    def _cast_main(self) -> None:
+        for b in self.buckets:
+            b.param_shard.copy_(b.main_shard)
 
     @torch.no_grad()
     def after_update(self) -> None:
         """Make every rank's params whole again (zero 1/2); zero 3 keeps shards."""
+        if self.separate_main:
+            self._cast_main()
+        self._gather_updated()
+        self.release_all()
+
+    def release_all(self) -> None:
+        """End of a step or an evaluation: zero 3 frees every gathered chunk (kept ones too)."""
+        if self.stage == 3:
+            for i in range(len(self.chunks)):
+                self.release(i, end_of_step=True)
+
+    def _gather_updated(self) -> None:
         if self.stage in (1, 2):
             with self.timers.region("param_gather", "all-gather params"):
                 for b in self.buckets:
                     all_gather_into(b.param_flat, b.param_shard, self.topo.dp_group)  # in place
-        if self.stage == 3:
-            for i in range(len(self.chunks)):
-                self.release(i, end_of_step=True)
 
     # -- accounting -------------------------------------------------------------------------
     def state_bytes(self) -> dict[str, int]:
         """Bytes this rank holds for params and grads at a step boundary (optimizer separate)."""
         params = grads = 0
         for b in self.buckets:
-            params += b.param_shard.numel() * 4 if self.stage == 3 else b.param_flat.numel() * 4
+            model = b.param_shard if self.stage == 3 else b.param_flat
+            params += model.numel() * model.element_size()
+            if self.separate_main:
+                params += b.main_shard.numel() * 4
             if b.grad_flat is not None:
                 grads += b.grad_flat.numel() * 4
             if self.stage >= 2:

@@ -1,9 +1,13 @@
-"""Runs a pipeline schedule's op list on this rank's model chunks.
+"""Runs a pipeline schedule's steps on this rank's model chunks.
 
-The op list comes from :mod:`megatronish.pipeline.schedule` (a pure function of pp, vpp, the
-number of microbatches and the rank). The executor keeps the input and output of every forward
-until its backward, frees the data of an output once it has been sent (its backward does not
-need it), and scales each microbatch loss by ``loss_scale`` so a step equals the non-pipelined
+The steps come from :mod:`megatronish.pipeline.grouping` (pure functions of pp, vpp, the number
+of microbatches and the rank): before each compute, one group of sends and receives is posted
+through a :class:`~megatronish.pipeline.p2p.P2PCommunicator` (default: batched isend/irecv on
+the pipeline group): its receives are waited for before the compute, its sends completed before
+the next group is posted (:mod:`~megatronish.pipeline.posting`). The executor keeps the input
+and output of every forward until its backward, frees the data of an output once its send is
+posted (the group keeps the sent buffer until it completes; the backward does not need the
+data), and scales each microbatch loss by ``loss_scale`` so a step equals the non-pipelined
 one. It can record the wall-clock span of every op for a timeline.
 """
 
@@ -16,11 +20,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from megatronish.distributed.comm import irecv
 from megatronish.distributed.topology import Topology
+from megatronish.pipeline.grouping import Step, forward_only_steps, training_steps
 from megatronish.pipeline.no_pipeline import NO_PARAM_HOOKS
-from megatronish.pipeline.p2p import Inbox, Outbox
-from megatronish.pipeline.schedule import message_order, schedule_ops
+from megatronish.pipeline.p2p import BatchedP2P, P2PCommunicator
+from megatronish.pipeline.posting import GroupPoster, Posted
 from megatronish.timers import Timers
 
 
@@ -38,6 +42,10 @@ class Timeline:
             yield
         finally:
             self.events.append((name, start, time.perf_counter() - self.origin))
+
+    def add(self, name: str, start: float, end: float) -> None:
+        """Record an event whose ``time.perf_counter()`` start and end were taken elsewhere."""
+        self.events.append((name, start - self.origin, end - self.origin))
 
 
 def _free_data(t: torch.Tensor) -> None:
@@ -63,6 +71,37 @@ class PipelineShape:
     dtype: torch.dtype = torch.float32
 
 
+Key = tuple[int, int]  # (microbatch, global chunk)
+
+
+def _post(
+    poster: GroupPoster,
+    step: Step,
+    inputs: dict[Key, torch.Tensor],
+    outputs: dict[Key, torch.Tensor],
+    grads_in: dict[Key, torch.Tensor],
+    shape: PipelineShape,
+    device: torch.device,
+) -> Posted | None:
+    """Post ``step``'s group: sent outputs lose their data, receive buffers land in the dicts."""
+    tensors, sent_outputs = [], []
+    for op in step.group:
+        key = (op.microbatch, op.chunk)
+        if op.kind == "send_act":
+            sent_outputs.append(outputs[key])
+            tensors.append(outputs[key].detach())
+        elif op.kind == "send_grad":
+            tensors.append(inputs.pop(key).grad)
+        else:
+            buf = torch.empty(shape.activation, dtype=shape.dtype, device=device)
+            (inputs if op.kind == "recv_act" else grads_in)[key] = buf
+            tensors.append(buf)
+    posted = poster.post(step.group, tensors)
+    for out in sent_outputs:
+        _free_data(out)
+    return posted
+
+
 def forward_backward_pipeline(
     chunks: list[nn.Module],
     microbatches: list[tuple[torch.Tensor, torch.Tensor]],
@@ -71,72 +110,59 @@ def forward_backward_pipeline(
     topo: Topology,
     vpp: int,
     shape: PipelineShape,
-    autocast=contextlib.nullcontext,
     param_hooks=None,
     timeline: Timeline | None = None,
     timers: Timers | None = None,
+    comm: P2PCommunicator | None = None,
 ) -> list[torch.Tensor]:
     """One step of (interleaved) 1F1B; returns the per-microbatch losses on the last stage.
 
-    ``timers`` sums forward, backward and the waits of receives and sends over the ops.
+    ``timers`` sums forward, backward and the p2p waits (see :mod:`~.posting`). ``comm`` posts
+    the p2p groups (default: :class:`~megatronish.pipeline.p2p.BatchedP2P` on the pipeline
+    group).
     """
     pp, rank, m = topo.pp, topo.coords.pp, len(microbatches)
     last_chunk = pp * vpp - 1
     local = {rank + v * pp: chunk for v, chunk in enumerate(chunks)}
-    inbox = Inbox(topo.pp_group, message_order(pp, vpp, m), shape.activation, shape.dtype,
-                  topo.device)  # fmt: skip
-    outbox = Outbox(topo.pp_group)
-    inputs: dict[tuple[int, int], torch.Tensor] = {}
-    outputs: dict[tuple[int, int], torch.Tensor] = {}
-    grads_in: dict[tuple[int, int], torch.Tensor] = {}
+    record = timeline.add if timeline is not None else None
+    poster = GroupPoster(comm or BatchedP2P(topo.pp_group), record, timers)
+    inputs: dict[Key, torch.Tensor] = {}
+    outputs: dict[Key, torch.Tensor] = {}
+    grads_in: dict[Key, torch.Tensor] = {}
     losses: list[torch.Tensor] = []
     span = timeline.span if timeline is not None else (lambda _: contextlib.nullcontext())
     hooks = param_hooks or NO_PARAM_HOOKS
     region = (timers or Timers.off()).region
 
-    for op in schedule_ops(pp, vpp, m, rank):
-        key = (op.microbatch, op.chunk)
-        name = f"{op.kind} mb{op.microbatch} c{op.chunk}"
-        with span(name):
-            if op.kind == "recv_act":
-                with region("pp_recv_wait", "recv act mb{} chunk{}", op.microbatch, op.chunk):
-                    x = inbox.get(op.peer, ("act", op.microbatch, op.chunk - 1))
-                inputs[key] = x.requires_grad_(True)
-            elif op.kind == "fwd":
+    for step in training_steps(pp, vpp, m, rank):
+        posted = _post(poster, step, inputs, outputs, grads_in, shape, topo.device)
+        poster.wait(posted)
+        op = step.compute
+        if op is None:
+            continue
+        key, v = (op.microbatch, op.chunk), op.chunk // pp
+        with span(f"{op.kind} mb{op.microbatch} c{op.chunk}"):
+            if op.kind == "fwd":
                 tokens, targets = microbatches[op.microbatch]
-                x = tokens if op.chunk == 0 else inputs[key]
-                hooks.gather(op.chunk // pp)
-                with region("forward", "forward mb{} chunk{}", op.microbatch, op.chunk), autocast():
+                x = tokens if op.chunk == 0 else inputs[key].requires_grad_(True)
+                hooks.gather(v)
+                with region("forward", "forward mb{} chunk{}", op.microbatch, op.chunk):
                     out = local[op.chunk](x, targets if op.chunk == last_chunk else None)
-                hooks.release(op.chunk // pp)
+                hooks.release(v)
                 if op.chunk == last_chunk:
                     losses.append(out.detach())
                     out = out * loss_scale
                 outputs[key] = out
-            elif op.kind == "send_act":
-                out = outputs[key]
-                with region("pp_send_wait", "send act mb{} chunk{}", op.microbatch, op.chunk):
-                    outbox.send(out.detach(), op.peer)
-                _free_data(out)
-            elif op.kind == "recv_grad":
-                with region("pp_recv_wait", "recv grad mb{} chunk{}", op.microbatch, op.chunk):
-                    grads_in[key] = inbox.get(op.peer, ("grad", op.microbatch, op.chunk + 1))
-            elif op.kind == "bwd":
+            else:
                 out = outputs.pop(key)
-                hooks.gather(op.chunk // pp)
+                hooks.gather(v)
                 with region("backward", "backward mb{} chunk{}", op.microbatch, op.chunk):
                     if op.chunk == last_chunk:
                         out.backward()
                     else:
                         _backward_from(out, grads_in.pop(key))
-                hooks.release(op.chunk // pp)
-            elif op.kind == "send_grad":
-                with region("pp_send_wait", "send grad mb{} chunk{}", op.microbatch, op.chunk):
-                    outbox.send(inputs.pop(key).grad, op.peer)
-            else:  # pragma: no cover - the schedule only emits the kinds above
-                raise ValueError(f"unknown pipeline op {op}")
-    with region("pp_send_wait", "send wait"):
-        outbox.wait_all()
+                hooks.release(v)
+    poster.finish()
     return losses
 
 
@@ -148,31 +174,34 @@ def forward_only_pipeline(
     topo: Topology,
     vpp: int,
     shape: PipelineShape,
-    autocast=contextlib.nullcontext,
     param_hooks=None,
+    comm: P2PCommunicator | None = None,
 ) -> list[torch.Tensor]:
-    """Evaluation: every microbatch flows through the chunks in order; losses on the last stage."""
+    """Evaluation: the schedule's forwards in order, no backward; losses on the last stage."""
     pp, rank = topo.pp, topo.coords.pp
     last_chunk = pp * vpp - 1
     local = {rank + v * pp: chunk for v, chunk in enumerate(chunks)}
-    outbox = Outbox(topo.pp_group)
+    poster = GroupPoster(comm or BatchedP2P(topo.pp_group))
+    hooks = param_hooks or NO_PARAM_HOOKS
+    inputs: dict[Key, torch.Tensor] = {}
+    outputs: dict[Key, torch.Tensor] = {}
     losses = []
-    for tokens, targets in microbatches:
-        for c in range(last_chunk + 1):
-            if c not in local:
-                continue
-            if c == 0:
-                x = tokens
-            else:
-                x = torch.empty(shape.activation, dtype=shape.dtype, device=topo.device)
-                irecv(x, topo.pp_group, (c - 1) % pp).wait()
-            (param_hooks or NO_PARAM_HOOKS).gather(c // pp)
-            with autocast():
-                out = local[c](x, targets if c == last_chunk else None)
-            (param_hooks or NO_PARAM_HOOKS).release(c // pp)
-            if c == last_chunk:
-                losses.append(out.detach())
-            else:
-                outbox.send(out, (c + 1) % pp)
-    outbox.wait_all()
+    for step in forward_only_steps(pp, vpp, len(microbatches), rank):
+        poster.wait(_post(poster, step, inputs, outputs, {}, shape, topo.device))
+        for op in step.group:
+            if op.kind == "send_act":
+                del outputs[(op.microbatch, op.chunk)]
+        op = step.compute
+        if op is None:
+            continue
+        tokens, targets = microbatches[op.microbatch]
+        x = tokens if op.chunk == 0 else inputs.pop((op.microbatch, op.chunk))
+        hooks.gather(op.chunk // pp)
+        out = local[op.chunk](x, targets if op.chunk == last_chunk else None)
+        hooks.release(op.chunk // pp)
+        if op.chunk == last_chunk:
+            losses.append(out.detach())
+        else:
+            outputs[(op.microbatch, op.chunk)] = out
+    poster.finish()
     return losses

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 from torch import nn
 
@@ -15,7 +13,6 @@ def forward_backward_no_pipeline(
     microbatches: list[tuple[torch.Tensor, torch.Tensor]],
     *,
     loss_scale: float,
-    autocast=contextlib.nullcontext,
     param_hooks=None,
     timers: Timers | None = None,
 ) -> list[torch.Tensor]:
@@ -31,7 +28,7 @@ def forward_backward_no_pipeline(
     losses = []
     for m, (inputs, targets) in enumerate(microbatches):
         hooks.gather(0)
-        with timers.region("forward", "forward mb{} chunk0", m), autocast():
+        with timers.region("forward", "forward mb{} chunk0", m):
             loss = model(inputs, targets)
         hooks.release(0)
         hooks.gather(0)

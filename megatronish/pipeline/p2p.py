@@ -1,67 +1,127 @@
-"""Point-to-point transfers between pipeline stages, with shapes known from the config.
+"""Point-to-point transfers between pipeline stages, posted as groups (batched isend/irecv).
 
-Receives from each peer are posted in exactly the order that peer sends (from the pure
-schedule's :func:`message_order`), so matching holds for backends that pair messages by order
-(NCCL) as well as by tag. Sends are asynchronous; their buffers are released once complete.
+A rank's sends and receives between two computes go out as one group: one
+``torch.distributed.batch_isend_irecv`` call (NCCL runs it as one ``ncclGroupStart/End``);
+:mod:`megatronish.pipeline.posting` waits for it. Which transfers share a group is decided in
+:mod:`megatronish.pipeline.grouping`; this module only posts them. Shapes are known from the
+config, so there is no shape handshake.
+
+The engine talks to a :class:`P2PCommunicator`, so another one can be substituted: a recording
+one (tests replay the groups in :mod:`megatronish.pipeline.nccl_sim`) or a strict one that makes
+every send wait for the peer's receive (``megatronish.testing.strict_p2p``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
 import torch
+import torch.distributed as dist
 
-from megatronish.distributed.comm import ParallelGroup, irecv, isend
+from megatronish.distributed.comm import NamedWork, ParallelGroup, named_failures
 
-Message = tuple[str, int, int]  # ("act" | "grad", microbatch, chunk)
-
-
-class Inbox:
-    """Receives activations and grads of a fixed shape, in each sender's order."""
-
-    def __init__(
-        self,
-        group: ParallelGroup,
-        order: dict[tuple[int, int], list[Message]],
-        shape: tuple[int, ...],
-        dtype: torch.dtype,
-        device: torch.device,
-    ):
-        self.group, self.shape, self.dtype, self.device = group, shape, dtype, device
-        me = group.rank
-        self.expected = {src: msgs for (src, dst), msgs in order.items() if dst == me}
-        self.next_index = dict.fromkeys(self.expected, 0)
-        self.posted: dict[Message, tuple[torch.Tensor, object]] = {}
-
-    def _post_through(self, src: int, message: Message) -> None:
-        msgs = self.expected[src]
-        while message not in self.posted:
-            i = self.next_index[src]
-            if i >= len(msgs):
-                raise RuntimeError(f"message {message} from pipeline rank {src} is not scheduled")
-            buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-            self.posted[msgs[i]] = (buf, irecv(buf, self.group, src))
-            self.next_index[src] = i + 1
-
-    def get(self, src: int, message: Message) -> torch.Tensor:
-        """Block until ``message`` from pipeline rank ``src`` has arrived and return it."""
-        self._post_through(src, message)
-        buf, work = self.posted.pop(message)
-        work.wait()
-        return buf
+Message = tuple[str, int, int]  # ("act" | "grad", microbatch, chunk), named by its sender
+KINDS = ("send", "recv")
 
 
-class Outbox:
-    """Asynchronous sends; a sent tensor is kept alive until its transfer completes."""
+@dataclass(frozen=True)
+class Transfer:
+    """One send or receive of a group.
+
+    ``tensor`` is the data to send or the buffer a receive fills; ``peer`` is the other rank's
+    index in the pipeline group; ``message`` names what moves (the receiver names it the same).
+    """
+
+    kind: str
+    peer: int
+    tensor: torch.Tensor
+    message: Message
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"transfer kind {self.kind!r} is not one of {KINDS}")
+
+
+class P2PWork(Protocol):
+    """A posted group; ``wait`` returns once every transfer in it has completed,
+    ``wait_receives`` once (at least) its receives have."""
+
+    def wait(self) -> None: ...
+
+    def wait_receives(self) -> None: ...
+
+
+class P2PCommunicator(Protocol):
+    """Posts one group of transfers without waiting for it."""
+
+    def post(self, transfers: Sequence[Transfer]) -> P2PWork: ...
+
+
+def describe(transfers: Sequence[Transfer], group: ParallelGroup) -> str:
+    """``p2p group [send act mb0 c0 to rank 1, recv grad mb0 c1 from rank 1]`` (global ranks)."""
+    parts = []
+    for t in transfers:
+        kind, mb, chunk = t.message
+        way = "to" if t.kind == "send" else "from"
+        parts.append(f"{t.kind} {kind} mb{mb} c{chunk} {way} rank {group.global_rank(t.peer)}")
+    return f"p2p group [{', '.join(parts)}]"
+
+
+class GroupWork:
+    """The works of one posted group. It keeps the sent tensors alive until ``wait`` returns,
+    so a sender may release its own reference (an output's data) right after posting.
+
+    ``kinds`` names each work's transfer. A backend that returns one work for the whole group
+    (NCCL coalesces a batch) completes it as a unit, so ``wait_receives`` waits for all of it.
+    """
+
+    def __init__(self, works: Sequence, tensors: Sequence[torch.Tensor], kinds: Sequence[str] = ()):
+        self.works: list = list(works)
+        self.tensors, self.kinds = list(tensors), list(kinds)
+
+    def wait_receives(self) -> None:
+        if len(self.kinds) != len(self.works):
+            return self.wait()
+        for i, (work, kind) in enumerate(zip(self.works, self.kinds)):
+            if kind == "recv" and work is not None:
+                work.wait()
+                self.works[i] = None  # each work is waited once
+
+    def wait(self) -> None:
+        for work in self.works:
+            if work is not None:
+                work.wait()
+        self.works, self.tensors = [], []
+
+
+class BatchedP2P:
+    """Posts each group with one ``batch_isend_irecv`` on ``group`` and counts its bytes.
+
+    ``CommStats`` gets one ``send`` / ``recv`` entry per transfer, as before batching. A failed
+    or timed-out group raises :class:`~megatronish.distributed.comm.CollectiveError` naming
+    the group and every transfer in it.
+    """
 
     def __init__(self, group: ParallelGroup):
         self.group = group
-        self.pending: list[tuple[object, torch.Tensor]] = []
 
-    def send(self, t: torch.Tensor, dst: int) -> None:
-        t = t.contiguous()
-        self.pending.append((isend(t, self.group, dst), t))
-        self.pending = [(w, b) for w, b in self.pending if not w.is_completed()]
-
-    def wait_all(self) -> None:
-        for work, _ in self.pending:
-            work.wait()
-        self.pending.clear()
+    def post(self, transfers: Sequence[Transfer]) -> GroupWork:
+        if not transfers:
+            return GroupWork([], [])
+        pg = self.group.handle()
+        name = describe(transfers, self.group)
+        ops, tensors = [], []
+        for t in transfers:
+            tensor = t.tensor.contiguous() if t.kind == "send" else t.tensor
+            if t.kind == "recv" and not tensor.is_contiguous():
+                raise ValueError(f"receive buffer of {t.message} must be contiguous")
+            fn = dist.isend if t.kind == "send" else dist.irecv
+            ops.append(dist.P2POp(fn, tensor, self.group.global_rank(t.peer), pg))
+            tensors.append(tensor)
+            self.group.record(t.kind, tensor)  # CommStats and the log of posted ops
+        with named_failures(self.group, name):
+            works = dist.batch_isend_irecv(ops)
+        named = [NamedWork(w, self.group, name) for w in works]
+        return GroupWork(named, tensors, [t.kind for t in transfers])

@@ -6,10 +6,14 @@ computes the loss. vpp = 1 is plain 1F1B (PipeDream-Flush, Narayanan et al. 2021
 vpp > 1 is Megatron-LM's interleaved 1F1B (same paper, sec. 2.2.2), which divides the bubble by
 vpp at the cost of vpp times more point-to-point messages.
 
-Nothing here touches processes or tensors: the executor walks ``schedule_ops(...)`` and posts its
-receives from each peer in ``message_order(...)`` order; the tests run ``simulate(...)``. Sends
-must not block (isend, or batched with the following receive as Megatron does): with blocking
-sends even plain 1F1B deadlocks, rank r sending an activation while rank r+1 sends a gradient.
+Nothing here touches processes or tensors. ``schedule_ops`` places each receive just before and
+each send just after its compute; ``simulate`` times that order with sends that never block (the
+bubble). A send on NCCL does block until the peer's receive runs: with sends and receives posted
+one by one even plain 1F1B deadlocks, rank r sending an activation while rank r+1 sends a
+gradient. So the executor posts them in groups, Megatron-LM's batched isend/irecv: which
+transfers share a group is :mod:`megatronish.pipeline.grouping`, and
+:mod:`megatronish.pipeline.nccl_sim` replays what the executor posts under NCCL's semantics.
+Both keep every pair of ranks' messages in ``message_order``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Activation memory per rank: what autograd keeps for backward, per layer and per schedule.
 
-The per-layer terms list the tensors megatronish's blocks actually save (fp32 or the autocast
+The per-layer terms list the tensors megatronish's blocks actually save (fp32 or the bf16
 dtype; ``s`` sequence, ``b`` micro batch, ``h`` hidden, ``t`` tp, ``a``/``g`` query/kv heads of
 size ``d``, ``f`` ffn hidden; ``s_r`` = s/t under sequence parallelism, else s):
 
@@ -64,9 +64,12 @@ def layer_shape(spec: ModelSpec, layout: Layout) -> LayerShape:
 
 def _norm_bytes(spec: ModelSpec, x: LayerShape, e: int) -> int:
     """A norm and the column-parallel linear it feeds: RMSNorm keeps its input, the normalised
-    tensor and the rsqrt; LayerNorm its input, mean and rstd; the linear its full-sequence input."""
+    tensor (fp32 only) and the rsqrt; LayerNorm its input, mean and rstd; the linear its
+    full-sequence input."""
     tokens_r = x.s_r * x.b
-    if spec.is_llama:
+    if spec.is_llama and e < 4:  # model/rms_norm.py: the input and the rsqrt
+        own = tokens_r * x.h * e + tokens_r * 4
+    elif spec.is_llama:
         own = 2 * tokens_r * x.h * e + tokens_r * 4
     else:
         own = tokens_r * x.h * e + 2 * tokens_r * 4
@@ -120,11 +123,10 @@ def loss_workspace(spec: ModelSpec, layout: Layout) -> int:
     """Temporaries alive while the last chunk computes the loss (logits and their copies)."""
     x, e = layer_shape(spec, layout), layout.activation_bytes
     tokens = x.s * x.b
-    if x.t == 1:  # one chunk's logits and fp32 log-probabilities; the casts under autocast
+    if x.t == 1:  # one chunk's logits and fp32 log-probabilities (bf16: and the logits in fp32)
         v = spec.vocab_size
         chunk = chunk_tokens(tokens, x.h, v)
-        casts = 0 if e == 4 else chunk * v * (4 + e) + v * x.h * e
-        return chunk * v * (e + 4) + casts
+        return chunk * v * (e + 4) + (chunk * v * 4 if e < 4 else 0)
     # logits, their copy with padding masked (on the rank holding padding), shifted (then exp)
     buffers = 3 if spec.padded_vocab_size > spec.vocab_size else 2
     return buffers * tokens * (spec.padded_vocab_size // x.t) * 4

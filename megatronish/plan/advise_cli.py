@@ -1,6 +1,6 @@
 """``python -m megatronish.plan [overrides] world_size=N advise=true [options]``: the advisor.
 
-Options (besides the planner's ``device_memory_gb`` and ``peak_tflops``):
+Options (besides the planner's ``device=NAME``, ``device_memory_gb`` and ``peak_tflops``):
 
 - ``advise=true``: rank the layouts instead of planning the configured one;
 - ``gpus_per_node=8``: devices per node (tp and dp groups within a node use NVLink);
@@ -20,7 +20,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from megatronish.plan.devices import GiB
+from megatronish.plan.devices import GiB, local_gpu
 from megatronish.plan.step_time import Hardware
 
 
@@ -50,6 +50,22 @@ def unused_advise_options(options: dict) -> list[str]:
     if options.get("advise"):
         return []
     return [k for k in options if k in ADVISE_OPTIONS and k != "advise"]
+
+
+def tf32_allowed(cfg) -> bool:
+    """Whether the config lets fp32 matmuls use TF32 tensor cores (``trainer.tf32``)."""
+    return bool(cfg.trainer.get("tf32", False))
+
+
+def peak_tflops_of(options: dict, cfg) -> float | None:
+    """Peak TFLOP/s per device: ``peak_tflops=T`` (or ``device=NAME``'s), else
+    ``trainer.peak_tflops``, else this machine's GPU from the device table; None if unknown."""
+    if options.get("peak_tflops"):
+        return options["peak_tflops"]
+    if cfg.trainer.peak_tflops:
+        return cfg.trainer.peak_tflops
+    gpu = local_gpu()
+    return None if gpu is None else gpu.peak_tflops(cfg.trainer.precision, tf32_allowed(cfg))
 
 
 def hardware(options: dict, peak_tflops: float) -> Hardware:
@@ -96,18 +112,20 @@ def advise_main(cfg, overrides: list[str], options: dict) -> int:
     errors = option_errors(options)
     if not world:
         errors.append("advise=true needs world_size=N, the number of ranks to lay out")
-    peak = options.get("peak_tflops") or cfg.trainer.peak_tflops
+    peak = peak_tflops_of(options, cfg)
     if not peak:
         errors.append(
-            "advise=true needs the peak FLOP/s of a device: peak_tflops=T "
-            "(e.g. peak_tflops=989 for an H100 in bf16) or trainer.peak_tflops"
+            "advise=true needs the peak FLOP/s of a device: device=NAME (e.g. device=h100), "
+            "peak_tflops=T (e.g. peak_tflops=989 for an H100 in bf16) or trainer.peak_tflops"
         )
     if "device_memory_gb" in options:  # a GPU of that size
         device_bytes, runtime = int(options["device_memory_gb"] * GiB), runtime_bytes_for("cuda")
     else:
         device_bytes, runtime = local_device_memory(cfg.trainer.device, world or 1)
         if device_bytes is None:
-            errors.append("this machine's memory is unknown: give device_memory_gb=G")
+            errors.append(
+                "this machine's memory is unknown: give device=NAME or device_memory_gb=G"
+            )
     vocab = tokenizer_vocab_size(cfg.data)
     errors += base_errors(cfg, vocab)
     if errors:

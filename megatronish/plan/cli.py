@@ -5,10 +5,17 @@ from __future__ import annotations
 import sys
 
 from megatronish.config.validate import config_errors
-from megatronish.plan.advise_cli import ADVISE_OPTIONS, OPTION_HINTS, unused_advise_options
+from megatronish.plan.advise_cli import (
+    ADVISE_OPTIONS,
+    OPTION_HINTS,
+    peak_tflops_of,
+    tf32_allowed,
+    unused_advise_options,
+)
+from megatronish.plan.devices import GPUModel, UnknownDevice, gpu_named
 
 PLAN_OPTIONS = {"device_memory_gb": float, "peak_tflops": float, "step_time_s": float,
-                **ADVISE_OPTIONS}  # fmt: skip
+                "device": str, **ADVISE_OPTIONS}  # fmt: skip
 
 
 def split_options(argv: list[str]) -> tuple[list[str], dict[str, float]]:
@@ -25,6 +32,27 @@ def split_options(argv: list[str]) -> tuple[list[str], dict[str, float]]:
         else:
             overrides.append(arg)
     return overrides, options
+
+
+def with_device(options: dict, precision: str, tf32: bool = False) -> tuple[dict, GPUModel | None]:
+    """``options`` with ``device_memory_gb`` and ``peak_tflops`` (for ``precision``; ``tf32``:
+    fp32 matmuls may use TF32) taken from ``device=NAME`` where not given explicitly, and the
+    named GPU. Raises :class:`~megatronish.plan.devices.UnknownDevice`."""
+    if "device" not in options:
+        return options, None
+    gpu = gpu_named(options["device"])
+    filled = {"device_memory_gb": gpu.usable_gib, "peak_tflops": gpu.peak_tflops(precision, tf32)}
+    return {**filled, **options}, gpu
+
+
+def device_line(gpu: GPUModel, options: dict) -> str:
+    """What ``device=NAME`` stands for, and the values the plan uses."""
+    return (
+        f"device {gpu.name}: {gpu.title} (datasheet: {gpu.memory_gb:g} GB, dense TFLOP/s "
+        f"{gpu.bf16_tflops:g} bf16, {gpu.tf32_tflops:g} tf32, {gpu.fp32_tflops:g} fp32); "
+        f"planning with {options['device_memory_gb']:g} GiB and {options['peak_tflops']:g} "
+        "TFLOP/s per device"
+    )
 
 
 def main(argv: list[str]) -> int:
@@ -44,6 +72,13 @@ def main(argv: list[str]) -> int:
     if unused := unused_advise_options(options):
         print(f"{', '.join(unused)}: options of the advisor; add advise=true", file=sys.stderr)
         return 2
+    try:
+        options, gpu = with_device(options, cfg.trainer.precision, tf32_allowed(cfg))
+    except UnknownDevice as e:
+        print(f"invalid option device={options['device']}: {e}", file=sys.stderr)
+        return 2
+    if gpu is not None:
+        print(device_line(gpu, options))
     if options.get("advise"):
         from megatronish.plan.advise_cli import advise_main
 
@@ -64,7 +99,7 @@ def main(argv: list[str]) -> int:
         runtime = runtime_bytes_for("cuda")
     else:
         device_bytes, runtime = local_device_memory(cfg.trainer.device, world)
-    peak = options.get("peak_tflops") or cfg.trainer.peak_tflops
+    peak = peak_tflops_of(options, cfg)
     print(
         plan_report(
             plan,

@@ -72,16 +72,17 @@ def dp_volume(layout: Layout, bucket_numels: list[list[int]]) -> dict[str, tuple
     if layout.dp == 1:
         return {}
     n = sum(len(c) for c in bucket_numels)
-    full = sum(sum(c) for c in bucket_numels) * FP32
+    numel = sum(sum(c) for c in bucket_numels)
+    reduced = numel * layout.grad_reduce_bytes
     if layout.zero_stage == 0:
-        return {"dp/all_reduce": (n, full)}
-    out = {"dp/reduce_scatter": (n, full)}
+        return {"dp/all_reduce": (n, reduced)}
+    out = {"dp/reduce_scatter": (n, reduced)}
     # Zero 3 gathers a chunk's params before each of its forwards and backwards (or once per
     # step when kept); zero 1/2 gather the updated params once after the step.
     times = 1
     if layout.zero_stage == 3 and not layout.zero3_keep_gathered:
         times = 2 * layout.num_microbatches
-    out["dp/all_gather"] = (times * n, times * full)
+    out["dp/all_gather"] = (times * n, times * numel * layout.activation_bytes)  # model params
     return out
 
 

@@ -1,6 +1,16 @@
-"""How much memory a rank may use on this machine, and what the runtime itself takes."""
+"""What a device offers: the named-GPU table (peak FLOP/s, memory), how much memory a rank may
+use on this machine, and what the runtime itself takes.
+
+:data:`GPUS` is the one table of GPU models: ``metrics.device_peak_flops`` finds the running
+GPU in it by its CUDA name, the planner by the name given as ``device=NAME``. FLOP/s are the
+dense tensor-core peaks of the vendor datasheets (half the "with sparsity" figures); ``fp32``
+is the non-tensor-core rate (what fp32 matmuls run at unless TF32 is allowed).
+"""
 
 from __future__ import annotations
+
+import re
+from dataclasses import dataclass
 
 import torch
 
@@ -8,6 +18,81 @@ GiB = 2**30
 # Memory a process holds besides tensors: CUDA context, cuBLAS workspaces and NCCL buffers on a
 # GPU; the interpreter and torch's libraries on a CPU.
 RUNTIME_BYTES = {"cuda": int(1.5 * GiB), "cpu": int(0.6 * GiB)}
+
+
+@dataclass(frozen=True)
+class GPUModel:
+    """One GPU model's datasheet numbers and the words its CUDA device name contains."""
+
+    name: str  # the planner's device=NAME
+    title: str  # the product as its datasheet names it
+    bf16_tflops: float  # dense; fp16 is the same
+    tf32_tflops: float  # dense
+    fp32_tflops: float  # without tensor cores
+    memory_gb: float  # on the datasheet
+    usable_gib: float  # the device's total memory as CUDA reports it, rounded down
+    words: tuple[str, ...]  # all appear in torch.cuda.get_device_name() (lower case)
+    aliases: tuple[str, ...] = ()
+
+    def peak_tflops(self, precision: str, tf32: bool = False) -> float:
+        """Dense peak for ``trainer.precision`` (``bf16``, ``fp16``, ``fp32`` or ``tf32``);
+        ``tf32``: fp32 matmuls may use TF32 tensor cores."""
+        if precision in ("bf16", "fp16"):
+            return self.bf16_tflops
+        if precision == "tf32" or (precision == "fp32" and tf32):
+            return self.tf32_tflops
+        if precision == "fp32":
+            return self.fp32_tflops
+        raise ValueError(f"no peak for precision {precision!r}: bf16, fp16, fp32 or tf32")
+
+
+# Vendor datasheets, dense (no sparsity). usable_gib: CUDA reports a little less total memory
+# than the datasheet size (ECC and driver reservations); these are that figure rounded down to a
+# whole GiB, to plan against.
+GPUS: tuple[GPUModel, ...] = (
+    GPUModel("h100", "H100 SXM 80GB", 989.0, 494.5, 67.0, 80, 79.0, ("h100",), ("h100-sxm",)),
+    GPUModel("h100-pcie", "H100 PCIe 80GB", 756.0, 378.0, 51.0, 80, 79.0, ("h100", "pcie")),
+    GPUModel("h100-nvl", "H100 NVL 94GB", 835.5, 417.5, 60.0, 94, 93.0, ("h100", "nvl")),
+    GPUModel("h200", "H200 SXM 141GB", 989.0, 494.5, 67.0, 141, 139.0, ("h200",), ("h200-sxm",)),
+    GPUModel("h200-nvl", "H200 NVL 141GB", 835.5, 417.5, 60.0, 141, 139.0, ("h200", "nvl")),
+    GPUModel("a100", "A100 80GB", 312.0, 156.0, 19.5, 80, 79.0, ("a100",), ("a100-80gb",)),
+    GPUModel("a100-40gb", "A100 40GB", 312.0, 156.0, 19.5, 40, 39.0, ("a100", "40gb")),
+    GPUModel("b200", "B200 (HGX) 180GB", 2250.0, 1100.0, 75.0, 180, 178.0, ("b200",)),
+    GPUModel("l40s", "L40S 48GB", 362.0, 183.0, 91.6, 48, 44.0, ("l40s",)),
+)  # fmt: skip
+
+
+class UnknownDevice(ValueError):
+    """A ``device=NAME`` that is not in :data:`GPUS`."""
+
+
+def known_device_names() -> list[str]:
+    return [g.name for g in GPUS]
+
+
+def gpu_named(name: str) -> GPUModel:
+    """The table's GPU called ``name`` (case-insensitive; ``_`` for ``-`` and aliases work)."""
+    key = name.strip().lower().replace("_", "-")
+    for gpu in GPUS:
+        if key == gpu.name or key in gpu.aliases:
+            return gpu
+    known = ", ".join(known_device_names())
+    raise UnknownDevice(f"unknown device {name!r}; known devices: {known}")
+
+
+def gpu_for_cuda_name(cuda_name: str) -> GPUModel | None:
+    """The table's GPU for a CUDA device name (``NVIDIA H100 80GB HBM3``,
+    ``NVIDIA A100-SXM4-40GB``...): the entry with the most words, all in the name; None if none."""
+    words = set(re.findall(r"[a-z0-9]+", cuda_name.lower()))
+    found = [g for g in GPUS if all(w in words for w in g.words)]
+    return max(found, key=lambda g: len(g.words)) if found else None
+
+
+def local_gpu() -> GPUModel | None:
+    """The table's entry for this machine's current GPU (None without one, or if not listed)."""
+    if not torch.cuda.is_available():
+        return None
+    return gpu_for_cuda_name(torch.cuda.get_device_name())
 
 
 def runtime_bytes_for(device_type: str) -> int:

@@ -26,7 +26,9 @@ class Layout:
     layers_per_chunk: tuple[int, ...] = ()  # empty: an even split
     bucket_size_mb: float = 25.0
     zero3_keep_gathered: bool = False
-    precision: str = "fp32"  # fp32 | bf16 (autocast; fp32 master params and states)
+    precision: str = "fp32"  # fp32 | bf16 (bf16 params and activations; fp32 main params,
+    # grads and Adam moments)
+    grad_reduce_dtype: str = "fp32"  # fp32 | bf16: the dp grad reduction
 
     @property
     def world_size(self) -> int:
@@ -38,8 +40,13 @@ class Layout:
 
     @property
     def activation_bytes(self) -> int:
-        """Bytes per element of activations: the autocast dtype (bf16) or fp32."""
+        """Bytes per element of activations and of the model's params: bf16 or fp32."""
         return 2 if self.precision == "bf16" else 4
+
+    @property
+    def grad_reduce_bytes(self) -> int:
+        """Bytes per element of the dp grad reduction."""
+        return 2 if self.grad_reduce_dtype == "bf16" else 4
 
     @property
     def sequence_parallel(self) -> bool:
@@ -82,7 +89,7 @@ def layout_from_config(cfg, world_size: int) -> Layout:
         recompute_num_layers=t.recompute_num_layers,
         layers_per_chunk=tuple(p.pipeline_layer_split or ()),
         bucket_size_mb=p.bucket_size_mb, zero3_keep_gathered=p.zero3_keep_gathered,
-        precision=t.precision,
+        precision=t.precision, grad_reduce_dtype=p.grad_reduce_dtype,
     )  # fmt: skip
 
 

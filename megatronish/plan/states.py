@@ -2,8 +2,8 @@
 
 The rank's chunks are built on the meta device (no memory) and grouped into the same buckets as
 :class:`~megatronish.optim.zero.ZeroDataParallel` would, so padding, tied copies and replicated
-norms are counted exactly as the trainer allocates them. Everything is fp32 (master params, grads
-and both Adam moments), also under bf16 autocast.
+norms are counted exactly as the trainer allocates them. Grads and both Adam moments are fp32;
+under bf16 the model's params are bf16 and the optimizer keeps fp32 main params of its shard.
 """
 
 from __future__ import annotations
@@ -82,13 +82,14 @@ def state_bytes(
     dp, zero = layout.dp, layout.zero_stage
     shard = numel // dp
     owned = numel if zero == 0 else shard
-    params = (shard if zero == 3 else numel) * FP32
+    model = layout.activation_bytes  # the model's params: fp32, or bf16 beside fp32 main params
+    params = (shard if zero == 3 else numel) * model + (owned * FP32 if model != FP32 else 0)
     grads = {0: numel, 1: numel, 2: shard, 3: shard}[zero] * FP32
     grads_step = numel * FP32 if zero >= 2 else 0
     params_step = 0
     if zero == 3:
         gathered = numel if layout.zero3_keep_gathered else max(sum(n) for n in per_chunk)
-        params_step = gathered * FP32
+        params_step = gathered * model
     return StateBytes(
         param_numel=param_numel,
         buffer_numel=numel,

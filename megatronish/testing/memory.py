@@ -40,7 +40,7 @@ def state_storage(trainer) -> dict[str, int]:
     """Bytes of the params, grads and optimizer storages this rank holds right now."""
     zero, opt = trainer.zero, trainer.optimizer
     params = _storage_bytes(
-        [b.param_flat for b in zero.buckets] + [b.param_shard for b in zero.buckets]
+        [t for b in zero.buckets for t in (b.param_flat, b.param_shard, b.main_shard)]
     )
     grad_tensors = [t for b in zero.buckets for t in (b.grad_flat, b.grad_shard)]
     return {
@@ -99,9 +99,10 @@ def measure_step(trainer) -> MeasuredMemory:
         trainer.forward_backward = inner
     gathered = 0
     if trainer.zero.stage == 3:
-        gathered = max(sum(b.numel for b in bs) for bs in trainer.zero.buckets_of) * 4
+        size = trainer.zero.param_dtype.itemsize
+        gathered = max(sum(b.numel for b in bs) for bs in trainer.zero.buckets_of) * size
         if trainer.zero.keep_gathered:
-            gathered = sum(b.numel for b in trainer.zero.buckets) * 4
+            gathered = sum(b.numel for b in trainer.zero.buckets) * size
     return MeasuredMemory(
         params=states["params"], grads=states["grads"], optimizer=states["optimizer"],
         activations=None if peaks[0][0] is None else peaks[0][0] - gathered,

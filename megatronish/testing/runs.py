@@ -62,26 +62,37 @@ def test_config(overrides: list[str], steps: int):
     return load_config([*TINY_TEST_MODEL, f"trainer.max_steps={steps}", *overrides])
 
 
-def build_trainer(rank: int, world: int, overrides: list[str], steps: int = 10, model=None):
+def build_trainer(
+    rank: int, world: int, overrides: list[str], steps: int = 10, model=None, p2p=None
+):
     """A Trainer for the tiny test model (or ``model`` overrides) in the current world's layout.
 
-    Collective when ``world > 1``. Data is :class:`PatternTokens` (no files).
+    Collective when ``world > 1``. Data is :class:`PatternTokens` (no files). ``p2p``: the
+    pipeline's p2p factory (e.g. :class:`~megatronish.testing.strict_p2p.StrictP2P`).
     """
-    from megatronish.job import build_model
-    from megatronish.trainer import Trainer
 
     cfg = test_config(overrides, steps) if model is None else load_config(
         [*model, f"trainer.max_steps={steps}", *overrides])  # fmt: skip
+    return trainer_for(cfg, rank, world, p2p=p2p)[0]
+
+
+def trainer_for(cfg, rank: int, world: int, device: torch.device | None = None, p2p=None):
+    """``(Trainer, its RNG tracker)`` for the composed ``cfg`` in the current world, on
+    ``device`` (default CPU), with :class:`PatternTokens` data. Collective when ``world > 1``."""
+    from megatronish.job import build_model
+    from megatronish.trainer import Trainer
+
     check_config(cfg, world)
     d = derive(cfg, world)
     p = cfg.parallel
-    topo = Topology.build(tp=p.tp, dp=d.dp, pp=p.pp, rank=rank, timeout_s=p.collective_timeout_s)
+    topo = Topology.build(tp=p.tp, dp=d.dp, pp=p.pp, rank=rank, timeout_s=p.collective_timeout_s,
+                          device=device or torch.device("cpu"))  # fmt: skip
     spec = ModelSpec.from_config(cfg.model, cfg.model.vocab_size)
     rng = RNGTracker(topo.device)
     rng.seed(cfg.trainer.seed, tp_rank=topo.coords.tp, pp_rank=topo.coords.pp)
     chunks = build_model(cfg, topo, d, spec, rng)
     data = PatternTokens(spec.vocab_size, spec.seq_length, seed=cfg.trainer.seed)
-    return Trainer(cfg, topo, spec, d, chunks, data)
+    return Trainer(cfg, topo, spec, d, chunks, data, p2p=p2p), rng
 
 
 def train_layout(
@@ -91,20 +102,25 @@ def train_layout(
     steps: int = 10,
     load: str | None = None,
     save: str | None = None,
+    strict_p2p: bool = False,
 ) -> LayoutRun:
     """Train until step ``steps`` in the current process world.
 
     ``load`` resumes from a checkpoint first (any layout); ``save`` writes one to that
     ``checkpoint.dir`` at the end. ``params`` maps global names to full tensors for the stage
     this rank belongs to, from tp rank 0 of dp rank 0 (empty elsewhere), so merging every rank's
-    dict gives the whole model.
+    dict gives the whole model. ``strict_p2p``: pipeline sends complete only once the peer
+    received them, as on NCCL (:mod:`megatronish.testing.strict_p2p`).
     """
     from megatronish.checkpoint.gather import gather_tp_params
     from megatronish.checkpoint.load import load_into
     from megatronish.checkpoint.save import CheckpointSaver
 
     extra = [f"checkpoint.dir={save}"] if save else []
-    trainer = build_trainer(rank, world, [*overrides, *extra], steps)
+    p2p = None
+    if strict_p2p:
+        from megatronish.testing.strict_p2p import StrictP2P as p2p
+    trainer = build_trainer(rank, world, [*overrides, *extra], steps, p2p=p2p)
     topo, chunks = trainer.topo, trainer.chunks
     if load:
         load_into(trainer, load)

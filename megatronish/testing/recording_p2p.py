@@ -1,0 +1,105 @@
+"""Record what the pipeline engine posts, for :mod:`megatronish.pipeline.nccl_sim`.
+
+:class:`RecordingP2P` needs no process group: it notes every group and fills receives with
+zeros, so one process runs every rank's real engine in turn (:func:`record_engine`), on
+:func:`stub_chunks` (a few scalar weights each) or on real model chunks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+from megatronish.distributed.comm import CommStats, ParallelGroup
+from megatronish.distributed.rank_math import rank_to_coords
+from megatronish.distributed.topology import Topology
+from megatronish.pipeline.engine import (
+    PipelineShape,
+    forward_backward_pipeline,
+    forward_only_pipeline,
+)
+from megatronish.pipeline.nccl_sim import P2P
+from megatronish.pipeline.p2p import Transfer
+
+Groups = dict[int, list[list[P2P]]]  # pipeline rank -> the groups it posted, in order
+
+
+class _Done:
+    def wait(self) -> None:
+        pass
+
+    def wait_receives(self) -> None:
+        pass
+
+
+class RecordingP2P:
+    """A communicator that records each group as :class:`P2P` entries and receives zeros."""
+
+    def __init__(self):
+        self.groups: list[list[P2P]] = []
+
+    def post(self, transfers: Sequence[Transfer]) -> _Done:
+        self.groups.append(
+            [P2P(t.kind, t.peer, t.message, tuple(t.tensor.shape)) for t in transfers]
+        )
+        for t in transfers:
+            if t.kind == "recv":
+                t.tensor.zero_()
+        return _Done()
+
+
+class StubChunk(nn.Module):
+    """One scalar weight per layer, multiplied in: the first chunk ignores its tokens and starts
+    from ones of ``shape``; the last returns a scalar loss."""
+
+    def __init__(self, shape: tuple[int, ...], layers: int, first: bool, last: bool):
+        super().__init__()
+        self.shape, self.first, self.last = shape, first, last
+        self.weights = nn.Parameter(torch.ones(layers))
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        if self.first:
+            x = torch.ones(self.shape)
+        x = x * self.weights.prod()
+        return x.sum() if self.last else x
+
+
+def stub_chunks(
+    pp: int, vpp: int, rank: int, split: Sequence[int], shape: tuple[int, ...]
+) -> list[nn.Module]:
+    """The stub chunks of pipeline ``rank``; ``split`` gives the layers of every global chunk."""
+    last = pp * vpp - 1
+    return [StubChunk(shape, split[c], c == 0, c == last) for c in range(rank, last + 1, pp)]
+
+
+def stub_topology(pp: int, rank: int) -> Topology:
+    """A one-process Topology in which this process plays pipeline ``rank`` (no process group)."""
+    group = ParallelGroup(name="pp", ranks=tuple(range(pp)), rank=rank)
+    coords = rank_to_coords(rank, 1, 1, pp)
+    return Topology(tp=1, dp=1, pp=pp, rank=rank, coords=coords, groups={"pp": group},
+                    device=torch.device("cpu"), stats=CommStats())  # fmt: skip
+
+
+def record_engine(
+    pp: int,
+    vpp: int,
+    microbatches: list[tuple[torch.Tensor, torch.Tensor]],
+    chunks_of: Callable[[int], list[nn.Module]],
+    shape: PipelineShape,
+    forward_only: bool = False,
+) -> Groups:
+    """Run the engine once per pipeline rank (``chunks_of(rank)``); the groups each posted."""
+    groups: Groups = {}
+    for rank in range(pp):
+        comm = RecordingP2P()
+        topo = stub_topology(pp, rank)
+        if forward_only:
+            forward_only_pipeline(chunks_of(rank), microbatches, topo=topo, vpp=vpp, shape=shape,
+                                  comm=comm)  # fmt: skip
+        else:
+            forward_backward_pipeline(chunks_of(rank), microbatches, loss_scale=1.0, topo=topo,
+                                      vpp=vpp, shape=shape, comm=comm)  # fmt: skip
+        groups[rank] = comm.groups
+    return groups

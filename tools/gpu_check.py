@@ -1,0 +1,91 @@
+"""``make gpu-check``: does megatronish train fast and correctly on this GPU? (one GPU, < 8 min)
+
+Sections (``tools/gpu_check/``), each independent of the others' failures:
+
+1. throughput: the largest gpt_1b-shaped model that fits the device side by side with a
+   plain-PyTorch reference of the same shape (the planner decides the layers), bf16, tp = pp = 1,
+   timed interleaved; tokens/s and MFU of both (peak from the device table);
+2. flash: the model's attention runs SDPA's flash kernel (profiler trace, forced backend);
+3. memory: ``torch.cuda.max_memory_allocated`` against the planner's peak for that model;
+4. resume: a checkpoint of device tensors resumes bit-exactly in a fresh trainer;
+5. recompute: step time and peak memory of each recompute policy.
+
+It writes ``docs/gpu.md`` (or ``--out``) and exits 1 when a section failed or was skipped for
+lack of time. ``--smoke`` runs the same sections at toy size on the CPU in fp32 within a minute
+or two and writes to ``--out`` (default: a temporary directory), never to docs/gpu.md. Data is
+synthetic; nothing is downloaded.
+
+Usage: ``python tools/gpu_check.py [--smoke] [--out PATH] [--budget-s S] [--peak-tflops T]
+[--device-memory-gb G] [--device cuda|cpu]``.
+"""
+
+import os
+
+# Before CUDA starts: cuBLAS reproducible for the resume section's deterministic mode, and
+# expandable segments so that one section's freed blocks serve the next.
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+
+import argparse  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from megatronish.distributed.launch import pick_device  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT / "tools") not in sys.path:
+    sys.path.insert(0, str(ROOT / "tools"))
+
+from gpu_check.context import CheckContext  # noqa: E402
+from gpu_check.report import environment, render  # noqa: E402
+from gpu_check.run import run_all  # noqa: E402
+
+DEFAULT_BUDGET_S = {False: 420.0, True: 90.0}  # GPU (8 minutes with start-up), smoke
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--smoke", action="store_true", help="toy sizes on the CPU, fp32")
+    ap.add_argument("--out", type=Path, help="report path (default docs/gpu.md; smoke: a temp dir)")
+    ap.add_argument("--budget-s", type=float, help="time budget of the whole run in seconds")
+    ap.add_argument("--peak-tflops", type=float, help="device peak for MFU (default: the table)")
+    ap.add_argument("--device-memory-gb", type=float, help="size the model for this memory (GiB)")
+    ap.add_argument("--device", choices=("cuda", "cpu"), help="default: cuda, cpu with --smoke")
+    return ap.parse_args(argv)
+
+
+def report_path(args: argparse.Namespace) -> Path:
+    if args.out is not None:
+        return args.out
+    if args.smoke:
+        return Path(tempfile.mkdtemp(prefix="gpu_check_")) / "gpu.md"
+    return ROOT / "docs" / "gpu.md"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        device = pick_device(args.device or ("cpu" if args.smoke else "cuda"), 0)
+    except ValueError:
+        print("no CUDA device here: run on a GPU machine, or `--smoke` for the CPU dry run",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    budget = args.budget_s or DEFAULT_BUDGET_S[args.smoke]
+    ctx = CheckContext(device, args.smoke, budget, args.peak_tflops, args.device_memory_gb)
+    print(f"gpu check on {device} ({ctx.precision}), budget {budget:.0f} s"
+          + (", smoke run at toy size" if args.smoke else ""), flush=True)  # fmt: skip
+    results = run_all(ctx)
+    failed = [r.name for r in results if not r.passed]
+    summary = (f"{len(results) - len(failed)} of {len(results)} sections passed in "
+               f"{ctx.elapsed():.0f} s (budget {budget:.0f} s), {ctx.precision}")  # fmt: skip
+    path = report_path(args)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(render(results, environment(device, ROOT), summary, args.smoke))
+    print(f"\n{summary}" + (f"; failed: {', '.join(failed)}" if failed else ""), flush=True)
+    print(f"wrote {path}", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -3,12 +3,11 @@
 The steps come from :mod:`megatronish.pipeline.grouping` (pure functions of pp, vpp, the number
 of microbatches and the rank): before each compute, one group of sends and receives is posted
 through a :class:`~megatronish.pipeline.p2p.P2PCommunicator` (default: batched isend/irecv on
-the pipeline group): its receives are waited for before the compute, its sends completed before
-the next group is posted (:mod:`~megatronish.pipeline.posting`). The executor keeps the input
-and output of every forward until its backward, frees the data of an output once its send is
-posted (the group keeps the sent buffer until it completes; the backward does not need the
-data), and scales each microbatch loss by ``loss_scale`` so a step equals the non-pipelined
-one. It can record the wall-clock span of every op for a timeline.
+the pipeline group) and waited on as a unit. The executor keeps the input and output of every
+forward until its backward, frees the data of an output once its send is posted (the group
+keeps the sent buffer until it completes; the backward does not need the data), and scales each
+microbatch loss by ``loss_scale`` so a step equals the non-pipelined one. It can record the
+wall-clock span of every op for a timeline.
 """
 
 from __future__ import annotations
@@ -162,7 +161,6 @@ def forward_backward_pipeline(
                     else:
                         _backward_from(out, grads_in.pop(key))
                 hooks.release(v)
-    poster.finish()
     return losses
 
 
@@ -203,5 +201,4 @@ def forward_only_pipeline(
             losses.append(out.detach())
         else:
             outputs[(op.microbatch, op.chunk)] = out
-    poster.finish()
     return losses

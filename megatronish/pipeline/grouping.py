@@ -4,8 +4,8 @@ On NCCL the point-to-point calls between two ranks run in order, and a send comp
 the peer's matching receive runs. Posting every send and receive on its own therefore hangs once
 messages outgrow NCCL's buffers: with pp=2 and 4 microbatches rank 0 posts [send act0, send
 act1, recv grad0] and rank 1 [recv act0, send grad0, recv act1], so both end up with a send at
-the head. Each rank therefore posts groups (one ``batch_isend_irecv``), one after the other
-(:mod:`megatronish.pipeline.posting` says when it waits):
+the head. Each rank therefore posts groups (one ``batch_isend_irecv``) and waits for a group as a
+unit before its next compute:
 
 * A rank's computes are cut into segments: every warm-up forward and every cool-down backward
   alone; in the steady state every forward and every backward alone for plain 1F1B (a backward

@@ -1,8 +1,8 @@
 """Point-to-point transfers between pipeline stages, posted as groups (batched isend/irecv).
 
 A rank's sends and receives between two computes go out as one group: one
-``torch.distributed.batch_isend_irecv`` call (NCCL runs it as one ``ncclGroupStart/End``);
-:mod:`megatronish.pipeline.posting` waits for it. Which transfers share a group is decided in
+``torch.distributed.batch_isend_irecv`` call (NCCL runs it as one ``ncclGroupStart/End``),
+waited on as a unit before the next compute. Which transfers share a group is decided in
 :mod:`megatronish.pipeline.grouping`; this module only posts them. Shapes are known from the
 config, so there is no shape handshake.
 
@@ -45,12 +45,9 @@ class Transfer:
 
 
 class P2PWork(Protocol):
-    """A posted group; ``wait`` returns once every transfer in it has completed,
-    ``wait_receives`` once (at least) its receives have."""
+    """A posted group; ``wait`` returns once every transfer in it has completed."""
 
     def wait(self) -> None: ...
-
-    def wait_receives(self) -> None: ...
 
 
 class P2PCommunicator(Protocol):
@@ -71,28 +68,14 @@ def describe(transfers: Sequence[Transfer], group: ParallelGroup) -> str:
 
 class GroupWork:
     """The works of one posted group. It keeps the sent tensors alive until ``wait`` returns,
-    so a sender may release its own reference (an output's data) right after posting.
+    so a sender may release its own reference (an output's data) right after posting."""
 
-    ``kinds`` names each work's transfer. A backend that returns one work for the whole group
-    (NCCL coalesces a batch) completes it as a unit, so ``wait_receives`` waits for all of it.
-    """
-
-    def __init__(self, works: Sequence, tensors: Sequence[torch.Tensor], kinds: Sequence[str] = ()):
-        self.works: list = list(works)
-        self.tensors, self.kinds = list(tensors), list(kinds)
-
-    def wait_receives(self) -> None:
-        if len(self.kinds) != len(self.works):
-            return self.wait()
-        for i, (work, kind) in enumerate(zip(self.works, self.kinds)):
-            if kind == "recv" and work is not None:
-                work.wait()
-                self.works[i] = None  # each work is waited once
+    def __init__(self, works: Sequence, tensors: Sequence[torch.Tensor]):
+        self.works, self.tensors = list(works), list(tensors)
 
     def wait(self) -> None:
         for work in self.works:
-            if work is not None:
-                work.wait()
+            work.wait()
         self.works, self.tensors = [], []
 
 
@@ -123,5 +106,4 @@ class BatchedP2P:
             self.group.record(t.kind, tensor)  # CommStats and the log of posted ops
         with named_failures(self.group, name):
             works = dist.batch_isend_irecv(ops)
-        named = [NamedWork(w, self.group, name) for w in works]
-        return GroupWork(named, tensors, [t.kind for t in transfers])
+        return GroupWork([NamedWork(w, self.group, name) for w in works], tensors)

@@ -1,17 +1,12 @@
 """Posting and waiting for one p2p group of a schedule step, with its timers and timeline events.
 
-Before its compute a rank waits for the group's receives (the data it needs). Its sends are
-completed before the next group is posted (or at the end of the step): a rank's groups still
-run strictly one after the other, as on NCCL's single stream, but the compute between two
-groups overlaps the peer's posting of the matching receives (on gloo a send completes only
-once that receive is posted; NCCL completes a batch as a unit, so there it waits for the group).
-
-Time is split between the two pipeline timers: posting a group and completing its sends count
-as ``pp_send_wait``, waiting for its receives as ``pp_recv_wait`` (posting counts there too when
-the group only receives). Each send and receive keeps its own timeline event
-(``send_act mb0 c0``): the sends share the posting, the receives the wait (a receive-only group
-shares both), one after the other in the group's order, so events never overlap. Profiler
-ranges are named after the ops (``send act mb0 chunk0``).
+Time spent on a group is split between the two pipeline timers: posting it counts as
+``pp_send_wait`` when it holds a send, waiting for it as ``pp_recv_wait`` when it holds a
+receive (the next compute needs that data); a group of one kind counts both parts to that
+kind. Each send and receive keeps its own timeline event (``send_act mb0 c0``): the sends share
+the posting, the receives the wait (a group of one kind shares both), one after the other in
+the group's order, so events never overlap. Profiler ranges are named after the ops
+(``send act mb0 chunk0``).
 """
 
 from __future__ import annotations
@@ -58,15 +53,11 @@ class GroupPoster:
     def __init__(self, comm: P2PCommunicator, record: Record | None = None, timers=None):
         self.comm, self.record = comm, record
         self.region = (timers or Timers.off()).region
-        self.sending: Posted | None = None  # the last group, while its sends may be in flight
 
     def post(self, ops: Sequence[Op], tensors: Sequence[torch.Tensor]) -> Posted | None:
-        """Post ``ops`` (send_*/recv_* ops) with their data or buffers; None for no ops.
-
-        The previous group's sends complete first."""
+        """Post ``ops`` (send_*/recv_* ops) with their data or buffers; None for no ops."""
         if not ops:
             return None
-        self.finish()
         sends = [op for op in ops if op.kind.startswith("send")]
         recvs = [op for op in ops if op.kind.startswith("recv")]
         transfers = [
@@ -81,28 +72,21 @@ class GroupPoster:
         return Posted(work, sends, recvs, start, time.perf_counter())
 
     def wait(self, posted: Posted | None) -> None:
-        """Wait for the group's receives, then record its timeline events; its sends complete
-        in :meth:`finish`."""
+        """Wait for the whole group, then record its timeline events."""
         if posted is None:
             return
         sends, recvs = posted.sends, posted.recvs
-        if recvs:
-            with self.region("pp_recv_wait", "{}", _Labels(recvs)):
-                posted.work.wait_receives()
-        self.sending = posted
+        with self.region(
+            "pp_recv_wait" if recvs else "pp_send_wait", "{}", _Labels(recvs or sends)
+        ):
+            posted.work.wait()
         if self.record is None:
             return
         end = time.perf_counter()
+        send_end = posted.posted if recvs else end
         recv_start = posted.posted if sends else posted.start
-        _share(self.record, sends, posted.start, posted.posted)
+        _share(self.record, sends, posted.start, send_end)
         _share(self.record, recvs, recv_start, end)
-
-    def finish(self) -> None:
-        """Complete the last group (its sends): before the next group and at the end of a step."""
-        posted, self.sending = self.sending, None
-        if posted is not None:
-            with self.region("pp_send_wait", "{}", _Labels(posted.sends or posted.recvs)):
-                posted.work.wait()
 
 
 def _share(record: Record, ops: list[Op], start: float, end: float) -> None:

@@ -30,9 +30,6 @@ class _Done:
     def wait(self) -> None:
         pass
 
-    def wait_receives(self) -> None:
-        pass
-
 
 class RecordingP2P:
     """A communicator that records each group as :class:`P2P` entries and receives zeros."""

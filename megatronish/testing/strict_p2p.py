@@ -45,10 +45,6 @@ class StrictWork:
         self.group, self.data, self.transfers, self.acks = group, data, transfers, acks
         self.completed = False
 
-    def wait_receives(self) -> None:
-        """Strict: the whole group (NCCL completes a batch as a unit)."""
-        self.wait()
-
     def _op(self, what: str) -> str:
         return f"{describe(self.transfers, self.group)} ({what})"
 

@@ -141,11 +141,14 @@ def backward_workspace(spec: ModelSpec, layout: Layout) -> int:
 
 
 def p2p_workspace(spec: ModelSpec, layout: Layout) -> int:
-    """Pipeline receives posted ahead and sends in flight: two activations per virtual chunk."""
-    if layout.pp == 1:
+    """Pipeline buffers beside a compute. Groups complete before the next compute, so 1F1B holds
+    none there (a received grad is the backward's incoming grad); interleaved 1F1B receives a
+    pair's grad before its forward and sends the forward's output after its backward: one
+    activation (``pipeline/grouping.py``)."""
+    if layout.pp == 1 or layout.vpp == 1:
         return 0
     x = layer_shape(spec, layout)
-    return 2 * layout.vpp * x.s_r * x.b * x.h * layout.activation_bytes
+    return x.s_r * x.b * x.h * layout.activation_bytes
 
 
 def sp_workspace(spec: ModelSpec, layout: Layout) -> int:

@@ -13,11 +13,6 @@ import torch
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def dtype_of(name: str) -> torch.dtype:
-    """The torch dtype of a config precision name (``fp32`` or ``bf16``)."""
-    return DTYPES[name]
-
-
 def fp32_matmul_setting(device_type: str, tf32: bool) -> str | None:
     """The cuBLAS / cuDNN fp32 precision to set: ``tf32``, ``ieee``, or None off CUDA."""
     if device_type != "cuda":

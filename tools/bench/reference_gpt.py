@@ -163,13 +163,19 @@ class ReferenceGPT(nn.Module):
 
 
 def build_adamw(
-    model: nn.Module, lr: float, weight_decay: float, betas: tuple[float, float], eps: float
+    model: nn.Module,
+    lr: float,
+    weight_decay: float,
+    betas: tuple[float, float],
+    eps: float,
+    fused: bool | None = None,
 ) -> torch.optim.AdamW:
-    """AdamW with decay on matrices (embedding, projections, head) and none on norm weights."""
+    """AdamW with decay on matrices (embedding, projections, head) and none on norm weights
+    (``fused``: torch's fused kernel; None lets torch choose)."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     groups = [
         {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps)
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=fused)

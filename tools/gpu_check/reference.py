@@ -11,20 +11,8 @@ from __future__ import annotations
 import contextlib
 
 import torch
-from reference_gpt import RefConfig, ReferenceGPT
-from torch import nn
+from reference_gpt import RefConfig, ReferenceGPT, build_adamw
 from weight_map import load_megatronish_weights
-
-
-def fused_adamw(model: nn.Module, cfg) -> torch.optim.AdamW:
-    """AdamW with decay on matrices and none on norm weights, torch's fused kernel."""
-    o = cfg.optimizer
-    params = list(model.parameters())
-    groups = [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": o.weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-    ]
-    return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, fused=True)
 
 
 class ReferenceRun:
@@ -37,7 +25,10 @@ class ReferenceRun:
             self.model = ReferenceGPT(RefConfig.from_spec(trainer.spec, fused=True))
         weights = {n: p.detach() for n, p in trainer.chunks[0].named_parameters()}
         load_megatronish_weights(self.model, weights)
-        self.optimizer = fused_adamw(self.model, trainer.cfg)
+        o = trainer.cfg.optimizer
+        self.optimizer = build_adamw(
+            self.model, o.lr, o.weight_decay, (o.beta1, o.beta2), o.eps, fused=True
+        )
         self.params = list(self.model.parameters())
         self.clip = trainer.cfg.optimizer.grad_clip
         self.bf16 = bf16

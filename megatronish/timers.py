@@ -29,7 +29,8 @@ TIMER_NAMES = (
     "pp_recv_wait",  # pipeline receives: waiting for activations / grads from a neighbour
     "pp_send_wait",  # pipeline sends: posting them and waiting for them to complete
     "grad_reduce_wait",  # ZeRO finish_reduction: late reductions and waiting for async ones
-    "param_gather",  # ZeRO parameter all-gathers (zero 3 before compute, zero 1/2 after update)
+    "param_gather",  # waiting for ZeRO parameter all-gathers (zero 3 per block; zero 1/2 after
+    # the update or, overlapped, per block in the next forward)
     "optimizer",  # global grad norm, clipping and the AdamW update
     "checkpoint",  # checkpoint save and poll in the training loop
 )

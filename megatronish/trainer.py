@@ -88,7 +88,7 @@ class Trainer:
         self.zero = ZeroDataParallel(
             chunks, topo, p.zero_stage, p.bucket_size_mb, keep_gathered=p.zero3_keep_gathered,
             timers=self.timers, param_dtype=self.param_dtype,
-            reduce_dtype=DTYPES[p.grad_reduce_dtype],
+            reduce_dtype=DTYPES[p.grad_reduce_dtype], overlap_param_gather=p.overlap_param_gather,
         )  # fmt: skip
         self.optimizer = ShardedAdamW(
             [shard.numel() for shard, _, _ in self.zero.optimizer_shards()], topo.device,
@@ -213,9 +213,9 @@ class Trainer:
                 )  # fmt: skip
                 continue
             for inputs, targets in batches:
-                self.zero.gather(0)
+                self.zero.prefetch(0, "fwd")
                 losses.append(self.chunks[0](inputs, targets).detach())
-                self.zero.release(0)
+                self.zero.after_compute(0, "fwd")
         self.zero.release_all()  # zero 3 with keep_gathered
         return self._mean_loss(losses)
 

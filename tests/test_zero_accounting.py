@@ -28,7 +28,7 @@ def test_state_bytes_follow_the_zero_formulas(stage, dp):
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_each_grad_byte_is_reduced_once_per_step(stage):
+def test_each_grad_byte_is_reduced_once_per_step_or_microbatch(stage):
     dp, micro = 2, 2
     runs = run_world(train_layout, dp, [f"parallel.zero_stage={stage}",
                                         f"trainer.global_batch_size={2 * dp * micro}"], 1)  # fmt: skip
@@ -40,11 +40,16 @@ def test_each_grad_byte_is_reduced_once_per_step(stage):
     if stage == 0:
         expected = {"dp/all_reduce": {"calls": buckets + 1, "bytes": grad_bytes + 4}}
     else:
-        gathers = {1: 1, 2: 1, 3: 2 * micro}[stage]  # zero 3: before forward and backward
+        rounds = micro if stage >= 2 else 1  # zero 2/3 reduce every microbatch
+        gathers, gathered = buckets, grad_bytes  # zero 1/2: once, after the update
+        if stage == 3:  # every unit before its forward and its backward, the loss's once
+            units = run.state_bytes["units"]
+            gathers = micro * sum(n * (1 if holds else 2) for _, n, holds in units)
+            gathered = micro * 4 * sum(numel * (1 if holds else 2) for numel, _, holds in units)
         expected = {
             "dp/all_reduce": loss,
-            "dp/reduce_scatter": {"calls": buckets, "bytes": grad_bytes},
-            "dp/all_gather": {"calls": gathers * buckets, "bytes": gathers * grad_bytes},
+            "dp/reduce_scatter": {"calls": rounds * buckets, "bytes": rounds * grad_bytes},
+            "dp/all_gather": {"calls": gathers, "bytes": gathered},
         }
     assert got == expected
 

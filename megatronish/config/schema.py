@@ -42,6 +42,7 @@ class ParallelConfig:
     zero_stage: int = 0
     bucket_size_mb: float = 25.0
     zero3_keep_gathered: bool = False
+    overlap_param_gather: bool = True  # zero 1/2: updated params gathered during the next forward
     pipeline_layer_split: list[int] | None = None  # layers per chunk; null = even split
     collective_timeout_s: float = 600.0  # bounds start-up and every collective and p2p op
     grad_reduce_dtype: str = "fp32"  # fp32 | bf16: dtype of the dp grad reduction (bf16 runs)

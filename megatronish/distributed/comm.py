@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from megatronish.distributed.gloo_shards import decomposes, gather_by_broadcasts, scatter_by_reduces
 from megatronish.distributed.nccl_errors import describe_nccl, parse_nccl_failure
 
 # torch 2.13 renamed the tensor collectives; keep one spelling that works from torch 2.6 on.
@@ -88,6 +89,9 @@ class ParallelGroup:
     stats: CommStats | None = None
     timeout_s: float | None = None  # the process group's collective timeout, for messages
     posted: OpLog = field(default_factory=OpLog, repr=False, compare=False)
+    # On gloo, run ZeRO's flat all-gather / reduce-scatter member by member (gloo_shards.py);
+    # False keeps gloo's native collectives (the ones NCCL runs), e.g. to test that path.
+    decompose_gloo_shards: bool = True
 
     @property
     def size(self) -> int:
@@ -215,7 +219,10 @@ def all_gather_into(out: torch.Tensor, shard: torch.Tensor, group: ParallelGroup
         return None
     group.record("all_gather", out)
     with named_failures(group, "all_gather"):
-        work = _all_gather_single(out, shard, group=group.handle(), async_op=async_op)
+        if decomposes(group):
+            work = gather_by_broadcasts(out, shard, group, async_op)
+        else:
+            work = _all_gather_single(out, shard, group=group.handle(), async_op=async_op)
     return _named(work, group, "all_gather")
 
 
@@ -236,14 +243,19 @@ def reduce_scatter_dim0(t: torch.Tensor, group: ParallelGroup) -> torch.Tensor:
 def reduce_scatter_into(
     out: torch.Tensor, full: torch.Tensor, group: ParallelGroup, async_op=False
 ):
-    """Reduce-scatter flat ``full`` into the flat ``out`` shard (ZeRO gradient reduction)."""
+    """Reduce-scatter flat ``full`` into the flat ``out`` shard (ZeRO gradient reduction).
+
+    ``full`` itself may be overwritten (gloo reduces in place)."""
     if group.size == 1:
         if out.data_ptr() != full.data_ptr():
             out.copy_(full)
         return None
     group.record("reduce_scatter", full)
     with named_failures(group, "reduce_scatter"):
-        work = _reduce_scatter_single(out, full, group=group.handle(), async_op=async_op)
+        if decomposes(group):
+            work = scatter_by_reduces(out, full, group, async_op)
+        else:
+            work = _reduce_scatter_single(out, full, group=group.handle(), async_op=async_op)
     return _named(work, group, "reduce_scatter")
 
 

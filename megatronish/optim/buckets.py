@@ -5,6 +5,10 @@ parameter of the bucket is a view into its param buffer (fp32 or bf16) and accum
 ``main_grad`` view of its fp32 grad buffer. dp rank ``r`` owns elements
 ``[r * numel/dp, (r+1) * numel/dp)`` of every bucket (its ZeRO shard).
 
+Under ZeRO 2/3 buckets follow the parameter units (:mod:`~megatronish.optim.param_units`): a
+block's parameters never share a bucket with another block's, so a block is gathered by whole
+buckets (zero 3) and the full grads a step holds are those of about one block (zero 2/3).
+
 Parameters whose grads need a model-parallel sum first (replicated params fed by sequence
 shards, tied embedding copies) go to "late" buckets that are reduced after that sum; all other
 buckets are reduced as soon as their grads are final.
@@ -16,6 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+
+from megatronish.optim.param_units import chunk_visits
 
 
 @dataclass
@@ -38,8 +44,7 @@ class Bucket:
     # where elements count in the global grad norm: contiguous params make them few and free.
     decay_ranges: list[tuple[int, int]] = field(default_factory=list)
     norm_ranges: list[tuple[int, int]] = field(default_factory=list)
-    pending: int = 0  # params whose grads are not yet final this step
-    work: object = None
+    pending: int = 0  # params whose grads are not yet final (this step, or microbatch)
     extra: dict = field(default_factory=dict)
 
     @property
@@ -85,6 +90,7 @@ def plan_buckets(
     dp_rank: int,
     is_tied,
     device: torch.device,
+    first_small: bool = True,
 ) -> list[Bucket]:
     """Group params into buckets in reverse order (roughly the order backward finishes them)."""
     groups: dict[bool, list[list[tuple[str, nn.Parameter]]]] = {False: [[]], True: [[]]}
@@ -92,7 +98,8 @@ def plan_buckets(
     for name, p in reversed(named_params):
         late = needs_model_parallel_sum(p, is_tied(name, p))
         # The first bucket is small (as DDP's) so its reduction starts early in backward.
-        limit = min(bucket_bytes, FIRST_BUCKET_BYTES) if len(groups[late]) == 1 else bucket_bytes
+        first = first_small and len(groups[late]) == 1
+        limit = min(bucket_bytes, FIRST_BUCKET_BYTES) if first else bucket_bytes
         if groups[late][-1] and sizes[late] + p.numel() * 4 > limit:
             groups[late].append([])
             sizes[late] = 0
@@ -109,4 +116,28 @@ def plan_buckets(
                 total += p.numel()
             numel = -(-total // dp) * dp
             buckets.append(Bucket(params, offsets, numel, dp, dp_rank, late, device))
+    return buckets
+
+
+def plan_chunk_buckets(
+    chunk: nn.Module,
+    bucket_bytes: int,
+    dp: int,
+    dp_rank: int,
+    is_tied,
+    device: torch.device,
+    per_unit: bool,
+) -> list[Bucket]:
+    """A chunk's buckets; ``per_unit`` (ZeRO 2/3): no bucket spans two units (blocks)."""
+    if not per_unit:
+        return plan_buckets(list(chunk.named_parameters()), bucket_bytes, dp, dp_rank, is_tied,
+                            device)  # fmt: skip
+    _, visits = chunk_visits(chunk, 0)
+    buckets: list[Bucket] = []
+    # Backward order, as plan_buckets; by module, so a unit used at both ends of the chunk (the
+    # tied embedding and head) fills one bucket per end rather than one across the backward.
+    for visit in reversed(visits):
+        if visit.named_params:
+            buckets += plan_buckets(list(visit.named_params), bucket_bytes, dp, dp_rank, is_tied,
+                                    device, first_small=not buckets)  # fmt: skip
     return buckets

@@ -2,10 +2,16 @@
 
 - 0: grads all-reduced (averaged) over dp; every rank updates every parameter.
 - 1: grads reduce-scattered; Adam moments only for this rank's shard; params all-gathered.
-- 2: as 1, and the full grad buffer exists only while accumulating (freed after reduction).
-- 3: as 2, and params are kept only as shards: a chunk's full params are gathered before its
-  forward and again before its backward and released after each (or kept for the whole step
-  with ``keep_gathered``).
+- 2: as 1, and full grads exist only per bucket between its last grad of a microbatch and its
+  reduction: every microbatch's grads are reduce-scattered into the rank's shard (as DeepSpeed's
+  stage 2 and FSDP do), so a step communicates ``num_microbatches`` times as much.
+- 3: as 2, and params are kept only as shards: each unit (block, embedding, head) is gathered
+  just before use, the next one prefetched, and freed after (see
+  :mod:`~megatronish.optim.param_gather`); ``keep_gathered`` keeps them for the step.
+
+Zero 1/2 start the all-gathers of the updated params after the optimizer step and each unit
+waits for its own before its first forward of the next step (Megatron's overlap_param_gather;
+``overlap_param_gather=False`` gathers at once).
 
 Precision (Megatron-LM's mixed-precision recipe): the model's params are ``param_dtype`` (bf16
 on GPUs), so activations, sequence-parallel collectives and pipeline messages are bf16 too. The
@@ -15,9 +21,10 @@ and reduced over dp in ``reduce_dtype`` (fp32 by default). With fp32 params the 
 the params themselves and nothing is copied.
 
 A bucket's reduction starts from a post-accumulate-grad hook as soon as every param in it has
-received the grads of all microbatches of the step, so nothing is communicated during earlier
-microbatches and reductions overlap the rest of backward. Buckets holding params that need a
-model-parallel sum first (sequence-parallel replicas, tied embeddings) are reduced at the end.
+received its grad (zero 0/1: of all microbatches of the step, zero 2/3: of the microbatch), so
+reductions overlap the rest of backward (:mod:`~megatronish.optim.grad_reduce` bounds how many
+are in flight). Buckets holding params that need a model-parallel sum first (sequence-parallel
+replicas, tied embeddings) are reduced at the end of the step.
 """
 
 from __future__ import annotations
@@ -27,15 +34,14 @@ import weakref
 import torch
 from torch import nn
 
-from megatronish.distributed.comm import all_gather_into, all_reduce, reduce_scatter_into
+from megatronish.distributed.comm import all_gather_into, all_reduce
 from megatronish.distributed.topology import Topology
-from megatronish.optim.buckets import Bucket, plan_buckets
+from megatronish.optim.buckets import Bucket, plan_chunk_buckets
+from megatronish.optim.grad_reduce import GradReducer
 from megatronish.optim.grads import counts_in_norm, flat_all_reduce
+from megatronish.optim.param_gather import ParamGatherer, resize_storage
+from megatronish.optim.param_units import chunk_visits
 from megatronish.timers import Timers
-
-
-def _resize(t: torch.Tensor, numel: int) -> None:
-    t.untyped_storage().resize_(numel * t.element_size())
 
 
 class ZeroDataParallel:
@@ -51,25 +57,41 @@ class ZeroDataParallel:
         timers: Timers | None = None,
         param_dtype: torch.dtype = torch.float32,
         reduce_dtype: torch.dtype = torch.float32,
+        overlap_param_gather: bool = True,
     ):
         self.chunks, self.topo, self.stage = chunks, topo, stage
         self.keep_gathered = keep_gathered
+        self.overlap_param_gather = overlap_param_gather
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
         self.separate_main = param_dtype != torch.float32
         self.timers = timers or Timers.off()  # param_gather, grad_reduce_wait; profiler ranges
         dp = topo.dp_group
         tied_names = self._tied_names(chunks, topo)
         self.buckets_of: list[list[Bucket]] = []
-        for chunk in chunks:
-            buckets = plan_buckets(
-                list(chunk.named_parameters()), int(bucket_mb * 2**20), dp.size, dp.rank,
+        units_of, visits_of = [], []
+        for i, chunk in enumerate(chunks):
+            buckets = plan_chunk_buckets(
+                chunk, int(bucket_mb * 2**20), dp.size, dp.rank,
                 lambda n, p, tied=tied_names: n in tied or bool(getattr(p, "tied_to", None)),
-                topo.device,
+                topo.device, per_unit=stage >= 2,
             )  # fmt: skip
             for b in buckets:
                 self._allocate(b)
             self.buckets_of.append(buckets)
-        self.gathered = [stage < 3] * len(chunks)
+            units, visits = chunk_visits(chunk, i)
+            bucket_of = {id(p): b for b in buckets for _, p in b.params}
+            for u in units:
+                u.buckets = list({id(b): b for p in u.params for b in [bucket_of[id(p)]]}.values())
+            units_of.append(units)
+            visits_of.append(visits)
+        self.reducer = GradReducer(dp, stage, reduce_dtype, self.timers)
+        self.peak_grad_numel = 0  # most full-grad elements alive at once (zero 2/3 accounting)
+        self.gatherer = None
+        if stage == 3 or (stage > 0 and overlap_param_gather and dp.size > 1):
+            self.gatherer = ParamGatherer(
+                units_of, visits_of, dp, stage, keep_gathered, self.timers
+            )
+        self.units_of = units_of
 
     @property
     def buckets(self) -> list[Bucket]:
@@ -79,6 +101,10 @@ class ZeroDataParallel:
     def _tied_names(chunks, topo: Topology) -> set[str]:
         tie = bool(chunks) and chunks[0].spec.tie_embeddings and topo.pp > 1
         return {"embedding.word.weight"} if tie else set()
+
+    def _per_microbatch(self, b: Bucket) -> bool:
+        """Reduced after every microbatch, its full grads freed in between (zero 2/3)."""
+        return self.stage >= 2 and not b.late
 
     # -- storage ----------------------------------------------------------------------------
     def _owned(self, b: Bucket) -> tuple[int, int]:
@@ -97,10 +123,10 @@ class ZeroDataParallel:
         b.param_shard = flat[lo:hi] if self.stage < 3 else flat[lo:hi].clone()
         b.main_shard = main[lo:hi].clone() if self.separate_main else b.param_shard
         if self.stage == 3:
-            _resize(flat, 0)  # params live as shards; gathered on demand
+            resize_storage(flat, 0)  # params live as shards; gathered on demand
         if self.stage < 2:
             self._new_grad_buffer(b)
-        if self.stage >= 2:  # the reduced shard outlives the full buffer
+        if self.stage >= 2:  # the reduced shard outlives the full buffers
             b.grad_shard = torch.zeros(hi - lo, device=b.device)
         b.decay_ranges = b.ranges(lambda n, p: not getattr(p, "no_weight_decay", False), lo, hi)
         b.norm_ranges = b.ranges(lambda n, p: counts_in_norm(n, p, self.topo), lo, hi)
@@ -109,6 +135,8 @@ class ZeroDataParallel:
 
     def _new_grad_buffer(self, b: Bucket) -> None:
         b.grad_flat = torch.zeros(b.numel, device=b.device)
+        if self.stage >= 2:
+            self._count_live_grads()
         for _, p, view in b.views(b.grad_flat):
             p.main_grad = view
             if not self.separate_main:  # autograd accumulates in place (no extra copy)
@@ -117,38 +145,68 @@ class ZeroDataParallel:
             lo, hi = b.shard_range
             b.grad_shard = b.grad_flat[lo:hi]
 
-    # -- zero 3 parameter gathering ----------------------------------------------------------
-    @torch.no_grad()
-    def gather(self, chunk_index: int) -> None:
-        """Materialise a chunk's full params (zero 3)."""
-        if self.stage < 3 or self.gathered[chunk_index]:
-            return
-        with self.timers.region("param_gather", "all-gather params chunk{}", chunk_index):
-            for b in self.buckets_of[chunk_index]:
-                _resize(b.param_flat, b.numel)
-                all_gather_into(b.param_flat, b.param_shard, self.topo.dp_group)
-        self.gathered[chunk_index] = True
+    def _count_live_grads(self) -> None:
+        live = sum(x.numel for x in self.buckets if x.grad_flat is not None)
+        live += sum(r.full.numel() for r in self.reducer.in_flight)
+        self.peak_grad_numel = max(self.peak_grad_numel, live)
 
-    def release(self, chunk_index: int, end_of_step: bool = False) -> None:
-        """Free a chunk's full params (zero 3) unless they are kept for the step."""
-        if self.stage < 3 or not self.gathered[chunk_index]:
+    @staticmethod
+    def _drop_grad_buffer(b: Bucket) -> None:
+        b.grad_flat = None
+        for _, p in b.params:
+            p.main_grad = p.grad = None
+
+    # -- parameter gathering (zero 3: per unit; zero 1/2: after the update) -----------------
+    def prefetch(self, chunk_index: int, kind: str) -> None:
+        """Engine hook: a ``kind`` ("fwd"/"bwd") compute of the chunk comes next."""
+        if self.gatherer is not None:
+            self.gatherer.prefetch(chunk_index, kind)
+
+    def after_compute(self, chunk_index: int, kind: str) -> None:
+        """Engine hook: a compute of the chunk ended. After a backward, zero 2/3 finish the
+        reduction still in flight (FSDP2 waits there too), so its full-size buffer does not
+        live through the next forward; zero 3 frees what the compute left gathered."""
+        if kind == "bwd" and self.stage >= 2 and self.reducer.in_flight:
+            with self.timers.region("grad_reduce_wait", "wait grads"):
+                self.reducer.finish_all()
+        if self.gatherer is not None:
+            self.gatherer.after_compute(chunk_index, kind)
+
+    def gather(self, chunk_index: int) -> None:
+        """Make all of a chunk's params whole now (for readers outside a training step)."""
+        if self.gatherer is None:
             return
-        if self.keep_gathered and not end_of_step:
-            return
-        for b in self.buckets_of[chunk_index]:
-            _resize(b.param_flat, 0)
-        self.gathered[chunk_index] = False
+        if self.stage == 3:
+            self.gatherer.gather_all(chunk_index)
+        else:
+            self.finish_param_gather()
+
+    def release_all(self) -> None:
+        """End of a step or an evaluation: zero 3 frees every gathered unit."""
+        if self.stage == 3 and self.gatherer is not None:
+            self.gatherer.release_all()
+
+    def finish_param_gather(self) -> None:
+        """Wait for the after-update all-gathers (zero 1/2 with overlap_param_gather)."""
+        if self.stage in (1, 2) and self.gatherer is not None:
+            self.gatherer.wait_updated()
 
     # -- gradients --------------------------------------------------------------------------
     def start_step(self, num_microbatches: int) -> None:
         """Zero grads and arm the hooks for a step of ``num_microbatches``."""
         for b in self.buckets:
+            b.extra["rounds"] = 0
+            if self._per_microbatch(b):
+                b.grad_shard.zero_()
+                if b.grad_flat is not None:
+                    self._drop_grad_buffer(b)
+                b.pending = len(b.params)
+                continue
             if b.grad_flat is None:
                 self._new_grad_buffer(b)
             else:
                 b.grad_flat.zero_()
             b.pending = len(b.params) * num_microbatches
-            b.work = None
 
     def _make_hook(self, b: Bucket):
         # The hook is held in C++ by the parameter, out of the garbage collector's sight: strong
@@ -160,34 +218,37 @@ class ZeroDataParallel:
             zero, b = owner(), bucket()
             if zero is None or b is None:
                 return
-            if p.grad.dtype != p.main_grad.dtype:  # a bf16 microbatch grad, summed in fp32
-                p.main_grad.add_(p.grad)
+            grad = p.grad
+            if b.grad_flat is None:  # zero 2/3: the first grad of this bucket's microbatch
+                zero._new_grad_buffer(b)
+            if grad.dtype != p.main_grad.dtype:  # a bf16 microbatch grad, summed in fp32
+                p.main_grad.add_(grad)
                 p.grad = None
-            elif p.grad.data_ptr() != p.main_grad.data_ptr():
-                # Autograd replaced the view with a new tensor holding the accumulated grad.
-                p.main_grad.copy_(p.grad)
+            elif grad.data_ptr() != p.main_grad.data_ptr():
+                # Autograd made a new tensor: this microbatch's grad into a fresh (zero) buffer,
+                # or the view's value plus it.
+                p.main_grad.copy_(grad)
                 p.grad = p.main_grad
             b.pending -= 1
             if b.pending == 0 and not b.late:
                 zero._launch(b)
+            if zero.gatherer is not None and zero.stage == 3:
+                zero.gatherer.grad_ready(p)
 
         return hook
 
-    def _launch(self, b: Bucket, async_op: bool = True) -> None:
-        dp = self.topo.dp_group
-        full, out = b.grad_flat, b.grad_shard
-        if self.reduce_dtype != full.dtype and dp.size > 1:  # reduced in a narrower dtype
-            full = b.extra["wire"] = full.to(self.reduce_dtype)
-            if self.stage > 0:
-                out = b.extra["wire_out"] = full.new_empty(b.shard_size)
-        if self.stage == 0:
-            with self.timers.region(None, "all-reduce grads"):
-                work = all_reduce(full, dp, async_op=async_op)
+    def _launch(self, b: Bucket) -> None:
+        """Start ``b``'s reduction (zero 2/3: into its shard, re-armed for the next microbatch)."""
+        rounds = b.extra["rounds"]
+        b.extra["rounds"] = rounds + 1
+        if self.stage >= 2:
+            full = b.grad_flat
+            self._drop_grad_buffer(b)  # the reduction holds it until done
+            if not b.late:
+                b.pending = len(b.params)
+            self.reducer.launch(full, b.grad_shard, accumulate=rounds > 0)
         else:
-            with self.timers.region(None, "reduce-scatter grads"):
-                work = reduce_scatter_into(out, full, dp, async_op=async_op)
-        b.work = work if async_op else None
-        b.extra["launched"] = True
+            self.reducer.launch(b.grad_flat, self.owned_grad(b))
 
     def finish_reduction(self) -> None:
         """Wait for every reduction; sum late buckets over tp / the embedding group first."""
@@ -195,8 +256,13 @@ class ZeroDataParallel:
             self._finish_reduction()
 
     def _finish_reduction(self) -> None:
-        for b in self.buckets:
-            if not b.late and not b.extra.pop("launched", False):
+        self.finish_param_gather()
+        for b in self.buckets:  # buckets some of whose params got no grad this step
+            if (
+                not b.late
+                and b.grad_flat is not None
+                and (self._per_microbatch(b) or b.extra["rounds"] == 0)
+            ):
                 self._launch(b)
         late = [b for b in self.buckets if b.late]
         sp = [
@@ -211,22 +277,11 @@ class ZeroDataParallel:
         ]
         flat_all_reduce(tied, self.topo.embedding_group)  # fmt: skip
         for b in late:
-            b.extra.pop("launched", None)
-            self._launch(b, async_op=False)
+            self._launch(b)
+        self.reducer.finish_all()
         scale = 1.0 / self.topo.dp
         for b in self.buckets:
-            work, b.work = b.work, None  # not kept when the wait fails (it holds its group)
-            if work is not None:
-                with self.timers.region(None, "wait grads"):
-                    work.wait()
-            wire, wire_out = b.extra.pop("wire", None), b.extra.pop("wire_out", None)
-            if wire is not None:
-                self.owned_grad(b).copy_(wire if wire_out is None else wire_out)
             self.owned_grad(b).mul_(scale)
-            if self.stage >= 2:  # keep only the reduced shard
-                b.grad_flat = None
-                for _, p in b.params:
-                    p.main_grad = p.grad = None
 
     def owned_grad(self, b: Bucket) -> torch.Tensor:
         return b.grad_flat if self.stage == 0 else b.grad_shard
@@ -257,6 +312,7 @@ class ZeroDataParallel:
     def model_load_targets(self) -> list[tuple[torch.Tensor, int, int]]:
         """Where a checkpoint's parameter values go, per bucket: ``(dest, lo, hi)`` for
         elements ``[lo, hi)`` of the bucket; call :meth:`params_from_main` after loading."""
+        self.finish_param_gather()
         if self.separate_main:
             return [(b.main_shard, *self._owned(b)) for b in self.buckets]
         if self.stage < 3:  # every rank holds the whole bucket's params
@@ -269,6 +325,7 @@ class ZeroDataParallel:
         if self.separate_main:
             self._cast_main()
             self._gather_updated()
+            self.finish_param_gather()
 
     @torch.no_grad()
     def _cast_main(self) -> None:
@@ -277,23 +334,23 @@ class ZeroDataParallel:
 
     @torch.no_grad()
     def after_update(self) -> None:
-        """Make every rank's params whole again (zero 1/2); zero 3 keeps shards."""
+        """Make every rank's params whole again (zero 1/2, overlapping the next forward when
+        ``overlap_param_gather``); zero 3 keeps shards."""
         if self.separate_main:
             self._cast_main()
         self._gather_updated()
         self.release_all()
 
-    def release_all(self) -> None:
-        """End of a step or an evaluation: zero 3 frees every gathered chunk (kept ones too)."""
-        if self.stage == 3:
-            for i in range(len(self.chunks)):
-                self.release(i, end_of_step=True)
-
     def _gather_updated(self) -> None:
-        if self.stage in (1, 2):
-            with self.timers.region("param_gather", "all-gather params"):
-                for b in self.buckets:
-                    all_gather_into(b.param_flat, b.param_shard, self.topo.dp_group)  # in place
+        if self.stage not in (1, 2) or self.topo.dp == 1:
+            return
+        if self.gatherer is not None:  # waited for unit by unit in the next forward
+            order = [b for bs in self.buckets_of for b in reversed(bs)]  # forward order
+            self.gatherer.start_updated_gather(order)
+            return
+        with self.timers.region("param_gather", "all-gather params"):
+            for b in self.buckets:
+                all_gather_into(b.param_flat, b.param_shard, self.topo.dp_group)  # in place
 
     # -- accounting -------------------------------------------------------------------------
     def state_bytes(self) -> dict[str, int]:

@@ -135,8 +135,10 @@ def forward_backward_pipeline(
 
     for step in training_steps(pp, vpp, m, rank):
         posted = _post(poster, step, inputs, outputs, grads_in, shape, topo.device)
-        poster.wait(posted)
         op = step.compute
+        if op is not None:  # its first params gather while the p2p group completes
+            hooks.prefetch(op.chunk // pp, op.kind)
+        poster.wait(posted)
         if op is None:
             continue
         key, v = (op.microbatch, op.chunk), op.chunk // pp
@@ -144,23 +146,21 @@ def forward_backward_pipeline(
             if op.kind == "fwd":
                 tokens, targets = microbatches[op.microbatch]
                 x = tokens if op.chunk == 0 else inputs[key].requires_grad_(True)
-                hooks.gather(v)
                 with region("forward", "forward mb{} chunk{}", op.microbatch, op.chunk):
                     out = local[op.chunk](x, targets if op.chunk == last_chunk else None)
-                hooks.release(v)
+                hooks.after_compute(v, "fwd")
                 if op.chunk == last_chunk:
                     losses.append(out.detach())
                     out = out * loss_scale
                 outputs[key] = out
             else:
                 out = outputs.pop(key)
-                hooks.gather(v)
                 with region("backward", "backward mb{} chunk{}", op.microbatch, op.chunk):
                     if op.chunk == last_chunk:
                         out.backward()
                     else:
                         _backward_from(out, grads_in.pop(key))
-                hooks.release(v)
+                hooks.after_compute(v, "bwd")
     return losses
 
 
@@ -185,7 +185,10 @@ def forward_only_pipeline(
     outputs: dict[Key, torch.Tensor] = {}
     losses = []
     for step in forward_only_steps(pp, vpp, len(microbatches), rank):
-        poster.wait(_post(poster, step, inputs, outputs, {}, shape, topo.device))
+        posted = _post(poster, step, inputs, outputs, {}, shape, topo.device)
+        if step.compute is not None:
+            hooks.prefetch(step.compute.chunk // pp, "fwd")
+        poster.wait(posted)
         for op in step.group:
             if op.kind == "send_act":
                 del outputs[(op.microbatch, op.chunk)]
@@ -194,9 +197,8 @@ def forward_only_pipeline(
             continue
         tokens, targets = microbatches[op.microbatch]
         x = tokens if op.chunk == 0 else inputs.pop((op.microbatch, op.chunk))
-        hooks.gather(op.chunk // pp)
         out = local[op.chunk](x, targets if op.chunk == last_chunk else None)
-        hooks.release(op.chunk // pp)
+        hooks.after_compute(op.chunk // pp, "fwd")
         if op.chunk == last_chunk:
             losses.append(out.detach())
         else:

@@ -18,34 +18,33 @@ def forward_backward_no_pipeline(
 ) -> list[torch.Tensor]:
     """Gradient accumulation: ``loss * loss_scale`` is backpropagated for each microbatch.
 
-    ``param_hooks`` (ZeRO 3) gathers a chunk's params before its forward and backward and
-    releases them after. ``timers`` times forward and backward. Returns the detached
-    per-microbatch losses.
+    ``param_hooks`` (ZeRO) is told before and after each forward and backward (ZeRO 3
+    prefetches the first params a compute needs and frees what it left gathered). ``timers``
+    times forward and backward. Returns the detached per-microbatch losses.
     """
     (model,) = chunks
     hooks = param_hooks or NO_PARAM_HOOKS
     timers = timers or Timers.off()
     losses = []
     for m, (inputs, targets) in enumerate(microbatches):
-        hooks.gather(0)
+        hooks.prefetch(0, "fwd")
         with timers.region("forward", "forward mb{} chunk0", m):
             loss = model(inputs, targets)
-        hooks.release(0)
-        hooks.gather(0)
+        hooks.after_compute(0, "fwd")
         with timers.region("backward", "backward mb{} chunk0", m):
             (loss * loss_scale).backward()
-        hooks.release(0)
+        hooks.after_compute(0, "bwd")
         losses.append(loss.detach())
     return losses
 
 
 class _NoParamHooks:
-    """Params are always materialised (ZeRO 0-2)."""
+    """Params are always materialised (no ZeRO)."""
 
-    def gather(self, chunk_index: int) -> None:
+    def prefetch(self, chunk_index: int, kind: str) -> None:
         pass
 
-    def release(self, chunk_index: int) -> None:
+    def after_compute(self, chunk_index: int, kind: str) -> None:
         pass
 
 

@@ -10,8 +10,10 @@ timers) are left out.
 from __future__ import annotations
 
 from megatronish.model.spec import ModelSpec
+from megatronish.optim.buckets import Bucket
 from megatronish.plan.layout import Layout
 from megatronish.plan.states import FP32, meta_chunks
+from megatronish.plan.zero3_gather import ChunkUnits, gathers_per_microbatch
 
 
 def tp_volume(
@@ -66,23 +68,34 @@ def _sequence_parallel_numel(chunks: list) -> int:
     )
 
 
-def dp_volume(layout: Layout, bucket_numels: list[list[int]]) -> dict[str, tuple[int, int]]:
-    """``{"dp/op": (calls, bytes)}``: grad reduction and param gathers, one call per bucket
-    (``bucket_numels``: padded bucket sizes per chunk of this rank)."""
+def dp_volume(
+    layout: Layout, buckets: list[list[Bucket]], units: list[ChunkUnits] | None = None
+) -> dict[str, tuple[int, int]]:
+    """``{"dp/op": (calls, bytes)}``: grad reductions and param gathers, one call per bucket
+    (``buckets``: this rank's, per chunk; ``units``: its chunks' units, needed for zero 3).
+
+    Zero 0/1 reduce each bucket once per step, zero 2/3 once per microbatch (the buckets reduced
+    after a model-parallel sum once per step). Zero 1/2 gather the updated params once after the
+    step; zero 3 gathers each unit before its forward and its backward (the loss's unit once),
+    or once per step when kept gathered.
+    """
     if layout.dp == 1:
         return {}
-    n = sum(len(c) for c in bucket_numels)
-    numel = sum(sum(c) for c in bucket_numels)
-    reduced = numel * layout.grad_reduce_bytes
+    flat = [b for bs in buckets for b in bs]
+    n, numel = len(flat), sum(b.numel for b in flat)
     if layout.zero_stage == 0:
-        return {"dp/all_reduce": (n, reduced)}
-    out = {"dp/reduce_scatter": (n, reduced)}
-    # Zero 3 gathers a chunk's params before each of its forwards and backwards (or once per
-    # step when kept); zero 1/2 gather the updated params once after the step.
-    times = 1
+        return {"dp/all_reduce": (n, numel * layout.grad_reduce_bytes)}
+    rounds = [1 if b.late or layout.zero_stage < 2 else layout.num_microbatches for b in flat]
+    reduced = sum(r * b.numel for r, b in zip(rounds, flat)) * layout.grad_reduce_bytes
+    out = {"dp/reduce_scatter": (sum(rounds), reduced)}
+    calls, gathered = n, numel  # model params
     if layout.zero_stage == 3 and not layout.zero3_keep_gathered:
-        times = 2 * layout.num_microbatches
-    out["dp/all_gather"] = (times * n, times * numel * layout.activation_bytes)  # model params
+        if units is None:
+            raise ValueError("zero 3 needs the chunks' units to count its gathers")
+        per_mb = [gathers_per_microbatch(cu) for cu in units]
+        calls = layout.num_microbatches * sum(c for c, _ in per_mb)
+        gathered = layout.num_microbatches * sum(e for _, e in per_mb)
+    out["dp/all_gather"] = (calls, gathered * layout.activation_bytes)
     return out
 
 

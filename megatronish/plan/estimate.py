@@ -15,7 +15,15 @@ from megatronish.pipeline.schedule import analytic_bubble
 from megatronish.plan.activations import ActivationPlan, activation_plan
 from megatronish.plan.comm import dp_volume, embedding_volume, pp_volume, tp_volume
 from megatronish.plan.layout import Layout
-from megatronish.plan.states import FP32, StateBytes, chunk_bucket_numels, meta_chunks, state_bytes
+from megatronish.plan.states import (
+    FP32,
+    StateBytes,
+    chunk_buckets,
+    meta_chunks,
+    state_bytes,
+    tied_rule,
+)
+from megatronish.plan.zero3_gather import chunk_units
 
 
 @dataclass(frozen=True)
@@ -29,11 +37,22 @@ class StagePlan:
     comm: dict[str, tuple[int, int]]  # "group/op" -> (calls, bytes) per step
 
     @property
+    def step_extra(self) -> int:
+        """Bytes a forward/backward adds to the states at its high-water mark: activations at
+        their peak with what is gathered and the grads alive then, or ZeRO 2/3's full grads at
+        their most in a backward, when the loss's workspace and a layer's saved activations
+        are gone."""
+        st, act = self.states, self.activations
+        at_peak = st.params_step + st.grads_at_peak + act.peak
+        saved = max(0, act.saved_peak - int(act.per_layer))
+        in_backward = st.params_step + st.grads_step + saved
+        return max(at_peak, in_backward)
+
+    @property
     def peak(self) -> int:
         """Tensor bytes at the step's high-water mark (forward/backward or the update)."""
-        during_step = self.states.total_step + self.activations.peak
         during_update = self.states.total + self.optimizer_workspace
-        return max(during_step, during_update)
+        return max(self.states.total + self.step_extra, during_update)
 
 
 @dataclass(frozen=True)
@@ -85,11 +104,14 @@ def optimizer_workspace(spec: ModelSpec, layout: Layout, states: StateBytes) -> 
 def plan_stage(spec: ModelSpec, layout: Layout, pp_rank: int) -> StagePlan:
     chunks = meta_chunks(spec, layout, pp_rank)
     states = state_bytes(spec, layout, pp_rank, chunks)
-    buckets = [chunk_bucket_numels(c, layout) for c in chunks]
+    buckets = [chunk_buckets(c, layout) for c in chunks]
+    units = None
+    if layout.zero_stage == 3:
+        units = [chunk_units(c, layout, tied_rule(c, layout)) for c in chunks]
     comm: dict[str, tuple[int, int]] = {}
     for part in (
         tp_volume(spec, layout, pp_rank, chunks),
-        dp_volume(layout, buckets),
+        dp_volume(layout, buckets, units),
         pp_volume(spec, layout, pp_rank),
         embedding_volume(spec, layout, pp_rank),
     ):

@@ -34,6 +34,7 @@ from megatronish.plan.estimate import (
     recompute_flops_per_token,
 )
 from megatronish.plan.layout import Layout
+from megatronish.plan.zero3_gather import chunk_units
 
 
 def representative_stages(pp: int) -> list[int]:
@@ -48,7 +49,7 @@ class PlanCache:
         self.spec = spec
         self._meta: dict = {}
         self._blocks: dict[str, dict] = {
-            k: {} for k in ("states", "buckets", "activations", "tp", "volumes")
+            k: {} for k in ("states", "buckets", "units", "activations", "tp", "volumes")
         }
         self._parameters = count_parameters(spec)
         self._flops_per_token = flops_per_token(spec)
@@ -72,19 +73,28 @@ class PlanCache:
                  layout.precision, pp_rank)  # fmt: skip
         m, mbs = layout.num_microbatches, layout.micro_batch_size
         rc = (layout.recompute, layout.recompute_method, layout.recompute_num_layers)
+        zero3_rc = rc if layout.zero_stage == 3 else None  # its gathered peak follows recompute
         layout_states = (layout.dp, layout.zero_stage, layout.bucket_size_mb,
-                         layout.zero3_keep_gathered)  # fmt: skip
+                         layout.zero3_keep_gathered, zero3_rc)  # fmt: skip
         chunks = self._chunks(layout, pp_rank)
         st = self._cached(
             "states",
             (shape, layout_states),
             lambda: states.state_bytes(spec, layout, pp_rank, chunks),
         )
+        per_unit = layout.zero_stage >= 2
         buckets = self._cached(
             "buckets",
-            (shape, layout.dp, layout.bucket_size_mb),
-            lambda: [states.chunk_bucket_numels(c, layout) for c in chunks],
+            (shape, layout.dp, layout.bucket_size_mb, per_unit),
+            lambda: [states.chunk_buckets(c, layout) for c in chunks],
         )
+        units = None
+        if layout.zero_stage == 3:
+            units = self._cached(
+                "units",
+                (shape, layout.dp, layout.bucket_size_mb, rc),
+                lambda: [chunk_units(c, layout, states.tied_rule(c, layout)) for c in chunks],
+            )
         act = self._cached("activations", (shape, mbs, self._capped(layout), rc),
                            lambda: self._activations(layout, pp_rank))  # fmt: skip
         volume: dict[str, tuple[int, int]] = {}
@@ -93,7 +103,7 @@ class PlanCache:
                 "tp", (shape, mbs, m, rc), lambda: comm.tp_volume(spec, layout, pp_rank, chunks)
             )
         )
-        volume.update(comm.dp_volume(layout, buckets))
+        volume.update(comm.dp_volume(layout, buckets, units))
         volume.update(
             self._cached(
                 "volumes",

@@ -16,8 +16,10 @@ from megatronish.distributed.comm import ParallelGroup
 from megatronish.model.build import chunk_ids_of_stage, chunk_layer_ranges
 from megatronish.model.gpt import GPTChunk
 from megatronish.model.spec import ModelSpec
-from megatronish.optim.buckets import plan_buckets
+from megatronish.optim.buckets import Bucket, plan_chunk_buckets
+from megatronish.optim.grad_reduce import MAX_IN_FLIGHT
 from megatronish.plan.layout import Layout
+from megatronish.plan.zero3_gather import chunk_units, rank_peak_gathered
 from megatronish.tensor_parallel.context import TPContext
 
 FP32 = 4
@@ -33,8 +35,9 @@ class StateBytes:
     params: int  # between steps
     grads: int  # between steps
     optimizer: int
-    params_step: int  # zero 3: full params gathered for the chunk(s) being computed
-    grads_step: int  # zero 2/3: full grad buffers while accumulating
+    params_step: int  # zero 3: most full params gathered at once (units, prefetch included)
+    grads_step: int  # zero 2/3: most full grad buffers alive at once (in a backward)
+    grads_at_peak: int = 0  # zero 2/3: those alive when activations peak (see state_bytes)
 
     @property
     def total(self) -> int:
@@ -42,7 +45,8 @@ class StateBytes:
 
     @property
     def total_step(self) -> int:
-        return self.total + self.params_step + self.grads_step
+        """States at the activation peak of a step."""
+        return self.total + self.params_step + self.grads_at_peak
 
 
 def meta_chunks(spec: ModelSpec, layout: Layout, pp_rank: int) -> list[GPTChunk]:
@@ -56,18 +60,33 @@ def meta_chunks(spec: ModelSpec, layout: Layout, pp_rank: int) -> list[GPTChunk]
     ]
 
 
-def chunk_bucket_numels(chunk: GPTChunk, layout: Layout) -> list[int]:
-    """Padded numel of each bucket of one chunk, as the trainer groups them."""
+def tied_rule(chunk: GPTChunk, layout: Layout):
+    """``is_tied(name, p)``: params whose grads are summed over the embedding group."""
     tie = chunk.spec.tie_embeddings and layout.pp > 1
 
     def is_tied(name, p) -> bool:
         return (tie and name == "embedding.word.weight") or bool(getattr(p, "tied_to", None))
 
-    buckets = plan_buckets(
-        list(chunk.named_parameters()), int(layout.bucket_size_mb * 2**20), layout.dp, 0,
-        is_tied, torch.device("meta"),
+    return is_tied
+
+
+def chunk_buckets(chunk: GPTChunk, layout: Layout) -> list[Bucket]:
+    """One chunk's buckets (on meta), as the trainer groups them."""
+    return plan_chunk_buckets(
+        chunk, int(layout.bucket_size_mb * 2**20), layout.dp, 0, tied_rule(chunk, layout),
+        torch.device("meta"), per_unit=layout.zero_stage >= 2,
     )  # fmt: skip
-    return [b.numel for b in buckets]
+
+
+def step_grad_numel(buckets_of: list[list[Bucket]]) -> int:
+    """Zero 2/3: most full-grad elements alive at once in a step: every late bucket (reduced at
+    the end) and, of the others (reduced per microbatch, in backward order, all finished when a
+    chunk's backward ends), the one filling plus the ``MAX_IN_FLIGHT`` reductions before it."""
+    late = sum(b.numel for bs in buckets_of for b in bs if b.late)
+    window = MAX_IN_FLIGHT + 1
+    runs = [[b.numel for b in bs if not b.late] for bs in buckets_of]
+    most = max((sum(r[i : i + window]) for r in runs for i in range(len(r))), default=0)
+    return late + most
 
 
 def state_bytes(
@@ -76,7 +95,8 @@ def state_bytes(
     """Params, grads and Adam moments held by a rank of pipeline stage ``pp_rank``
     (``chunks``: that rank's :func:`meta_chunks`, when the caller has them already)."""
     chunks = chunks if chunks is not None else meta_chunks(spec, layout, pp_rank)
-    per_chunk = [chunk_bucket_numels(c, layout) for c in chunks]
+    buckets = [chunk_buckets(c, layout) for c in chunks]
+    per_chunk = [[b.numel for b in bs] for bs in buckets]
     numel = sum(sum(n) for n in per_chunk)
     param_numel = sum(p.numel() for c in chunks for p in c.parameters())
     dp, zero = layout.dp, layout.zero_stage
@@ -85,11 +105,15 @@ def state_bytes(
     model = layout.activation_bytes  # the model's params: fp32, or bf16 beside fp32 main params
     params = (shard if zero == 3 else numel) * model + (owned * FP32 if model != FP32 else 0)
     grads = {0: numel, 1: numel, 2: shard, 3: shard}[zero] * FP32
-    grads_step = numel * FP32 if zero >= 2 else 0
+    grads_step = step_grad_numel(buckets) * FP32 if zero >= 2 else 0
+    # Activations peak at the end of a forward, when only the late buckets (reduced at the end
+    # of the step) hold full grads; under full recompute they peak in backward, beside the rest.
+    late = sum(b.numel for bs in buckets for b in bs if b.late) * FP32 if zero >= 2 else 0
+    grads_at_peak = grads_step if layout.recompute == "full" else late
     params_step = 0
     if zero == 3:
-        gathered = numel if layout.zero3_keep_gathered else max(sum(n) for n in per_chunk)
-        params_step = gathered * model
+        units = [chunk_units(c, layout, tied_rule(c, layout)) for c in chunks]
+        params_step = rank_peak_gathered(units, layout.zero3_keep_gathered) * model
     return StateBytes(
         param_numel=param_numel,
         buffer_numel=numel,
@@ -99,4 +123,5 @@ def state_bytes(
         optimizer=2 * owned * FP32,
         params_step=params_step,
         grads_step=grads_step,
+        grads_at_peak=grads_at_peak,
     )

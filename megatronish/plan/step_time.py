@@ -17,13 +17,17 @@ The model (symbols: ``N`` ranks, ``t`` tp, ``p`` pp, ``v`` vpp, ``d`` dp, ``m`` 
   fastest, then dp, then pp, so a group's ranks are ``t`` (tp), ``t d`` (dp) or ``N`` (pp and the
   tied embedding) consecutive ranks; a group within ``g`` consecutive ranks runs at the
   intra-node bandwidth (NVLink), a larger one at the inter-node bandwidth (the NIC per GPU).
-- **Overlap.** tp collectives sit between the matmuls that need them: never hidden. ZeRO 3's
-  parameter gathers run before each chunk's forward and backward: not hidden either. The dp
-  grad reduction starts bucket by bucket during the last microbatch's backward and hides behind
-  it, except the last bucket: exposed = ``max(one bucket, all buckets - that backward)``.
-  ZeRO 1/2's parameter all-gather after the update and the tied-embedding all-reduce are
-  exposed. Pipeline sends and receives are posted ahead and overlap compute in the steady
-  state; the first microbatch's forward and the last one's backward cross every one of the
+- **Overlap.** tp collectives sit between the matmuls that need them: never hidden. ZeRO 3
+  prefetches: a unit's (block's) gather runs while the unit before it computes, so only the
+  first unit of each forward and backward waits: exposed = ``max(gathers / units per chunk,
+  gathers - compute)``. ZeRO 1/2's gather of the updated params runs during the next step's
+  first forward: exposed = ``max(one bucket, gather - that forward)``. The dp grad reduction
+  starts bucket by bucket during the backward that fills it and hides behind it, except the
+  last bucket: zero 0/1 reduce in the last microbatch's backward, exposed = ``max(one bucket,
+  all reductions - that backward)``; zero 2/3 in every backward, each waiting for its last
+  bucket, exposed = ``max(m v buckets, all reductions - all backwards)``. The tied-embedding
+  all-reduce is exposed. Pipeline sends and receives are posted ahead and overlap compute in the
+  steady state; the first microbatch's forward and the last one's backward cross every one of the
   ``p v - 1`` chunk boundaries in sequence, so ``2 (p v - 1)`` messages are exposed.
 - **Shared cores** (CPU runs with more ranks than cores, ``Hardware.shared_cores``; fractional
   when other jobs take part of the machine): ``peak_flops``, the bandwidths and the latency
@@ -165,8 +169,18 @@ def _stage_time(
     times = {k: comm_time(layout, hw, k, c, b) * slow for k, (c, b) in volume.items()}
     tp = sum(t for k, t in times.items() if k.startswith("tp/"))
     gather = times.get("dp/all_gather", 0.0)
-    zero3 = gather if layout.zero_stage == 3 else 0.0
-    end = times.get("embedding/all_reduce", 0.0) + (gather - zero3)
+    zero3, end = 0.0, times.get("embedding/all_reduce", 0.0)
+    backward_all = 2 * compute / 3 + recompute
+    if gather and hw.shared_cores:
+        zero3, end = (gather, end) if layout.zero_stage == 3 else (0.0, end + gather)
+    elif gather and layout.zero_stage == 3:
+        # Prefetched: a unit gathers while the one before it computes; the first unit of each
+        # forward and backward waits (about one unit of a chunk's layers + 1).
+        units = spec.num_layers / (layout.pp * layout.vpp) + 1
+        zero3 = max(gather / units, gather - (compute + recompute))
+    elif gather:  # zero 1/2: during the next step's first forward, its first bucket exposed
+        first_forward = compute / 3 / layout.num_microbatches
+        end += max(gather / volume["dp/all_gather"][0], gather - first_forward)
     for key in ("dp/all_reduce", "dp/reduce_scatter"):
         if key not in times:
             continue
@@ -174,10 +188,15 @@ def _stage_time(
         if hw.shared_cores:
             end += reduce
             continue
-        # The reduction overlaps the last microbatch's backward (2/3 of its model FLOPs plus
-        # the recompute), all but its last bucket.
-        backward = (2 * compute / 3 + recompute) / layout.num_microbatches
-        end += max(reduce / volume[key][0], reduce - backward)
+        # Reductions overlap the backward that fills them, all but its last bucket: zero 0/1
+        # reduce in the last microbatch's backward, zero 2/3 in every one (each backward
+        # compute waits for its last bucket).
+        one = reduce / volume[key][0]
+        if layout.zero_stage >= 2:
+            computes = layout.num_microbatches * layout.vpp
+            end += max(computes * one, reduce - backward_all)
+        else:
+            end += max(one, reduce - backward_all / layout.num_microbatches)
     return _Stage(compute, recompute, tp, zero3, end)
 
 

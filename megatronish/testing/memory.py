@@ -3,8 +3,8 @@
 States are the storages of the ZeRO buffers and Adam moments (each storage counted once).
 The activation peak is the highest net allocation, over one step's forward and backward,
 above the memory held when it started: every allocation and free of the CPU (or CUDA)
-allocator recorded by ``torch.profiler`` with ``profile_memory``. Under ZeRO 3 the full
-params gathered during the step are subtracted (they are states, planned separately).
+allocator recorded by ``torch.profiler`` with ``profile_memory``. Under ZeRO 3 the most full
+params the step held gathered at once are subtracted (they are states, planned separately).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ class MeasuredMemory:
     optimizer: int
     activations: int | None  # peak net allocation of forward + backward, gathered zero-3 params
     # excluded; None when the profiler recorded nothing
-    gathered_params: int  # zero 3: bytes of the largest chunk's full params
+    gathered_params: int  # zero 3: most bytes of full params gathered at once in the step
     events: int = 0  # allocation events the profile recorded
 
 
@@ -92,17 +92,17 @@ def measure_step(trainer) -> MeasuredMemory:
         peaks.append(_peak_net_bytes(prof))
         return out
 
+    gatherer = trainer.zero.gatherer if trainer.zero.stage == 3 else None
+    if gatherer is not None:
+        gatherer.peak_gathered_numel = gatherer.gathered_numel
     trainer.forward_backward = profiled
     try:
         trainer.train_step()
     finally:
         trainer.forward_backward = inner
     gathered = 0
-    if trainer.zero.stage == 3:
-        size = trainer.zero.param_dtype.itemsize
-        gathered = max(sum(b.numel for b in bs) for bs in trainer.zero.buckets_of) * size
-        if trainer.zero.keep_gathered:
-            gathered = sum(b.numel for b in trainer.zero.buckets) * size
+    if gatherer is not None:
+        gathered = gatherer.peak_gathered_numel * trainer.zero.param_dtype.itemsize
     return MeasuredMemory(
         params=states["params"], grads=states["grads"], optimizer=states["optimizer"],
         activations=None if peaks[0][0] is None else peaks[0][0] - gathered,

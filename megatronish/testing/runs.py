@@ -135,6 +135,10 @@ def train_layout(
         "buffer_numel": sum(b.numel for b in trainer.zero.buckets),
         "buckets": len(trainer.zero.buckets),
         "late_buckets": sum(b.late for b in trainer.zero.buckets),
+        # zero 3: (padded numel, buckets, holds the loss) of each unit
+        "units": [
+            (u.numel, len(u.buckets), u.holds_loss) for us in trainer.zero.units_of for u in us
+        ],  # fmt: skip
     }
     for i in range(len(chunks)):
         trainer.zero.gather(i)  # zero 3 keeps only shards between steps

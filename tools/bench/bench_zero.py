@@ -6,8 +6,8 @@ on the same global batches from the same initial weights: megatronish's Trainer 
 around the plain reference GPT. A second, one-rank world trains megatronish on the same global
 batch alone (two microbatches accumulated). Both worlds stay alive and their steps are timed
 interleaved (``zero_worlds.py``), which gives the step-time ratios and the data-parallel scaling
-efficiency. Then every ZeRO stage, DDP and FSDP2 run in fresh worlds to measure memory per rank
-(``zero_memory.py``).
+efficiency. Then every ZeRO stage, DDP and FSDP2 run in fresh worlds on two larger models to
+measure memory per rank, next to what megatronish's planner predicts (``zero_memory.py``).
 
 Run alone: ``.venv/bin/python tools/bench/bench_zero.py [--quick]``.
 """
@@ -20,7 +20,7 @@ import time
 import zero_memory
 import zero_optim
 from common import machine_info, median, paired_ratio
-from mish import build_run
+from mish import bench_config, build_run
 from sections import bench_cli
 from zero_notes import (
     memory_findings,
@@ -36,11 +36,27 @@ from zero_worlds import World, interleaved_worlds, step_time
 NAME = "zero"
 TITLE = "Data parallelism and ZeRO, 2 ranks: megatronish vs torch DDP and FSDP2"
 GLOBAL_BATCH = ["trainer.global_batch_size=16"]  # micro batch 8: one microbatch per rank at dp=2
-# Memory model: wider and shorter than the timing model, so parameters, grads and Adam state
-# (what ZeRO shards) outweigh activations, as in the large models ZeRO is for.
+# Memory models: wider and shorter than the timing model, so parameters, grads and Adam state
+# (what ZeRO shards) outweigh activations, as in the large models ZeRO is for. One microbatch of
+# 1 per rank. The large one has ~6x the parameters (and 8 blocks, so that ZeRO 3's per-block
+# gathers and ZeRO 2/3's per-block buckets are a small part of the model).
 MEMORY_MODEL = [
     "model.hidden_size=512", "model.num_attention_heads=8", "model.num_query_groups=4",
     "model.ffn_hidden_size=1408", "model.seq_length=64",
+    "trainer.micro_batch_size=1", "trainer.global_batch_size=2",
+]  # fmt: skip
+MEMORY_MODEL_LARGE = [
+    "model.hidden_size=1024", "model.num_attention_heads=8", "model.num_query_groups=4",
+    "model.ffn_hidden_size=2816", "model.num_layers=8", "model.seq_length=64",
+    "trainer.micro_batch_size=1", "trainer.global_batch_size=2",
+]  # fmt: skip
+MEMORY_MODELS = {"small": MEMORY_MODEL, "large": MEMORY_MODEL_LARGE}
+# The training loop's own memory beside its tensors (BLAS and OpenMP workspaces, malloc arenas,
+# gloo): measured on a model too small for its tensors to matter, as the RSS its zero 0 steps add
+# beyond the step's planned tensors.
+RUNTIME_MODEL = [
+    "model.hidden_size=64", "model.num_attention_heads=4", "model.num_query_groups=2",
+    "model.ffn_hidden_size=176", "model.num_layers=2", "model.seq_length=64",
     "trainer.micro_batch_size=1", "trainer.global_batch_size=2",
 ]  # fmt: skip
 MEMORY_VARIANTS = ("zero 0", "zero 1", "zero 2", "zero 3", "DDP", "FSDP2")
@@ -107,9 +123,53 @@ def scaling(measures: dict) -> dict:
     return out
 
 
-def memory(steps: int) -> dict:
-    """Per-rank memory reports of every ZeRO stage and both peers (fresh world each)."""
-    return {v: zero_memory.measure(v, MEMORY_MODEL, steps) for v in MEMORY_VARIANTS}
+def model_label(overrides: list[str]) -> str:
+    """The model shape of the benchmark config with ``overrides``, in words."""
+    m = bench_config(overrides).model
+    return (
+        f"hidden {m.hidden_size}, {m.num_attention_heads} heads, {m.num_query_groups} kv heads, "
+        f"ffn {m.ffn_hidden_size}, {m.num_layers} layers, vocab {m.vocab_size}, seq {m.seq_length}"
+    )
+
+
+def runtime_bytes(steps: int) -> int:
+    """RSS the training steps of ``RUNTIME_MODEL`` add beyond their planned tensors (the lower
+    median over its ranks)."""
+    extra = sorted(
+        (r["rss_peak"] - r["rss_built"]) - (r["plan"]["peak"] - r["plan"]["states_total"])
+        for r in zero_memory.measure("zero 0", RUNTIME_MODEL, steps)
+    )
+    return extra[(len(extra) - 1) // 2]
+
+
+def memory(steps: int, models: dict[str, list[str]] | None = None) -> dict:
+    """Per model (default ``MEMORY_MODELS``): its overrides, shape, the per-rank memory reports
+    of every ZeRO stage and both peers (a fresh world each), the seconds they took, and the
+    runtime's own bytes (:func:`runtime_bytes`, measured once)."""
+    runtime = runtime_bytes(steps)
+    out = {}
+    for name, overrides in (models or MEMORY_MODELS).items():
+        t0 = time.perf_counter()
+        variants = {v: zero_memory.measure(v, overrides, steps) for v in MEMORY_VARIANTS}
+        out[name] = {
+            "overrides": overrides,
+            "label": model_label(overrides),
+            "steps": steps,
+            "variants": variants,
+            "runtime": runtime,
+            "seconds": time.perf_counter() - t0,
+        }
+    return out
+
+
+def memory_tables(mem: dict) -> list[dict]:
+    """One memory table per model of :func:`memory`."""
+    return [
+        memory_table(
+            f"{name} model ({m['label']})", m["variants"], zero_memory.zero_formula, m["runtime"]
+        )  # fmt: skip
+        for name, m in mem.items()
+    ]
 
 
 def run(quick: bool = False) -> dict:
@@ -161,7 +221,7 @@ def run(quick: bool = False) -> dict:
         time_table(med, ratios, cpu_ratios, tokens, PEERS),
         scaling_table(med, efficiency, tokens),
         loss_table(losses, Z0),
-        memory_table(mem, zero_memory.zero_formula),
+        *memory_tables(mem),
         optimizer_table(optim),
     ]
     return {

@@ -5,7 +5,8 @@ its high-water mark (``/proc/self/clear_refs``) when it starts, builds the varia
 few steps and reads ``VmHWM``. Alongside, the bytes megatronish's ZeRO holds at a step boundary
 (``trainer.zero.state_bytes()`` + ``trainer.optimizer.state_bytes()``) are compared with the
 ZeRO paper's per-rank formulas for fp32 training (4 bytes of params, 4 of grads and 8 of Adam
-moments per parameter, no separate master copy).
+moments per parameter, no separate master copy), and each megatronish rank reports what the
+planner (``megatronish.plan.estimate.make_plan``) predicts for the config it trained.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from pathlib import Path
 from mish import build_run
 from zero_peers import ddp_run, fsdp2_run, peer_setup
 
+from megatronish.plan.estimate import make_plan
+from megatronish.plan.layout import layout_from_config, spec_of
 from megatronish.testing.multiproc import run_world
 
 MIB = 2**20
@@ -74,6 +77,24 @@ def _trim() -> None:
         libc.malloc_trim(0)
 
 
+def planned(cfg, world: int) -> dict[str, int]:
+    """The planner's bytes for one rank of ``cfg`` on ``world`` ranks (pp = 1: stage 0)."""
+    stage = make_plan(spec_of(cfg), layout_from_config(cfg, world)).stages[0]
+    s = stage.states
+    return {
+        "peak": stage.peak,
+        "states_total": s.total,
+        "params": s.params,
+        "grads": s.grads,
+        "optimizer": s.optimizer,
+        "params_step": s.params_step,
+        "grads_step": s.grads_step,
+        "grads_at_peak": s.grads_at_peak,
+        "activations_peak": stage.activations.peak,
+        "optimizer_workspace": stage.optimizer_workspace,
+    }
+
+
 def _rank(rank: int, world: int, variant: str, extra: list[str], steps: int) -> dict:
     """Build ``variant`` ("zero N", "DDP", "FSDP2") in this world, train, report memory."""
     exact = _exact_rss()
@@ -98,6 +119,7 @@ def _rank(rank: int, world: int, variant: str, extra: list[str], steps: int) -> 
         out["state"] = {**zero.state_bytes(), "optimizer": run.trainer.optimizer.state_bytes()}
         # Weight-decay and grad-norm selections are (start, end) ranges: two ints per range.
         out["masks"] = sum(16 * (len(b.decay_ranges) + len(b.norm_ranges)) for b in zero.buckets)
+        out["plan"] = planned(run.cfg, world)  # after the peak is read: meta tensors only
     return out
 
 

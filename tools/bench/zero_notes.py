@@ -1,8 +1,7 @@
 """The notes under the ZeRO benchmark's tables (``bench_zero.py``): method details and findings.
 
-Numbers in the notes come from the run; the explanations were established by probing the same
-code paths (RSS around each ZeRO call with exact-RSS malloc settings, thread-CPU cProfile of
-each variant's steps) and hold as long as megatronish/optim/zero.py keeps its current design.
+Numbers in the notes come from the run; the explanations follow megatronish/optim's design
+(zero.py, param_gather.py, grad_reduce.py) and the planner that mirrors it.
 """
 
 from __future__ import annotations
@@ -10,61 +9,117 @@ from __future__ import annotations
 MIB = 2**20
 
 
-def _peak(mem: dict, variant: str) -> float:
-    return max(r["rss_peak"] - r["rss_start"] for r in mem[variant]) / MIB
+STAGES = ("zero 0", "zero 1", "zero 2", "zero 3")
 
 
-def _built(mem: dict, variant: str) -> float:
-    return max(r["rss_built"] - r["rss_start"] for r in mem[variant]) / MIB
+def _peak(variants: dict, variant: str) -> float:
+    """Peak RSS in the steps above start, MiB (the larger rank)."""
+    return max(r["rss_peak"] - r["rss_start"] for r in variants[variant]) / MIB
+
+
+def _built(variants: dict, variant: str) -> float:
+    return max(r["rss_built"] - r["rss_start"] for r in variants[variant]) / MIB
+
+
+def _planned(m: dict, variant: str) -> float:
+    """The planner's peak plus the runtime's own bytes, MiB."""
+    return (m["variants"][variant][0]["plan"]["peak"] + m["runtime"]) / MIB
+
+
+def _ratio(m: dict, variant: str) -> float:
+    """Measured peak above start / (the planner's peak + runtime)."""
+    return _peak(m["variants"], variant) / _planned(m, variant)
+
+
+def _psi(m: dict) -> float:
+    return m["variants"]["zero 0"][0]["psi"] / 1e6
 
 
 def memory_method(mem: dict) -> str:
-    psi = mem["zero 0"][0]["psi"]
+    """``mem``: ``bench_zero.memory``'s result (model name -> overrides, label, variants)."""
+    models = "; ".join(
+        f"{name}: {m['label']} (Ψ = {_psi(m):.2f} M parameters; its six variants took "
+        f"{m['seconds']:.0f} s)"
+        for name, m in mem.items()
+    )
+    first = next(iter(mem.values()))
+    start = first["variants"]["zero 0"][0]["rss_start"] / MIB
     return (
-        f"Memory model: hidden 512, 8 heads, 4 kv heads, ffn 1408, 4 layers, vocab 4096, seq "
-        f"64, micro batch 1 per rank (Ψ = {psi / 1e6:.2f} M parameters per rank), so that "
-        f"parameter state outweighs activations. 'State' columns are "
+        f"Memory models, one microbatch of 1 per rank so that parameter state outweighs "
+        f"activations: {models}. Each of megatronish zero 0-3, DDP and FSDP2 trains "
+        f"{first['steps']} steps in a fresh forked 2-rank gloo world. 'State' columns are "
         f"`trainer.zero.state_bytes()` + `trainer.optimizer.state_bytes()` at a step boundary; "
         f"the formulas are ZeRO's for fp32 training (4 bytes params + 4 grads + 8 Adam per "
-        f"parameter; no separate master copy). 'Masks' are the bytes of ZeRO's weight-decay and "
-        f"grad-norm selections (ranges of parameters), which state_bytes() leaves out. "
-        f"Peak RSS: each variant in a fresh forked world; glibc's mmap threshold pinned to "
-        f"256 KiB (`mallopt`) so freed "
-        f"tensors leave the RSS, VmHWM reset (`/proc/self/clear_refs`) after building and "
-        f"trimming, then 2 training steps; 'above start' subtracts the rank's RSS right after "
-        f"the fork (Python + torch + the parent's pages, about "
-        f"{mem['zero 0'][0]['rss_start'] / MIB:.0f} MiB)."
+        f"parameter; no separate master copy). RSS: glibc's mmap threshold pinned to 256 KiB "
+        f"(`mallopt`) so freed tensors leave the RSS, VmHWM reset (`/proc/self/clear_refs`) "
+        f"after building and trimming; 'above start' subtracts the rank's RSS right after the "
+        f"fork (Python + torch + the parent's pages, about {start:.0f} MiB); both RSS columns "
+        f"are the larger rank's. 'Planned peak' is the planner's tensor bytes at the step's "
+        f"high-water mark for the config the variant trained "
+        f"(`make_plan(spec_of(cfg), layout_from_config(cfg, 2)).stages[0].peak`: the states "
+        f"plus the larger of the activation peak with ZeRO 3's gathered blocks, and ZeRO 2/3's "
+        f"full grads at their most in a backward beside the activations it still holds; or the "
+        f"states plus the optimizer's workspace) plus the training loop's own memory beside "
+        f"its tensors (BLAS and OpenMP workspaces, malloc arenas, gloo), "
+        f"{first['runtime'] / MIB:.0f} MiB, measured the same way on a model too small for its "
+        f"tensors to matter (hidden 64, 2 layers: the RSS its zero 0 steps add beyond their "
+        f"planned tensors); 'measured / planned' divides the peak RSS in steps above start by "
+        f"that sum. The raw results also hold the planned states, gathered params, in-flight "
+        f"grads and activation peak."
     )
 
 
+def _stage_peaks(variants: dict) -> str:
+    return ", ".join(f"{_peak(variants, v):.0f}" for v in STAGES)
+
+
+def _decreasing(variants: dict) -> bool:
+    peaks = [_peak(variants, v) for v in STAGES]
+    return all(a > b for a, b in zip(peaks, peaks[1:], strict=False))
+
+
 def memory_findings(mem: dict) -> list[str]:
-    psi4 = 4 * mem["zero 0"][0]["psi"] / MIB
-    masks0 = mem["zero 0"][0]["masks"] / MIB
+    """``mem``: ``bench_zero.memory``'s result (model name -> overrides, label, variants)."""
+    per_model = []
+    for name, m in mem.items():
+        v = m["variants"]
+        order = "strictly decreasing" if _decreasing(v) else "NOT strictly decreasing"
+        per_model.append(
+            f"{name} model (Ψ = {_psi(m):.1f} M): zero 0 > 1 > 2 > 3 = "
+            f"{_stage_peaks(v)} MiB ({order}), zero 3 "
+            f"{_peak(v, 'zero 3'):.0f} vs FSDP2 {_peak(v, 'FSDP2'):.0f} MiB "
+            f"({_peak(v, 'zero 3') / _peak(v, 'FSDP2'):.2f}x), zero 0 {_peak(v, 'zero 0'):.0f} "
+            f"vs DDP {_peak(v, 'DDP'):.0f} MiB"
+        )
+    ratios = [_ratio(m, s) for m in mem.values() for s in STAGES]
+    over = {  # measured - planned peak - runtime, MiB, per model
+        name: [_peak(m["variants"], s) - _planned(m, s) for s in STAGES] for name, m in mem.items()
+    }
+    excess = [f"{min(d):.0f}-{max(d):.0f} MiB ({name})" for name, d in over.items()]
+    by_size = sorted(mem, key=lambda k: _psi(mem[k]))
+    plan3 = mem[by_size[-1]]["variants"]["zero 3"][0]["plan"]
+    first_name = next(iter(mem))
+    first = mem[first_name]["variants"]
+    masks = max(r["masks"] for m in mem.values() for s in STAGES for r in m["variants"][s])
     return [
-        f"State bytes match the ZeRO formulas exactly, but the peaks do not follow them: zero 3 "
-        f"peaks at {_peak(mem, 'zero 3'):.0f} MiB above start (zero 1: "
-        f"{_peak(mem, 'zero 1'):.0f}, zero 0: {_peak(mem, 'zero 0'):.0f}, FSDP2: "
-        f"{_peak(mem, 'FSDP2'):.0f}). During a zero 3 step megatronish holds, on top of its "
-        f"shards: the whole chunk's gathered params (`ZeroDataParallel.gather` materialises "
-        f"every bucket of the chunk, and with pp = 1 the chunk is the whole model: 4Ψ = "
-        f"{psi4:.0f} MiB) through forward and backward; a full-size grad buffer for every "
-        f"bucket (`start_step` -> `_new_grad_buffer`, 4Ψ), freed only after all reductions; "
-        f"and, on gloo, a full-size copy of each bucket that an in-flight "
-        f"`reduce_scatter_tensor` keeps until `finish_reduction` waits (4Ψ; reproduced with bare "
-        f"`reduce_scatter_tensor` calls). FSDP2 gathers one block at a time and reduces "
-        f"per block. Fixes: gather/release per layer (module pre-forward / pre-backward hooks) "
-        f"instead of per chunk; allocate a bucket's grad buffer at its first hook and free it "
-        f"right after its own reduction (wait per bucket); on gloo, reduce with an in-place "
-        f"all-reduce and keep the shard (no copy; and gloo's all-reduce is faster than its "
-        f"reduce-scatter: 22 vs 36 ms per 16 MiB on 2 ranks in the platform measurements).",
-        f"Zero 2 peaks above zero 1 ({_peak(mem, 'zero 2'):.0f} vs {_peak(mem, 'zero 1'):.0f} "
-        f"MiB): its full grad buffers are re-allocated every step and live through backward, "
-        f"next to the separate reduced shard, so stage 2 saves memory only between steps.",
+        f"Peak RSS in steps above start, per rank: {'; '.join(per_model)}.",
+        f"Measured / (planned + runtime) is {min(ratios):.2f}-{max(ratios):.2f} over the four "
+        f"stages of both models (measured minus that: {'; '.join(excess)}).",
+        f"What a zero 3 step holds on top of its shards ({by_size[-1]} model, planned): "
+        f"{plan3['params_step'] / MIB:.0f} MiB of gathered params, about two blocks (the one "
+        f"computing and the next one prefetched; in backward each bucket of the computing block "
+        f"is freed as soon as its grads are in, which the planner does not count), "
+        f"{plan3['grads_step'] / MIB:.0f} MiB of full "
+        f"grads (the bucket being filled and the one whose reduce-scatter is in flight; "
+        f"buckets align to blocks and are freed after their reduction every microbatch) and "
+        f"{plan3['activations_peak'] / MIB:.0f} MiB of activations; on gloo the flat "
+        f"all-gathers and reduce-scatters run as per-rank broadcasts and reduces in place, "
+        f"with no temporary copies.",
         f"Weight decay and the grad norm select parameters by (start, end) ranges of the flat "
-        f"buffers ({masks0:.3f} MiB at zero 0), not per-element masks. RSS after build "
-        f"(zero 0 {_built(mem, 'zero 0'):.0f} MiB vs DDP {_built(mem, 'DDP'):.0f}) also "
-        f"reflects that megatronish allocates grads and Adam state up front while "
-        f"torch.optim.AdamW creates its state at the first step.",
+        f"buffers, not per-element masks: at most {masks / MIB:.3f} MiB per rank, left out of "
+        f"the table. RSS after build ({first_name} model: zero 0 {_built(first, 'zero 0'):.0f} MiB "
+        f"vs DDP {_built(first, 'DDP'):.0f}) also reflects that megatronish allocates grads "
+        f"and Adam state up front while torch.optim.AdamW creates its state at the first step.",
     ]
 
 

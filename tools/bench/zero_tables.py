@@ -84,8 +84,17 @@ def loss_table(losses: dict[str, list[float]], base: str) -> dict:
     )
 
 
-def memory_table(mem: dict[str, list[dict]], formula: Callable[[int, int, int], float]) -> dict:
-    """Per-rank state bytes vs ZeRO's formulas, masks, peak RSS (rank 0; ranks agree)."""
+def memory_table(
+    model: str,
+    mem: dict[str, list[dict]],
+    formula: Callable[[int, int, int], float],
+    runtime: int = 0,
+) -> dict:
+    """Memory per rank of one model (``model``: its description): state bytes vs ZeRO's
+    formulas, RSS above start, and the planner's peak next to the measured one. ``mem``:
+    variant -> per-rank reports (``zero_memory.measure``); states and plan are rank 0's (ranks
+    agree), RSS the larger rank's; ``runtime``: the training loop's own bytes beside tensors,
+    added to the plan."""
     psi = mem["zero 0"][0]["psi"]
     dp = len(mem["zero 0"])
     names = {0: "16Ψ", 1: "8Ψ + 8Ψ/dp", 2: "4Ψ + 12Ψ/dp", 3: "16Ψ/dp"}
@@ -93,6 +102,7 @@ def memory_table(mem: dict[str, list[dict]], formula: Callable[[int, int, int], 
     rows = []
     for variant, ranks in mem.items():
         r = ranks[0]
+        built = max(x["rss_built"] - x["rss_start"] for x in ranks)
         peak = max(x["rss_peak"] - x["rss_start"] for x in ranks)
         stage = int(variant.split()[1]) if variant.startswith("zero") else peers[variant]
         f = formula(stage, psi, dp)
@@ -101,16 +111,21 @@ def memory_table(mem: dict[str, list[dict]], formula: Callable[[int, int, int], 
             total = s["params"] + s["grads"] + s["optimizer"]
             cells = [f"{s[k] / MIB:.1f}" for k in ("params", "grads", "optimizer")]
             cells += [f"{total / MIB:.1f}", f"{names[stage]} = {f / MIB:.1f}"]
-            cells += [f"{r['masks'] / MIB:.1f}"]
         else:
-            cells = ["", "", "", "", f"({names[stage]} = {f / MIB:.1f})", ""]
+            cells = ["", "", "", "", f"({names[stage]} = {f / MIB:.1f})"]
+        cells += [f"{built / MIB:.0f}", f"{peak / MIB:.0f}"]
+        if "plan" in r:
+            planned = r["plan"]["peak"] + runtime
+            cells += [f"{planned / MIB:.0f}", f"{peak / planned:.2f}"]
+        else:
+            cells += ["", ""]
         label = variant if variant in peers else f"megatronish {variant}"
-        rows.append([label, *cells, f"{(r['rss_built'] - r['rss_start']) / MIB:.0f}",
-                     f"{peak / MIB:.0f}"])  # fmt: skip
+        rows.append([label, *cells])
     return table(
-        f"Memory per rank (MiB), dp = {dp}, Ψ = {psi / 1e6:.2f} M",
+        f"Memory per rank (MiB), {model}: Ψ = {psi / 1e6:.2f} M, dp = {dp}",
         ["variant", "params", "grads", "Adam state", "state total", "ZeRO formula",
-         "masks (extra)", "RSS after build, above start", "peak RSS in steps, above start"],
+         "RSS after build, above start", "peak RSS in steps, above start",
+         "planned peak + runtime", "measured / planned"],
         rows,
     )  # fmt: skip
 

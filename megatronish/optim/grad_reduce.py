@@ -1,0 +1,83 @@
+"""Gradient reductions over dp, launched per bucket and finished in launch order.
+
+A reduction is launched asynchronously as soon as a bucket's grads are complete and finished
+(waited for, copied out of a narrower wire dtype, added into the owned grad) in launch order.
+Under ZeRO 2/3, whose full-size grad buffers are freed after their reduction, at most
+``MAX_IN_FLIGHT`` are outstanding (FSDP2's order): launching one more first finishes the oldest,
+so full grads live for the bucket being filled and the one in flight, not for the whole model;
+the one in flight when a backward ends is finished there (``ZeroDataParallel.after_compute``).
+On NCCL a ``wait`` only orders the compute stream after the reduction; the host does not block.
+ZeRO 0/1 keep their grad buffers and finish every reduction at the end of the step.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from megatronish.distributed.comm import ParallelGroup, all_reduce, reduce_scatter_into
+from megatronish.timers import Timers
+
+MAX_IN_FLIGHT = 1  # zero 2/3: reductions outstanding while the next bucket fills
+
+
+@dataclass
+class Reduction:
+    work: object  # None when it completed on launch (a group of one)
+    full: torch.Tensor  # the reduced input: kept alive until the reduction is done
+    out: torch.Tensor  # where the collective writes
+    into: torch.Tensor  # the owned grad that receives the result
+    accumulate: bool  # add into ``into`` (a later microbatch's reduction) instead of copying
+
+    def finish(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+        if self.out is not self.into:
+            if self.accumulate:
+                self.into.add_(self.out)
+            else:
+                self.into.copy_(self.out)
+
+
+class GradReducer:
+    """Launches the dp reductions of ZeRO ``stage`` (0: all-reduce, else reduce-scatter)."""
+
+    def __init__(
+        self,
+        group: ParallelGroup,
+        stage: int,
+        reduce_dtype: torch.dtype,
+        timers: Timers | None = None,
+    ):
+        self.group, self.stage, self.reduce_dtype = group, stage, reduce_dtype
+        self.timers = timers or Timers.off()
+        self.max_in_flight = MAX_IN_FLIGHT if stage >= 2 else None
+        self.in_flight: deque[Reduction] = deque()
+
+    def launch(self, full: torch.Tensor, into: torch.Tensor, accumulate: bool = False) -> None:
+        """Reduce ``full`` over dp into ``into`` (the whole buffer under zero 0, this rank's
+        shard otherwise), added to it when ``accumulate``."""
+        group, wire = self.group, full
+        if self.reduce_dtype != full.dtype and group.size > 1:  # reduced in a narrower dtype
+            wire = full.to(self.reduce_dtype)
+        if self.stage == 0:
+            out = wire
+            with self.timers.region(None, "all-reduce grads"):
+                work = all_reduce(wire, group, async_op=True)
+        else:
+            direct = wire is full and not accumulate and into.dtype == full.dtype
+            out = into if direct else wire.new_empty(into.numel())
+            with self.timers.region(None, "reduce-scatter grads"):
+                work = reduce_scatter_into(out, wire, group, async_op=True)
+        self.in_flight.append(Reduction(work, wire, out, into, accumulate))
+        while self.max_in_flight is not None and len(self.in_flight) > self.max_in_flight:
+            with self.timers.region("grad_reduce_wait", "wait grads"):
+                self.in_flight.popleft().finish()
+
+    def finish_all(self) -> None:
+        """Finish every outstanding reduction (in launch order)."""
+        while self.in_flight:
+            # Popped before waiting: a failed wait does not leave the work (and its group) held.
+            self.in_flight.popleft().finish()

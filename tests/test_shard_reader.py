@@ -15,16 +15,10 @@ import torch
 from safetensors.torch import save_file
 
 from megatronish.checkpoint import shardfile
-from megatronish.checkpoint.format import (
-    CheckpointError,
-    Metadata,
-    Shard,
-    ShardReader,
-    TensorEntry,
-    crc32_of,
-)
+from megatronish.checkpoint.format import CheckpointError, Metadata, Shard, TensorEntry, crc32_of
 from megatronish.checkpoint.load import _fill
 from megatronish.checkpoint.pieces import Rect, flat_rects, param_rects
+from megatronish.checkpoint.shard_reader import ShardReader
 from megatronish.checkpoint.shardfile import StoredTensor, region_span, split_runs
 from megatronish.tensor_parallel.sharding import TPShard, mark_param
 

@@ -57,8 +57,9 @@ def export(ckpt: str, out_dir: str, vocab_size: int | None = None, dtype: str = 
     import torch
     from safetensors.torch import save_file
 
-    from megatronish.checkpoint.format import ShardReader, read_metadata, resolve_step_dir
+    from megatronish.checkpoint.format import read_metadata, resolve_step_dir
     from megatronish.checkpoint.hf import to_hf
+    from megatronish.checkpoint.shard_reader import ShardReader
 
     step_dir = resolve_step_dir(ckpt)
     meta = read_metadata(step_dir)

@@ -16,14 +16,13 @@ import torch
 from safetensors.torch import load_file
 
 from megatronish.checkpoint.format import (
-    READ_THREADS,
     CheckpointError,
     Metadata,
-    ShardReader,
     read_metadata,
     resolve_step_dir,
 )
 from megatronish.checkpoint.pieces import copy_threads, range_requests, saved_name
+from megatronish.checkpoint.shard_reader import READ_THREADS, ShardReader
 from megatronish.config.schema import FUNCTION_KEYS
 from megatronish.model.spec import ModelSpec
 

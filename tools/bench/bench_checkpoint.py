@@ -37,7 +37,7 @@ from ckpt_tables import (
 from common import machine_info
 from sections import write_section
 
-from megatronish.checkpoint.format import READ_THREADS
+from megatronish.checkpoint.shard_reader import READ_THREADS
 
 NAME = "checkpoint"
 TITLE = "Checkpoint save / load throughput vs the raw disk, async save stall"

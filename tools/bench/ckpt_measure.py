@@ -17,10 +17,10 @@ from mish import MishRun, build_run
 from safetensors.torch import load_file
 
 import megatronish.checkpoint.save as save_mod
-from megatronish.checkpoint.format import READ_THREADS
 from megatronish.checkpoint.load import load_into
 from megatronish.checkpoint.pieces import full_local_values, param_rects
 from megatronish.checkpoint.save import CheckpointSaver, snapshot
+from megatronish.checkpoint.shard_reader import READ_THREADS
 
 # ~27.8M params: 333 MB of fp32 params + 2 Adam moments. Short sequences keep a step short
 # (~0.25 s on a quiet machine), so several steps run during one background write.

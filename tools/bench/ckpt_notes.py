@@ -10,7 +10,7 @@ import os
 
 from ckpt_tables import TARGET
 
-from megatronish.checkpoint.format import READ_THREADS
+from megatronish.checkpoint.shard_reader import READ_THREADS
 
 LOAD_PATH = (
     "How `load_into` reads (megatronish/checkpoint/shardfile.py): each safetensors header gives "

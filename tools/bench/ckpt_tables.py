@@ -5,7 +5,7 @@ from __future__ import annotations
 from common import median
 from sections import table
 
-from megatronish.checkpoint.format import READ_THREADS
+from megatronish.checkpoint.shard_reader import READ_THREADS
 
 TARGET = 0.5  # save / load throughput as a fraction of the raw disk's
 LOADS = ("load", "load 1 reader", "load verified", "load_file")  # read variants besides raw

@@ -9,7 +9,7 @@ from megatronish.plan.cli import main as plan_main
 from megatronish.plan.cli import split_options
 from megatronish.plan.estimate import make_plan
 from megatronish.plan.layout import layout_from_config, spec_of
-from megatronish.testing.memory import least_activations, measure_step
+from megatronish.testing.memory import least_activations, measure_step, run_profiled_world
 from megatronish.testing.multiproc import run_world
 from megatronish.testing.runs import build_trainer, train_layout
 from megatronish.testing.runs import test_config as tiny_config
@@ -54,7 +54,9 @@ def measure_rank(rank, world, overrides):
 def test_planned_memory_matches_measured(world, extra):
     overrides = SHAPE + extra
     results = (
-        run_world(measure_rank, world, overrides) if world > 1 else [measure_rank(0, 1, overrides)]
+        run_profiled_world(measure_rank, world, overrides)
+        if world > 1
+        else [measure_rank(0, 1, overrides)]
     )
     cfg = tiny_config(overrides, 5)
     plan = make_plan(spec_of(cfg), layout_from_config(cfg, world))

@@ -18,7 +18,7 @@ from megatronish.plan.estimate import make_plan
 from megatronish.plan.layout import layout_from_config, spec_of
 from megatronish.plan.step_time import Hardware
 from megatronish.plan.zero3_gather import ChunkUnits, gathers_per_microbatch, peak_gathered
-from megatronish.testing.memory import measure_step
+from megatronish.testing.memory import measure_step, run_profiled_world
 from megatronish.testing.multiproc import run_world
 from megatronish.testing.runs import build_trainer
 from megatronish.testing.runs import test_config as tiny_config
@@ -189,7 +189,7 @@ def _step_peak(rank, world, stage):
 
 
 def test_peak_memory_falls_with_every_stage():
-    peaks = [sorted(run_world(_step_peak, 2, stage))[0] for stage in range(4)]
+    peaks = [sorted(run_profiled_world(_step_peak, 2, stage))[0] for stage in range(4)]
     assert peaks[0] > peaks[1] > peaks[2] > peaks[3], peaks
     assert peaks[3] < 0.65 * peaks[0], peaks  # states 8 of 16 bytes per parameter, plus a few units
 

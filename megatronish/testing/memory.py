@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 from torch.profiler import ProfilerActivity, profile
 
+from megatronish.testing.multiproc import WorldError, run_world
+
 
 @dataclass
 class MeasuredMemory:
@@ -89,6 +91,9 @@ def measure_step(trainer) -> MeasuredMemory:
             activities.append(ProfilerActivity.CUDA)
         with profile(activities=activities, profile_memory=True) as prof:
             out = inner(*args, **kwargs)
+            # Let no collective run on a gloo thread while the profiler stops (see
+            # run_profiled_world); the reductions complete here instead of just after.
+            trainer.zero.reducer.finish_all()
         peaks.append(_peak_net_bytes(prof))
         return out
 
@@ -108,3 +113,18 @@ def measure_step(trainer) -> MeasuredMemory:
         activations=None if peaks[0][0] is None else peaks[0][0] - gathered,
         gathered_params=gathered, events=peaks[0][1],
     )  # fmt: skip
+
+
+SEGFAULT = "killed by signal 11"
+
+
+def run_profiled_world(fn, world_size: int, *args, **kwargs) -> list:
+    """:func:`~megatronish.testing.multiproc.run_world` for ranks that run the memory profiler,
+    run once more if a rank segfaulted: torch's profiler can crash when another thread (a gloo
+    worker) reports an allocation while it tears down (pytorch/pytorch#195636), rarely."""
+    try:
+        return run_world(fn, world_size, *args, **kwargs)
+    except WorldError as e:
+        if not any(SEGFAULT in error for error in e.errors.values()):
+            raise
+    return run_world(fn, world_size, *args, **kwargs)

@@ -55,6 +55,7 @@ class GradReducer:
         self.timers = timers or Timers.off()
         self.max_in_flight = MAX_IN_FLIGHT if stage >= 2 else None
         self.in_flight: deque[Reduction] = deque()
+        self.in_flight_numel = 0  # elements of the full buffers the reductions in flight hold
 
     def launch(self, full: torch.Tensor, into: torch.Tensor, accumulate: bool = False) -> None:
         """Reduce ``full`` over dp into ``into`` (the whole buffer under zero 0, this rank's
@@ -72,12 +73,18 @@ class GradReducer:
             with self.timers.region(None, "reduce-scatter grads"):
                 work = reduce_scatter_into(out, wire, group, async_op=True)
         self.in_flight.append(Reduction(work, wire, out, into, accumulate))
+        self.in_flight_numel += wire.numel()
         while self.max_in_flight is not None and len(self.in_flight) > self.max_in_flight:
             with self.timers.region("grad_reduce_wait", "wait grads"):
-                self.in_flight.popleft().finish()
+                self._finish_oldest()
 
     def finish_all(self) -> None:
         """Finish every outstanding reduction (in launch order)."""
         while self.in_flight:
-            # Popped before waiting: a failed wait does not leave the work (and its group) held.
-            self.in_flight.popleft().finish()
+            self._finish_oldest()
+
+    def _finish_oldest(self) -> None:
+        # Popped before waiting: a failed wait does not leave the work (and its group) held.
+        reduction = self.in_flight.popleft()
+        self.in_flight_numel -= reduction.full.numel()
+        reduction.finish()

@@ -85,7 +85,9 @@ class ZeroDataParallel:
             units_of.append(units)
             visits_of.append(visits)
         self.reducer = GradReducer(dp, stage, reduce_dtype, self.timers)
-        self.peak_grad_numel = 0  # most full-grad elements alive at once (zero 2/3 accounting)
+        # Zero 2/3 accounting: full-grad elements of buffers being filled, and the most alive at
+        # once (those plus the ones reductions in flight hold).
+        self.filling_numel = self.peak_grad_numel = 0
         self.gatherer = None
         if stage == 3 or (stage > 0 and overlap_param_gather and dp.size > 1):
             self.gatherer = ParamGatherer(
@@ -136,7 +138,9 @@ class ZeroDataParallel:
     def _new_grad_buffer(self, b: Bucket) -> None:
         b.grad_flat = torch.zeros(b.numel, device=b.device)
         if self.stage >= 2:
-            self._count_live_grads()
+            self.filling_numel += b.numel
+            live = self.filling_numel + self.reducer.in_flight_numel
+            self.peak_grad_numel = max(self.peak_grad_numel, live)
         for _, p, view in b.views(b.grad_flat):
             p.main_grad = view
             if not self.separate_main:  # autograd accumulates in place (no extra copy)
@@ -145,13 +149,9 @@ class ZeroDataParallel:
             lo, hi = b.shard_range
             b.grad_shard = b.grad_flat[lo:hi]
 
-    def _count_live_grads(self) -> None:
-        live = sum(x.numel for x in self.buckets if x.grad_flat is not None)
-        live += sum(r.full.numel() for r in self.reducer.in_flight)
-        self.peak_grad_numel = max(self.peak_grad_numel, live)
-
-    @staticmethod
-    def _drop_grad_buffer(b: Bucket) -> None:
+    def _drop_grad_buffer(self, b: Bucket) -> None:
+        if self.stage >= 2 and b.grad_flat is not None:
+            self.filling_numel -= b.numel
         b.grad_flat = None
         for _, p in b.params:
             p.main_grad = p.grad = None

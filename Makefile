@@ -8,7 +8,7 @@ export HF_DATASETS_OFFLINE ?= 1
 export WANDB_MODE ?= offline
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install train test bench gpu-check lint format clean
+.PHONY: install train test bench mutants gpu-check lint format clean
 
 install: $(STAMP)
 
@@ -24,6 +24,10 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) tools/bench/run_all.py $(ARGS)
+
+# Deliberate bugs planted one at a time in a scratch copy: does a test catch each? (~10 min)
+mutants: $(STAMP)
+	$(PY) tools/mutants.py $(ARGS)
 
 # One GPU, under 8 minutes: throughput vs plain PyTorch, flash attention, memory vs the planner,
 # bit-exact resume, recompute policies -> docs/gpu.md. ARGS=--smoke: the same on the CPU, toy size.

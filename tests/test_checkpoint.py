@@ -58,7 +58,8 @@ def test_reshard_on_load_continues_the_run(tmp_path, first, second):
     ref = reference()
     joined = losses_of(saved) + losses_of(resumed)
     assert len(joined) == 10
-    got = [type(ref[0])(losses=joined, grad_norms=[], params=merge_params(resumed))]
+    norms = saved[0].grad_norms + resumed[0].grad_norms
+    got = [type(ref[0])(losses=joined, grad_norms=norms, params=merge_params(resumed))]
     assert_parity(ref, got)
 
 

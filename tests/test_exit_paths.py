@@ -156,7 +156,7 @@ def test_shutting_down_beside_an_op_that_cannot_finish_waits_a_bounded_time():
     assert seconds < 3, seconds
 
 
-def _profiled(rank, world):
+def _held_group(rank, world):
     import torch
 
     from megatronish.distributed.comm import all_reduce
@@ -164,17 +164,19 @@ def _profiled(rank, world):
     from megatronish.distributed.topology import Topology
 
     topo = Topology.build(tp=1, dp=2, pp=1, rank=rank)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
-        all_reduce(torch.ones(4), topo.dp_group)
+    all_reduce(torch.ones(4), topo.dp_group)
+    held = topo.dp_group.pg  # as torch's profiler holds the groups whose ops it recorded
     topo.close()
     start = time.monotonic()
     why = shutdown_process_groups(wait_s=5.0)
+    del held
     return why, time.monotonic() - start
 
 
-def test_groups_the_profiler_recorded_are_reported_at_once():
-    """torch (2.13) keeps alive the groups whose ops its profiler recorded, so their threads
-    outlive destroy_process_group: nothing to wait for, the entry point ends the process."""
-    for why, seconds in run_world(_profiled, 2, timeout=60):
+def test_groups_something_still_holds_are_reported_at_once():
+    """A group still referenced (torch 2.13's profiler keeps those whose ops it recorded; whether
+    it still does at exit depends on its timing) keeps its threads after destroy_process_group:
+    nothing to wait for, the entry point is told at once and ends the process."""
+    for why, seconds in run_world(_held_group, 2, timeout=60):
         assert why is not None and why.startswith("torch still holds "), why
         assert seconds < 3, seconds

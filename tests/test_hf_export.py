@@ -27,7 +27,15 @@ from megatronish.testing.runs import build_trainer, train_layout
 
 REPO = Path(__file__).resolve().parents[1]
 VOCAB = 250  # TINY_TEST_MODEL's real vocabulary (padded to 256)
-ARCHS = {"llama": [], "gpt2": ["model.arch=gpt2", "model.num_query_groups=8"]}  # GPT-2: no GQA
+# Values away from every default, so an exporter that writes a default instead cannot pass.
+ARCHS = {
+    "llama": ["model.rope_theta=500000", "model.norm_eps=1e-6"],
+    "gpt2": ["model.arch=gpt2", "model.num_query_groups=8", "model.norm_eps=1e-6"],  # no GQA
+}
+HF_VALUES = {
+    "llama": {"rope_theta": 500000.0, "rms_norm_eps": 1e-6},
+    "gpt2": {"layer_norm_epsilon": 1e-6},
+}
 LAYOUTS = {"tp2": ["parallel.tp=2"], "pp2": ["parallel.pp=2"]}
 _CACHE: dict = {}
 
@@ -88,6 +96,8 @@ def test_export_matches_transformers_and_imports_back(workdir, arch, layout):
     ckpt = checkpoint(workdir, arch, layout)
     out = str(workdir / f"hf-{arch}-{layout}")
     assert tool("export_hf").main([ckpt, out]) == 0
+    config = json.loads(Path(out, "config.json").read_text())
+    assert {k: config[k] for k in HF_VALUES[arch]} == HF_VALUES[arch]
     ours, theirs = our_logits(arch, ckpt), hf_logits(out)
     assert theirs.shape == ours.shape == (2, 16, VOCAB)
     diff = (ours - theirs).abs().max().item()

@@ -33,3 +33,21 @@ def test_data_parallel_matches_one_process(reference, world):
 def test_gradient_accumulation_matches_one_big_microbatch(reference):
     big = [train_layout(0, 1, ["trainer.micro_batch_size=8"], 10)]
     assert max_relative_loss_gap(losses_of(reference), losses_of(big)) < 1e-5
+
+
+def test_evaluation_runs_without_dropout_and_leaves_training_on():
+    """Validation losses come from the model in eval mode: with dropout configured they equal
+    the dropout-free model's, every time; the next training step trains with dropout again."""
+    from megatronish.testing.runs import build_trainer
+    from megatronish.testing.synthetic import PatternTokens
+
+    dropout = ["model.hidden_dropout=0.3", "model.attention_dropout=0.3"]
+    losses = []
+    for overrides in (dropout, []):
+        trainer = build_trainer(0, 1, overrides, 1)  # the same initial weights either way
+        trainer.valid_data = PatternTokens(250, 16, seed=99)
+        losses.append([trainer.evaluate(), trainer.evaluate()])
+        assert all(c.training is False for c in trainer.chunks)
+        trainer.train_step()
+        assert all(c.training for c in trainer.chunks)
+    assert losses[0][0] == losses[0][1] == losses[1][0]

@@ -16,13 +16,6 @@ def reference(arch):
     return REFERENCE[arch]
 
 
-def assert_same_norms(ref, got):
-    """Step 1 sees identical params: the global norm (every element counted exactly once across
-    tp, pp, dp shards) equals one process's to round-off; later steps drift with the params."""
-    assert abs(got[0] - ref[0]) / ref[0] < 1e-6
-    assert all(abs(a - b) / a < 1e-4 for a, b in zip(ref, got))
-
-
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 @pytest.mark.parametrize("dp", [2, 4])
 def test_zero_dp_matches_serial(stage, dp):
@@ -30,7 +23,6 @@ def test_zero_dp_matches_serial(stage, dp):
     got = run_world(train_layout, dp, [*CLIP, f"parallel.zero_stage={stage}"])
     assert_parity(ref, got)
     assert min(ref[0].grad_norms) > 0.3  # clipping really happened every step
-    assert_same_norms(ref[0].grad_norms, got[0].grad_norms)
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
@@ -39,9 +31,7 @@ def test_zero_in_3d_layout_matches_serial(stage, arch):
     layout = ["parallel.tp=2", "parallel.pp=2", "parallel.vpp=2", "parallel.sp=true"]
     got = run_world(train_layout, 8, [*CLIP, f"model.arch={arch}", f"parallel.zero_stage={stage}",
                                       *layout], timeout=300)  # fmt: skip
-    assert_parity(reference(arch), got)
-    for run in got:  # every rank computes the same global norm
-        assert_same_norms(reference(arch)[0].grad_norms, run.grad_norms)
+    assert_parity(reference(arch), got)  # with every rank's global grad norm
 
 
 def test_zero3_keep_gathered_matches_serial():

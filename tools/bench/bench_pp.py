@@ -21,15 +21,19 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from common import interleaved, machine_info, median, paired_ratio
 from mish import batch, bench_config, build_run, full_weights
-from reference_gpt import RefConfig, ReferenceGPT, build_adamw
 from sections import bench_cli, table
 from torch import nn
-from weight_map import load_megatronish_weights
 
 from megatronish.pipeline.engine import Timeline
 from megatronish.pipeline.schedule import analytic_bubble
 from megatronish.pipeline.trace import measured_bubble, phase_time, step_span
 from megatronish.testing.multiproc import run_world
+from megatronish.testing.reference_gpt import (
+    RefConfig,
+    ReferenceGPT,
+    build_adamw,
+    load_megatronish_weights,
+)
 
 NAME = "pp"
 TITLE = "Pipeline parallelism, 2 ranks, interleaved 1F1B: megatronish vs torch pipelining"

@@ -16,12 +16,11 @@ import time
 
 from common import interleaved, machine_info, median, paired_ratio, threads
 from mish import build_run, full_weights
-from reference_gpt import RefConfig, ReferenceGPT
 from reference_run import make_reference_run
 from sections import bench_cli, table
-from weight_map import load_megatronish_weights
 
 from megatronish.metrics import flops_per_token, measure_matmul_peak
+from megatronish.testing.reference_gpt import RefConfig, ReferenceGPT, load_megatronish_weights
 
 NAME = "single"
 WARMUP = 2
@@ -126,9 +125,10 @@ def run(quick: bool = False) -> dict:
     first = results[0]
     method = (
         f"Median seconds per optimizer step of megatronish's `Trainer.train_step` and of a "
-        f"plain-PyTorch llama of the same shape (`tools/bench/reference_gpt.py`: nn.RMSNorm, "
-        f"fused q|k|v and gate|up, RoPE, SDPA with GQA, `[b, s, h]`, untied head, "
-        f"torch.optim.AdamW with the same groups, clip 1.0, fp32), loaded with megatronish's "
+        f"plain-PyTorch llama of the same shape (`megatronish/testing/reference_gpt.py`: "
+        f"nn.RMSNorm, fused q|k|v and gate|up, RoPE, SDPA with GQA, `[b, s, h]`, untied head, "
+        f"torch.optim.AdamW (fused) with the same groups, clip 1.0, fp32), loaded with "
+        f"megatronish's "
         f"initial weights, in one process; {results[0]['repeats']} (2 threads) and "
         f"{results[1]['repeats']} (1 thread) interleaved repeats "
         f"(up to {repeats}; no new repeat after {budget:.0f} s) of "

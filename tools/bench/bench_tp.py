@@ -21,12 +21,11 @@ import torch.distributed as dist
 from actmem import ADAPTATION, korthikanti_16bit, korthikanti_fp32_no_dropout, measure_forward
 from common import interleaved, machine_info, median, paired_ratio
 from mish import batch, build_run, full_weights
-from reference_gpt import RefConfig, ReferenceGPT
 from reference_run import make_reference_run
 from sections import bench_cli, table
-from weight_map import load_megatronish_weights
 
 from megatronish.testing.multiproc import run_world
+from megatronish.testing.reference_gpt import RefConfig, ReferenceGPT, load_megatronish_weights
 
 NAME = "tp"
 TITLE = "Tensor parallelism, 2 ranks: megatronish vs torch DTensor"
@@ -49,7 +48,7 @@ WHY_MORE = (
 
 def _dtensor_run(sp: bool, cfg, spec, data):
     """The reference GPT with megatronish's initial weights, sharded by DTensor over the world."""
-    model = ReferenceGPT(RefConfig.from_spec(spec, fused=False))
+    model = ReferenceGPT(RefConfig.from_spec(spec, fused=True, tp_groups=TP))  # as megatronish
     load_megatronish_weights(model, full_weights())
     dtensor_tp.parallelize(model, dtensor_tp.cpu_mesh(), sp)
     return make_reference_run(
@@ -157,8 +156,9 @@ def run(quick: bool = False) -> dict:
         f"One forked 2-rank gloo world, one thread per rank. Each variant trains the tiny llama "
         f"(4 layers, hidden {h}, {a} heads, 2 kv heads, ffn 352, vocab 4096, seq {s}, micro "
         f"batch {b} = global batch, fp32) from the same global weights on the same batches with "
-        f"the same AdamW (clip 1.0, constant lr). DTensor variants shard the plain reference GPT "
-        f"(separate wq/wk/wv, w1/w3) with `parallelize_module`: Colwise q/k/v/w1/w3, Rowwise "
+        f"the same AdamW (clip 1.0, constant lr; torch's fused AdamW for DTensor). DTensor "
+        f"variants shard the plain reference GPT with fused q|k|v and gate|up (rows grouped per "
+        f"rank, as megatronish's are) with `parallelize_module`: Colwise wqkv/w13, Rowwise "
         f"o/w2, Rowwise (vocab-split) embedding, Colwise head with `loss_parallel`, and with sp "
         f"`SequenceParallel` norms plus `PrepareModuleInput` all-gathers (the torchtitan plan); "
         f"their global grad norm is computed over the local shards with one all-reduce (torch's "

@@ -1,6 +1,7 @@
 """PyTorch's own tensor (and sequence) parallelism applied to the reference GPT with DTensor.
 
-The plan is the usual torchtitan one for a llama: column-parallel ``wq wk wv w1 w3``,
+The plan is the usual torchtitan one for a llama: column-parallel ``wq wk wv w1 w3`` (or the
+fused ``wqkv`` and ``w13``, their rows grouped per rank),
 row-parallel ``wo w2``, a row-parallel (vocabulary-split) embedding, a column-parallel output
 head whose logits stay split over the vocabulary for ``loss_parallel``; with sequence
 parallelism the norms run on sequence shards (``Shard(1)`` of ``[b, s, h]``) and the residual
@@ -11,7 +12,6 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from reference_gpt import ReferenceGPT
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -24,6 +24,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from megatronish.testing.reference_gpt import ReferenceGPT
+
 
 def cpu_mesh() -> DeviceMesh:
     """A 1-D mesh over the whole (gloo) world."""
@@ -31,10 +33,11 @@ def cpu_mesh() -> DeviceMesh:
 
 
 def parallelize(model: ReferenceGPT, mesh: DeviceMesh, sp: bool) -> ReferenceGPT:
-    """Shard ``model`` (built with ``fused=False``) in place over ``mesh``; returns it."""
-    if model.cfg.fused:
-        raise ValueError("DTensor TP needs separate wq/wk/wv and w1/w3 (RefConfig(fused=False))")
+    """Shard ``model`` in place over ``mesh``; returns it. A fused model (one ``wqkv`` and one
+    ``w13``) must group its rows per rank (``RefConfig(tp_groups=tp)``)."""
     tp = mesh.size()
+    if model.cfg.fused and model.cfg.tp_groups != tp:
+        raise ValueError(f"fused q|k|v needs RefConfig(tp_groups={tp}) to split over tp={tp}")
     seq = Shard(1) if sp else Replicate()
     parallelize_module(
         model,
@@ -48,13 +51,20 @@ def parallelize(model: ReferenceGPT, mesh: DeviceMesh, sp: bool) -> ReferenceGPT
         },
     )
     for block in model.layers:
+        column = (
+            ("attention.wqkv", "feed_forward.w13")
+            if model.cfg.fused
+            else (
+                "attention.wq",
+                "attention.wk",
+                "attention.wv",
+                "feed_forward.w1",
+                "feed_forward.w3",
+            )
+        )
         plan = {
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
+            **{name: ColwiseParallel() for name in column},
             "attention.wo": RowwiseParallel(output_layouts=seq),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w3": ColwiseParallel(),
             "feed_forward.w2": RowwiseParallel(output_layouts=seq),
         }
         if sp:

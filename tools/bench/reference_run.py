@@ -8,8 +8,9 @@ from dataclasses import dataclass, field
 
 import torch
 from mish import batch
-from reference_gpt import build_adamw
 from torch import nn
+
+from megatronish.testing.reference_gpt import build_adamw
 
 
 @dataclass

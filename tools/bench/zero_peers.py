@@ -13,11 +13,15 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from mish import bench_config, full_weights
-from reference_gpt import RefConfig, ReferenceGPT, build_adamw
 from torch import nn
-from weight_map import load_megatronish_weights
 
 from megatronish.model.spec import ModelSpec
+from megatronish.testing.reference_gpt import (
+    RefConfig,
+    ReferenceGPT,
+    build_adamw,
+    load_megatronish_weights,
+)
 from megatronish.testing.synthetic import PatternTokens
 
 

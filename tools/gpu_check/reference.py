@@ -11,8 +11,13 @@ from __future__ import annotations
 import contextlib
 
 import torch
-from reference_gpt import RefConfig, ReferenceGPT, build_adamw
-from weight_map import load_megatronish_weights
+
+from megatronish.testing.reference_gpt import (
+    RefConfig,
+    ReferenceGPT,
+    build_adamw,
+    load_megatronish_weights,
+)
 
 
 class ReferenceRun:

@@ -1,4 +1,5 @@
-"""A plain-PyTorch llama-style GPT (nanoGPT style), the baseline the benchmarks compare with.
+"""A plain-PyTorch llama-style GPT (nanoGPT style): the independent reference the parity tests
+train beside megatronish, and the baseline the benchmarks compare with.
 
 RMSNorm, SwiGLU, rotary positions (rotate-half), grouped-query attention through SDPA,
 ``[b, s, h]`` activations, an untied output head, fp32. ``fused=True`` computes q|k|v and
@@ -29,13 +30,16 @@ class RefConfig:
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     fused: bool = True
+    # Fused rows grouped per tensor-parallel rank ([q0 k0 v0 | q1 k1 v1], [gate0 up0 | gate1 up1]),
+    # so a plain column split of wqkv / w13 gives each rank its own heads and units.
+    tp_groups: int = 1
 
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
 
     @classmethod
-    def from_spec(cls, spec, fused: bool = True) -> RefConfig:
+    def from_spec(cls, spec, fused: bool = True, tp_groups: int = 1) -> RefConfig:
         """The shape of a megatronish ``ModelSpec`` (padded vocabulary, as its head computes)."""
         return cls(
             vocab_size=spec.padded_vocab_size,
@@ -48,6 +52,7 @@ class RefConfig:
             norm_eps=spec.norm_eps,
             rope_theta=spec.rope_theta,
             fused=fused,
+            tp_groups=tp_groups,
         )
 
 
@@ -168,10 +173,13 @@ def build_adamw(
     weight_decay: float,
     betas: tuple[float, float],
     eps: float,
-    fused: bool | None = None,
+    fused: bool | None = True,
 ) -> torch.optim.AdamW:
-    """AdamW with decay on matrices (embedding, projections, head) and none on norm weights
-    (``fused``: torch's fused kernel; None lets torch choose)."""
+    """AdamW with decay on matrices (embedding, projections, head) and none on norm weights.
+
+    ``fused`` (default): torch's fused kernel, one call per group, as a user would choose for
+    speed (megatronish's own update uses the same kernel); None lets torch choose (foreach).
+    """
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     groups = [
@@ -179,3 +187,46 @@ def build_adamw(
         {"params": no_decay, "weight_decay": 0.0},
     ]
     return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=fused)
+
+
+def reference_state(weights: dict[str, torch.Tensor], model: ReferenceGPT) -> dict:
+    """A ``model.state_dict()`` made from megatronish's names (``layers.i.attn.qkv.weight``...)."""
+    cfg = model.cfg
+    d = cfg.head_dim
+    out = {
+        "tok_embeddings.weight": weights["embedding.word.weight"],
+        "norm.weight": weights["head.norm.weight"],
+        "output.weight": weights["head.weight"],
+    }
+    for i in range(cfg.num_layers):
+        w = {k.removeprefix(f"layers.{i}."): v for k, v in weights.items()}
+        p = f"layers.{i}."
+        out[p + "attention_norm.weight"] = w["attn_norm.weight"]
+        out[p + "ffn_norm.weight"] = w["mlp_norm.weight"]
+        out[p + "attention.wo.weight"] = w["attn.proj.weight"]
+        out[p + "feed_forward.w2.weight"] = w["mlp.fc2.weight"]
+        qkv, fc1 = w["attn.qkv.weight"], w["mlp.fc1.weight"]
+        q, k, v = qkv.split([cfg.num_heads * d, cfg.num_kv_heads * d, cfg.num_kv_heads * d])
+        if cfg.fused:
+            g = cfg.tp_groups
+            out[p + "attention.wqkv.weight"] = _grouped([q, k, v], g)
+            out[p + "feed_forward.w13.weight"] = _grouped(list(fc1.chunk(2)), g)
+        else:
+            out[p + "attention.wq.weight"] = q
+            out[p + "attention.wk.weight"] = k
+            out[p + "attention.wv.weight"] = v
+            gate, up = fc1.chunk(2)
+            out[p + "feed_forward.w1.weight"] = gate
+            out[p + "feed_forward.w3.weight"] = up
+    return out
+
+
+def _grouped(parts: list[torch.Tensor], groups: int) -> torch.Tensor:
+    """Rows of ``parts`` concatenated group by group: part 0's first 1/groups, part 1's, ..."""
+    split = [t.chunk(groups) for t in parts]
+    return torch.cat([piece[g] for g in range(groups) for piece in split])
+
+
+def load_megatronish_weights(model: ReferenceGPT, weights: dict[str, torch.Tensor]) -> None:
+    """Copy ``weights`` (megatronish global names) into ``model``; every tensor must match."""
+    model.load_state_dict({k: v.clone() for k, v in reference_state(weights, model).items()})

@@ -1,0 +1,322 @@
+"""Plant deliberate bugs one at a time and check that the tests catch each (``make mutants``).
+
+Each mutant is a small, realistic mistake (an edit of one or two lines) and the tests that
+should catch it. The repository's files are copied once to a scratch directory; each mutant is
+applied there, its tests run (``pytest -x``, the copy first on the import path), and the file
+is restored. The table says which test failed first, or SURVIVED. The exit code is 1 if any
+mutant survived or no longer applies (its source line changed: update the mutant).
+
+    python tools/mutants.py                 # all, about 10 minutes on 2 cores
+    python tools/mutants.py --only loss-scale rng-restore
+    python tools/mutants.py --list
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    what: str
+    file: str
+    edits: tuple[tuple[str, str], ...]  # (exact text, its replacement): each text occurs once
+    tests: tuple[str, ...]  # pytest node ids or files, run in order with -x
+
+
+REF = "tests/test_reference_parity.py"
+MUTANTS = [
+    Mutant(
+        "tp-all-reduce",
+        "row-parallel output not summed over tp (a dropped all-reduce)",
+        "megatronish/tensor_parallel/mappings.py",
+        (("        return all_reduce(x.clone(), group)", "        return x.clone()"),),
+        ("tests/test_tp_layers.py::test_row_parallel_linear_matches_linear",),
+    ),
+    Mutant(
+        "tied-embedding-reduce",
+        "tied embedding / head grads not summed across pp stages",
+        "megatronish/optim/zero.py",
+        (("        flat_all_reduce(tied, self.topo.embedding_group)", "        pass"),),
+        ("tests/test_pp_parity.py::test_pipeline_matches_serial",),
+    ),
+    Mutant(
+        "grad-norm-all-reduce",
+        "grad norm's squares not summed across ranks",
+        "megatronish/optim/zero.py",
+        (("            all_reduce(sq, group)\n", "            pass\n"),),
+        ("tests/test_tp_parity.py::test_tp_sp_matches_serial",),
+    ),
+    Mutant(
+        "grad-norm-replicas",
+        "tp-replicated params (norms) counted once per tp rank in the norm",
+        "megatronish/optim/zero.py",
+        (("lambda n, p: counts_in_norm(n, p, self.topo)", "lambda n, p: True"),),
+        ("tests/test_tp_parity.py::test_tp_sp_matches_serial",),
+    ),
+    Mutant(
+        "1f1b-warmup",
+        "1F1B warm-up one forward too many",
+        "megatronish/pipeline/schedule.py",
+        (
+            (
+                "return min(pp - rank - 1, num_microbatches)",
+                "return min(pp - rank, num_microbatches)",
+            ),
+        ),
+        ("tests/test_pipeline_schedule.py",),
+    ),
+    Mutant(
+        "loss-scale",
+        "microbatch losses not scaled by 1/num_microbatches",
+        "megatronish/trainer.py",
+        (("loss_scale=1.0 / len(batches)", "loss_scale=1.0"),),
+        (REF,),
+    ),
+    Mutant(
+        "zero2-accumulate",
+        "ZeRO-2 shard overwritten by each microbatch instead of summed",
+        "megatronish/optim/zero.py",
+        (("accumulate=rounds > 0)", "accumulate=False)"),),
+        ("tests/test_zero.py::test_zero_dp_matches_serial",),
+    ),
+    Mutant(
+        "unsharded-adam",
+        "Adam moments sized for whole buckets under ZeRO",
+        "megatronish/trainer.py",
+        (
+            (
+                "[shard.numel() for shard, _, _ in self.zero.optimizer_shards()]",
+                "[b.numel for b in self.zero.buckets]",
+            ),
+        ),  # fmt: skip
+        ("tests/test_zero_accounting.py::test_state_bytes_follow_the_zero_formulas",),
+    ),
+    Mutant(
+        "decay-on-norms",
+        "weight decay applied to norm weights",
+        "megatronish/optim/zero.py",
+        (('lambda n, p: not getattr(p, "no_weight_decay", False)', "lambda n, p: True"),),
+        (REF,),
+    ),
+    Mutant(
+        "warmup-off-by-one",
+        "LR warm-up starts at 0 instead of lr/warmup",
+        "megatronish/optim/lr_schedule.py",
+        (("return lr * (step + 1) / warmup", "return lr * step / warmup"),),
+        (REF,),
+    ),
+    Mutant(
+        "clip-always",
+        "grads scaled to max_norm even when the norm is below it",
+        "megatronish/trainer.py",
+        (("if max_norm > 0 and norm > max_norm:", "if max_norm > 0:"),),
+        (REF,),
+    ),
+    Mutant(
+        "rng-restore",
+        "RNG streams not restored on resume",
+        "megatronish/checkpoint/load.py",
+        (("    if same and os.path.exists(path):", "    if False:"),),
+        ("tests/test_resume_dropout.py::test_same_layout_resume_with_dropout_is_bit_identical",),
+    ),
+    Mutant(
+        "adam-step-restore",
+        "Adam's step count (bias correction) not restored on resume",
+        "megatronish/checkpoint/load.py",
+        (('opt.step_count = int(meta.trainer.get("optimizer_steps", 0))', "opt.step_count = 0"),),
+        ("tests/test_checkpoint.py::test_exact_resume_single_process_is_bit_identical",),
+    ),
+    Mutant(
+        "sampler-restore",
+        "consumed samples not restored: a resumed run rereads its data",
+        "megatronish/checkpoint/load.py",
+        (
+            (
+                "trainer.state.consumed_samples = meta.consumed_samples",
+                "trainer.state.consumed_samples = 0",
+            ),
+        ),  # fmt: skip
+        ("tests/test_checkpoint.py::test_exact_resume_single_process_is_bit_identical",),
+    ),
+    Mutant(
+        "export-rope-theta",
+        "HF export writes the default rope_theta",
+        "megatronish/checkpoint/hf.py",
+        (
+            ('"rope_theta": spec.rope_theta,', '"rope_theta": 10000.0,'),
+            ('"rope_theta": spec.rope_theta}', '"rope_theta": 10000.0}'),
+        ),  # fmt: skip
+        ("tests/test_hf_export.py::test_export_matches_transformers_and_imports_back",),
+    ),
+    Mutant(
+        "model-rope-theta",
+        "the model's rotary tables ignore rope_theta",
+        "megatronish/model/gpt.py",
+        (("self.spec.head_dim, self.spec.rope_theta, device", "self.spec.head_dim, 1e4, device"),),
+        ("tests/test_hf_export.py::test_export_matches_transformers_and_imports_back",),
+    ),
+    Mutant(
+        "precision-ignored",
+        "trainer.precision=bf16 ignored: params and compute stay fp32",
+        "megatronish/trainer.py",
+        (("self.param_dtype = DTYPES[cfg.trainer.precision]", "self.param_dtype = torch.float32"),),
+        (
+            "tests/test_bf16.py::test_every_matmul_and_attention_kernel_runs_in_the_configured_precision",
+        ),
+    ),
+    Mutant(
+        "sp-norm-grad-sum",
+        "sequence-parallel norm grads not summed over tp",
+        "megatronish/optim/buckets.py",
+        (('return bool(getattr(p, "sequence_parallel", False)) or tied', "return tied"),),
+        ("tests/test_tp_parity.py::test_tp_sp_matches_serial",),
+    ),
+    Mutant(
+        "dp-same-samples",
+        "every dp rank reads the same samples",
+        "megatronish/trainer.py",
+        (("start = first_sample + self.topo.coords.dp * per_rank", "start = first_sample"),),
+        ("tests/test_training.py::test_data_parallel_matches_one_process",),
+    ),
+    Mutant(
+        "grads-not-zeroed",
+        "grads of the last step not zeroed before the next",
+        "megatronish/optim/zero.py",
+        (("                b.grad_flat.zero_()\n", "                pass\n"),),
+        (REF,),
+    ),
+    Mutant(
+        "recompute-rng",
+        "recomputed forward draws new dropout masks",
+        "megatronish/recompute.py",
+        (("        rng.load_state_dict(snapshot)\n", "        pass\n"),),
+        ("tests/test_recompute.py",),
+    ),
+    Mutant(
+        "eval-in-train-mode",
+        "validation runs with dropout on",
+        "megatronish/trainer.py",
+        (
+            (
+                "        for c in self.chunks:\n            c.eval()",
+                "        for c in self.chunks:\n            c.train()",
+            ),
+        ),
+        ("tests/test_training.py::test_evaluation_runs_without_dropout_and_leaves_training_on",),
+    ),
+    Mutant(
+        "dp-loss-mean",
+        "reported loss summed over dp ranks, not averaged",
+        "megatronish/trainer.py",
+        (("return (mean / self.topo.dp).item()", "return mean.item()"),),
+        ("tests/test_training.py::test_data_parallel_matches_one_process",),
+    ),
+]
+
+
+def copy_repo(dest: Path) -> None:
+    """The tracked and untracked-but-not-ignored files (no .venv, caches or outputs)."""
+    files = subprocess.run(
+        ["git", "ls-files", "-co", "--exclude-standard", "-z"],
+        cwd=REPO, capture_output=True, check=True,
+    ).stdout.decode().split("\0")  # fmt: skip
+    for name in filter(None, files):
+        src = REPO / name
+        if src.is_file():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / name)
+
+
+def apply(root: Path, m: Mutant) -> str:
+    """Edit ``m.file`` under ``root``; returns the original text."""
+    path = root / m.file
+    original = text = path.read_text()
+    for old, new in m.edits:
+        if text.count(old) != 1:
+            raise ValueError(f"{m.name}: {old!r} occurs {text.count(old)} times in {m.file}")
+        text = text.replace(old, new)
+    path.write_text(text)
+    return original
+
+
+def run_tests(root: Path, tests: tuple[str, ...], timeout: float) -> tuple[str | None, float]:
+    """``(first failing test or None, seconds)`` for pytest ``-x`` on ``tests`` in ``root``."""
+    env = dict(os.environ, PYTHONPATH=str(root), WANDB_MODE="disabled")
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests]
+    start = time.monotonic()
+    try:
+        r = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return f"timed out after {timeout:.0f} s", time.monotonic() - start
+    seconds = time.monotonic() - start
+    if r.returncode == 0:
+        return None, seconds
+    failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", r.stdout, flags=re.M)
+    return (failed[0] if failed else f"pytest exit {r.returncode}"), seconds
+
+
+def check_imports(root: Path) -> None:
+    """The scratch copy, not the installed checkout, must be what the tests import."""
+    env = dict(os.environ, PYTHONPATH=str(root))
+    out = subprocess.run([sys.executable, "-c", "import megatronish; print(megatronish.__file__)"],
+                         cwd=root, env=env, capture_output=True, text=True, check=True)  # fmt: skip
+    if not out.stdout.strip().startswith(str(root)):
+        raise SystemExit(f"the tests would import {out.stdout.strip()}, not the scratch copy")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--only", nargs="+", metavar="NAME", help="run these mutants only")
+    parser.add_argument("--list", action="store_true", help="list the mutants and exit")
+    parser.add_argument("--timeout", type=float, default=300, help="seconds per mutant")
+    args = parser.parse_args(argv)
+    chosen = [m for m in MUTANTS if not args.only or m.name in args.only]
+    if args.only and len(chosen) != len(args.only):
+        unknown = set(args.only) - {m.name for m in MUTANTS}
+        parser.error(f"unknown mutants {sorted(unknown)}; --list shows them")
+    if args.list:
+        for m in chosen:
+            print(f"{m.name:24s} {m.what}  [{m.file}]")
+        return 0
+    rows, survived = [], 0
+    with tempfile.TemporaryDirectory(prefix="megatronish-mutants-") as tmp:
+        root = Path(tmp)
+        copy_repo(root)
+        check_imports(root)
+        print(f"{len(chosen)} mutants, scratch copy {root}", flush=True)
+        for m in chosen:
+            try:
+                original = apply(root, m)
+            except ValueError as e:
+                caught, seconds = f"STALE: {e}", 0.0
+            else:
+                try:
+                    caught, seconds = run_tests(root, m.tests, args.timeout)
+                finally:
+                    (root / m.file).write_text(original)
+            bad = caught is None or caught.startswith("STALE")
+            survived += bad
+            result = "SURVIVED" if caught is None else caught
+            print(f"{m.name:24s} {seconds:6.1f} s  {result}", flush=True)
+            rows.append(f"| {m.name} | {m.what} | `{m.file}` | {result} | {seconds:.0f} |")
+    print("\n| mutant | bug | file | caught by | s |\n|---|---|---|---|---|")
+    print("\n".join(rows))
+    print(f"\n{len(chosen) - survived} of {len(chosen)} caught")
+    return 1 if survived else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -35,11 +35,11 @@ from megatronish.config.validate import ConfigError, config_errors
 from megatronish.config.value_rules import config_notes
 from megatronish.distributed.agree import PeerError
 from megatronish.distributed.comm import CollectiveError
-from megatronish.distributed.launch import detect_launch
+from megatronish.distributed.launch import LaunchEnv, detect_launch
 from megatronish.distributed.nccl_errors import describe_comm_error, failed_groups_message
 from megatronish.distributed.shutdown import shutdown_process_groups
-from megatronish.numerics import TooManySkippedSteps
-from megatronish.stop import StopRequest
+from megatronish.training.numerics import TooManySkippedSteps
+from megatronish.training.stop import StopRequest
 
 EXIT_CONFIG = 2
 EXIT_DATA = 3
@@ -49,18 +49,10 @@ EXIT_COMM = 6
 SHUTDOWN_WAIT_S = 30.0  # the longest wait for process-group threads to end at exit
 
 
-def tokenizer_vocab_size(data_cfg) -> int:
-    """The tokenizer's vocabulary without building any data (for dry runs)."""
-    if data_cfg.source == "indexed" and data_cfg.tokenizer_model:
-        from megatronish.data.tokenizer import Tokenizer
-
-        return Tokenizer(data_cfg.tokenizer_model).vocab_size
-    return data_cfg.vocab_size
-
-
 def dry_run_report(cfg, world_size: int) -> str:
     """The resolved config and every derived value, as printed by ``trainer.dry_run=true``."""
-    from megatronish.metrics import count_parameters, flops_per_token
+    from megatronish.data.tokenizer import tokenizer_vocab_size
+    from megatronish.model.flops import count_parameters, flops_per_token
     from megatronish.model.spec import ModelSpec
 
     d = derive(cfg, world_size)
@@ -84,30 +76,31 @@ def dry_run_report(cfg, world_size: int) -> str:
     return "\n".join(lines)
 
 
-def run(cfg, stop: StopRequest | None = None):
-    """Train with a composed config; returns the trainer's step results on this rank.
+def run(cfg, stop: StopRequest | None = None, launch: LaunchEnv | None = None):
+    """Train with a composed, validated config; returns the trainer's step results on this rank.
 
     ``stop``'s signal handlers are installed for training and the final save only: a signal
-    during start-up keeps its default action (there is nothing to save yet).
+    during start-up keeps its default action (there is nothing to save yet). ``launch``: the
+    launcher's environment (read from this process's when not given).
     """
-    from megatronish.job import build_job
+    from megatronish.training.job import build_job
 
-    launch = detect_launch()
-    job = build_job(cfg, launch)
+    job = build_job(cfg, launch or detect_launch())
     try:
-        return _train(cfg, launch, job, stop)
+        return _train(cfg, job, stop)
     finally:
         job.topo.close()  # its process groups are destroyed by main_with_config
 
 
-def _train(cfg, launch, job, stop: StopRequest | None):
+def _train(cfg, job, stop: StopRequest | None):
     from megatronish.checkpoint.resume import plan_resume, saved_run_id
-    from megatronish.progress import ProgressLogger
+    from megatronish.training.progress import ProgressLogger
 
     topo = job.topo
     if topo.rank == 0:  # the only file written outside checkpoints and logging
         os.makedirs(cfg.out_dir, exist_ok=True)
         OmegaConf.save(cfg, os.path.join(cfg.out_dir, "config.yaml"), resolve=True)
+    launch = job.launch
     label = f"{cfg.name} ({launch.run_id})" if launch.run_id else cfg.name
     # Locks checkpoint.dir for this run, checks every rank can write there, tidies it up.
     with plan_resume(cfg.checkpoint, topo.world_group, label) as plan:
@@ -126,26 +119,26 @@ def _train(cfg, launch, job, stop: StopRequest | None):
 
 def _fit_and_save(cfg, job, plan, run_id: str, logger, stop: StopRequest | None):
     from megatronish.checkpoint.resume import load_with_fallback
-    from megatronish.checkpoint.save import CheckpointSaver
-    from megatronish.metrics import device_peak_flops
-    from megatronish.trainer import Trainer
+    from megatronish.checkpoint.save import Saving
+    from megatronish.training.peaks import device_peak_flops
+    from megatronish.training.trainer import Trainer
 
     topo, ckpt = job.topo, cfg.checkpoint
     peak = device_peak_flops(topo.device, cfg.trainer.precision, cfg.trainer.peak_tflops)
-    trainer = Trainer(
-        cfg, topo, job.spec, job.derived, job.chunks, job.train_data, job.valid_data,
-        logger=logger, peak_flops=peak,
-    )  # fmt: skip
+    saving = None
     if ckpt.dir:
         tokens = job.tokenizer.special_token_ids() if job.tokenizer is not None else None
-        trainer.saver = CheckpointSaver(cfg, trainer, job.rng, run_id, tokens)
+        saving = Saving(job.rng, run_id, tokens)
+    trainer = Trainer(
+        cfg, topo, job.spec, job.derived, job.chunks, job.train_data, job.valid_data,
+        logger=logger, peak_flops=peak, saving=saving, stop=stop,
+    )  # fmt: skip
     load_with_fallback(trainer, plan, job.rng, cfg.trainer.seed, log=logger.info)
     logger.info(
         f"training {job.spec.arch} ({sum(p.numel() for c in job.chunks for p in c.parameters()):,}"
         f" params on this rank) for {cfg.trainer.max_steps} steps, "
         f"{job.derived.tokens_per_step:,} tokens/step, device {topo.device}"
     )
-    trainer.stop = stop
     with stop or contextlib.nullcontext():
         try:
             history = trainer.fit()
@@ -170,9 +163,12 @@ def _fit_and_save(cfg, job, plan, run_id: str, logger, stop: StopRequest | None)
     return history
 
 
-def main_with_config(cfg) -> int:
-    """Validate, dry-run or train; returns the process exit code. Never raises for user errors."""
-    launch = detect_launch()
+def main_with_config(cfg, launch: LaunchEnv | None = None) -> int:
+    """Validate, dry-run or train; returns the process exit code. Never raises for user errors.
+
+    ``launch``: the launcher's environment (read from this process's when not given).
+    """
+    launch = launch or detect_launch()
     prefix = f"[rank {launch.rank}] " if launch.world_size > 1 else ""
     world = launch.world_size
     if cfg.world_size is not None and cfg.trainer.dry_run:
@@ -204,7 +200,7 @@ def main_with_config(cfg) -> int:
         return EXIT_CONFIG
     code = 1  # an unexpected error: its traceback follows
     try:
-        code = _run_and_report(cfg, stop, prefix)
+        code = _run_and_report(cfg, stop, launch, prefix)
     finally:
         _end_process_groups(cfg, code, prefix)
     if code == 0 and stop.reason is not None:
@@ -214,10 +210,10 @@ def main_with_config(cfg) -> int:
     return code
 
 
-def _run_and_report(cfg, stop: StopRequest, prefix: str) -> int:
+def _run_and_report(cfg, stop: StopRequest, launch: LaunchEnv, prefix: str) -> int:
     """Train; a failure a user can act on is one line on stderr and its exit code."""
     try:
-        run(cfg, stop)
+        run(cfg, stop, launch)
     except ConfigError as e:
         print(f"{prefix}{e}", file=sys.stderr, flush=True)
         return EXIT_CONFIG
@@ -258,38 +254,27 @@ def _end_process_groups(cfg, code: int, prefix: str) -> None:
     os._exit(code)
 
 
-@hydra.main(config_path=CONFIG_DIR, config_name="train", version_base=None)
-def _hydra_main(cfg) -> None:
-    OmegaConf.resolve(cfg)
-    code = main_with_config(cfg)
-    if code:
-        sys.exit(code)
-
-
-def _raised_inside(error: BaseException, fn) -> bool:
-    """Whether ``fn`` is on ``error``'s traceback (a failure of the run, not of composing)."""
-    tb = error.__traceback__
-    while tb is not None:
-        if tb.tb_frame.f_code is fn.__code__:
-            return True
-        tb = tb.tb_next
-    return False
-
-
 def main() -> None:
     """Compose with Hydra and run; a composition error is one line on stderr and exit 2."""
     register_configs()
+    launch = detect_launch()
+    started = []
+
+    def task(cfg) -> None:
+        started.append(True)
+        OmegaConf.resolve(cfg)
+        if code := main_with_config(cfg, launch):
+            sys.exit(code)
+
     show_traceback = os.environ.get("HYDRA_FULL_ERROR") == "1"
-    os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises its errors here instead of printing
+    os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises composition errors instead of printing
     try:
-        _hydra_main()
+        hydra.main(config_path=CONFIG_DIR, config_name="train", version_base=None)(task)()
     except (HydraException, OmegaConfBaseException) as e:
-        if show_traceback or _raised_inside(e, main_with_config):
+        if show_traceback or started:  # a failure of the run, not of composing the config
             raise
-        launch = detect_launch()
         prefix = f"[rank {launch.rank}] " if launch.world_size > 1 else ""
-        reason = composition_error_reason(e)
-        print(f"{prefix}invalid config: {reason}", file=sys.stderr, flush=True)
+        print(f"{prefix}invalid config: {composition_error_reason(e)}", file=sys.stderr)
         sys.exit(EXIT_CONFIG)
     finally:
         if not show_traceback:

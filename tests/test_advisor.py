@@ -10,13 +10,12 @@ from omegaconf import OmegaConf
 from megatronish.config import compose
 from megatronish.config.compose import load_config
 from megatronish.config.validate import config_errors
-from megatronish.plan.advised_config import write_parallel_file
 from megatronish.plan.advisor import Ranked, advise, reason
 from megatronish.plan.candidates import MICRO_BATCH_SIZES, divisors, valid_layouts
 from megatronish.plan.cli import main as plan_main
-from megatronish.plan.estimate import make_plan
+from megatronish.plan.estimate import Planner, make_plan, representative_stages
 from megatronish.plan.layout import layout_from_config, spec_of
-from megatronish.plan.plan_cache import PlanCache, representative_stages
+from megatronish.plan.report import write_parallel_file
 from megatronish.plan.step_time import TERMS, Hardware, StepTime, lower_bound, step_time
 from megatronish.testing.runs import test_config as tiny_config
 
@@ -77,11 +76,13 @@ def test_candidates_are_exactly_the_layouts_the_trainer_accepts():
     assert {x.recompute for x in layouts} == {"none", "selective", "full"}
 
 
-def test_cached_plans_equal_make_plan(tiny, tiny_layouts):
+def test_representative_stages_of_one_planner_equal_make_plan(tiny, tiny_layouts):
+    """One planner shares every building block across layouts and plans three stages; the
+    peak and those stages equal a fresh full plan of each layout."""
     spec = tiny[1]
-    cache = PlanCache(spec)
+    planner = Planner(spec)
     for layout in tiny_layouts[::9]:
-        fast, full = cache.plan(layout), make_plan(spec, layout)
+        fast, full = planner.plan(layout, representative=True), make_plan(spec, layout)
         assert fast.peak_bytes == full.peak_bytes, layout.describe()
         assert [s.pp_rank for s in fast.stages] == representative_stages(layout.pp)
         for stage in fast.stages:
@@ -94,11 +95,11 @@ def test_cached_plans_equal_make_plan(tiny, tiny_layouts):
 
 def test_lower_bound_never_exceeds_the_step_time(tiny, tiny_layouts):
     spec = tiny[1]
-    cache = PlanCache(spec)
+    planner = Planner(spec)
     cpu = Hardware(peak_flops=5e10, intra_node_bw=2e9, inter_node_bw=2e9, shared_cores=2)
     for hw in (H100, cpu, Hardware(peak_flops=1e12, gpus_per_node=2, latency_s=1e-4)):
         for layout in tiny_layouts[::3]:
-            total = step_time(cache.plan(layout), hw).total
+            total = step_time(planner.plan(layout, representative=True), hw).total
             assert lower_bound(spec, layout, hw) <= total * (1 + 1e-12), layout.describe()
 
 

@@ -110,7 +110,7 @@ if not torch.cuda.is_available():  # the rule is about this machine
 def _main_with_every_config(rank, world, configs):
     import megatronish.train as entry
 
-    def accepted(cfg, stop=None):
+    def accepted(cfg, stop=None, launch=None):
         raise AssertionError("an invalid config was accepted")
 
     entry.run = accepted  # this forked rank only: a valid config must not start training
@@ -144,7 +144,7 @@ def test_invalid_config_exits_2_with_one_line_on_every_rank(every_rank, index):
 def _main_with_a_note(rank, world):
     import megatronish.train as entry
 
-    entry.run = lambda cfg, stop=None: []  # this forked rank only: nothing to train
+    entry.run = lambda cfg, stop=None, launch=None: []  # this forked rank only: nothing to train
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         code = entry.main_with_config(load_config(["parallel.sp=true"]))

@@ -15,10 +15,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatronish.checkpoint.format import resolve_step_dir
 from megatronish.model.rms_norm import low_precision_rms_norm
-from megatronish.precision import apply_fp32_matmul_setting, fp32_matmul_setting
 from megatronish.testing.compare import max_relative_loss_gap, param_gaps
 from megatronish.testing.multiproc import run_world
 from megatronish.testing.runs import build_trainer, losses_of, merge_params, train_layout
+from megatronish.training.precision import apply_fp32_matmul_setting, fp32_matmul_setting
 
 BF16 = ["trainer.precision=bf16"]
 STEPS = 6

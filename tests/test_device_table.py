@@ -4,11 +4,11 @@ and the planner's ``device=NAME`` option (pure: no processes, no GPU)."""
 import pytest
 import torch
 
-from megatronish import metrics
 from megatronish.plan import devices
 from megatronish.plan.cli import main as plan_main
 from megatronish.plan.cli import split_options, with_device
 from megatronish.plan.devices import GPUS, UnknownDevice, gpu_for_cuda_name, gpu_named
+from megatronish.training import peaks
 
 TINY_ADVISE = ["+experiment=tiny", "world_size=2", "advise=true", "top=2"]
 GPT_1B = ["+experiment=gpt_1b", "model.vocab_size=32000", "world_size=8"]
@@ -73,12 +73,12 @@ def test_peak_per_precision():
 def test_mfu_peak_comes_from_the_same_table(monkeypatch):
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
-    monkeypatch.setattr(metrics, "tf32_matmuls", lambda: False)
-    assert metrics.device_peak_flops(cuda, "bf16", None) == 989e12
-    assert metrics.device_peak_flops(cuda, "fp32", None) == 67e12
-    assert metrics.device_peak_flops(cuda, "bf16", 100.0) == 100e12  # configured wins
+    monkeypatch.setattr(peaks, "tf32_matmuls", lambda: False)
+    assert peaks.device_peak_flops(cuda, "bf16", None) == 989e12
+    assert peaks.device_peak_flops(cuda, "fp32", None) == 67e12
+    assert peaks.device_peak_flops(cuda, "bf16", 100.0) == 100e12  # configured wins
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla V100")
-    assert metrics.device_peak_flops(cuda, "bf16", None) is None
+    assert peaks.device_peak_flops(cuda, "bf16", None) is None
 
 
 def test_device_option_is_split_and_fills_only_what_is_not_given():

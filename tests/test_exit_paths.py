@@ -25,19 +25,13 @@ TIMEOUT_S = 2  # parallel.collective_timeout_s of the cases where a peer hangs
 
 
 @pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    """The small standard-library corpus and its tokenizer, built once in the parent."""
-    from megatronish.data.build import build_datasets
-
-    cache = tmp_path_factory.mktemp("corpus")
-    cfg = load_config([*SMALL, f"data.cache_dir={cache}"])
-    build_datasets(cfg.data, cfg.model.seq_length, cfg.trainer.seed)
-    return cache
+def cache_dir(stdlib_cache):
+    return stdlib_cache
 
 
 def _fault(rank: int, fault: str) -> None:
     """Patch this forked rank so that its run ends the way ``fault`` names."""
-    from megatronish.trainer import Trainer
+    from megatronish.training.trainer import Trainer
 
     step = Trainer.train_step
 

@@ -143,7 +143,7 @@ def test_the_entry_point_exits_6_with_one_line(monkeypatch, capsys):
     import megatronish.train as entry
     from megatronish.config.compose import load_config
 
-    def run(cfg, stop=None):
+    def run(cfg, stop=None, launch=None):
         raise CollectiveError("all_reduce on group dp (ranks [0, 1]) timed out after 2 s: ...")
 
     monkeypatch.setattr(entry, "run", run)

@@ -215,8 +215,8 @@ def test_an_nccl_failure_in_an_op_is_one_named_line_and_exit_6(case, monkeypatch
     for earlier in before:
         group.posted.post(earlier)
     call = _calling(op, group, dist.DistBackendError(text), monkeypatch)
-    monkeypatch.setattr(entry, "run", lambda cfg, stop=None: call())
-    assert entry._run_and_report(None, None, "[rank 1] ") == entry.EXIT_COMM == 6
+    monkeypatch.setattr(entry, "run", lambda cfg, stop=None, launch=None: call())
+    assert entry._run_and_report(None, None, None, "[rank 1] ") == entry.EXIT_COMM == 6
     assert capsys.readouterr().err == f"[rank 1] error: {line}\n"
 
 
@@ -226,7 +226,7 @@ def test_the_entry_point_exits_6_for_an_nccl_failure(monkeypatch, capsys):
     group = ParallelGroup("tp", (2, 3), 0, pg=FakeNcclGroup("TIMEOUT"), timeout_s=600.0)
     text = _watchdog(5, "ALLREDUCE")
     call = _calling("all_reduce", group, dist.DistBackendError(text), monkeypatch)
-    monkeypatch.setattr(entry, "run", lambda cfg, stop=None: call())
+    monkeypatch.setattr(entry, "run", lambda cfg, stop=None, launch=None: call())
     assert entry.main_with_config(load_config(["trainer.device=cpu"])) == 6
     err = capsys.readouterr().err
     assert err.startswith("error: all_reduce on group tp (ranks [2, 3]) timed out after 600 s: ")
@@ -259,11 +259,11 @@ OUTSIDE = {
 def test_a_distributed_error_outside_the_wrappers_is_exit_6(case, monkeypatch, capsys):
     error, line = OUTSIDE[case]
 
-    def run(cfg, stop=None):
+    def run(cfg, stop=None, launch=None):
         raise error
 
     monkeypatch.setattr(entry, "run", run)
-    assert entry._run_and_report(None, None, "") == 6
+    assert entry._run_and_report(None, None, None, "") == 6
     assert capsys.readouterr().err == f"error: {line}\n"
 
 
@@ -276,12 +276,12 @@ def test_device_faults_and_other_errors_keep_their_traceback(error, monkeypatch)
     """A CUDA error is the device's fault, not a collective's: exit 1 with the traceback, also
     when it surfaces inside a comm op."""
 
-    def run(cfg, stop=None):
+    def run(cfg, stop=None, launch=None):
         raise error
 
     monkeypatch.setattr(entry, "run", run)
     with pytest.raises(type(error)):
-        entry._run_and_report(None, None, "")
+        entry._run_and_report(None, None, None, "")
     group = ParallelGroup("dp", (0, 1), 0, pg=object(), timeout_s=600.0)
     call = _calling("all_reduce", group, error, monkeypatch)
     raised = CollectiveError if str(error) == "shapes differ" else type(error)

@@ -7,12 +7,11 @@ import os
 import pytest
 import torch
 
-from megatronish.checkpoint.save import CheckpointSaver
 from megatronish.config.compose import load_config
-from megatronish.numerics import TooManySkippedSteps
-from megatronish.progress import ProgressLogger
 from megatronish.testing.multiproc import run_world
 from megatronish.testing.runs import build_trainer
+from megatronish.training.numerics import TooManySkippedSteps
+from megatronish.training.progress import ProgressLogger
 
 NAN, INF = float("nan"), float("inf")
 
@@ -138,8 +137,7 @@ def test_the_limit_counts_consecutive_steps_only():
 def test_the_limit_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path):
     ckpt = tmp_path / "ckpt"
     overrides = ["trainer.max_skipped_steps=3", "checkpoint.interval=2", f"checkpoint.dir={ckpt}"]
-    trainer = build_trainer(0, 1, overrides, steps=10)
-    trainer.saver = CheckpointSaver(trainer.cfg, trainer)
+    trainer = build_trainer(0, 1, overrides, steps=10, saving=True)
     inject_faults(trainer, poison_from=5)  # a nan parameter: every step from 5 on is skipped
     with pytest.raises(TooManySkippedSteps, match="stopping at step 7: 3 steps in a row"):
         trainer.fit()
@@ -151,7 +149,7 @@ def test_the_limit_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path):
 def test_the_entry_point_exits_5_with_one_line(monkeypatch, capsys):
     import megatronish.train as entry
 
-    def run(cfg, stop=None):
+    def run(cfg, stop=None, launch=None):
         raise TooManySkippedSteps("stopping at step 7: 3 steps in a row had a non-finite loss")
 
     monkeypatch.setattr(entry, "run", run)
@@ -161,7 +159,7 @@ def test_the_entry_point_exits_5_with_one_line(monkeypatch, capsys):
 
 
 def test_skip_limit_message_names_the_limit_and_the_way_out():
-    from megatronish.numerics import skip_limit_message
+    from megatronish.training.numerics import skip_limit_message
 
     text = skip_limit_message(12, 5, NAN, INF)
     assert text.startswith("stopping at step 12: 5 steps in a row")

@@ -20,8 +20,9 @@ from omegaconf import OmegaConf
 from safetensors.torch import save_file
 
 from megatronish.checkpoint.format import CheckpointError
-from megatronish.checkpoint.hf import from_hf, to_hf
 from megatronish.checkpoint.load import load_into
+from megatronish.hf.from_hf import from_hf
+from megatronish.hf.to_hf import to_hf
 from megatronish.testing.multiproc import run_world
 from megatronish.testing.runs import build_trainer, train_layout
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatronish.metrics import count_parameters, flops_per_token
 from megatronish.model.build import build_chunks, chunk_ids_of_stage, chunk_layer_ranges
+from megatronish.model.flops import count_parameters, flops_per_token
 from megatronish.model.spec import ModelSpec
 from megatronish.tensor_parallel.context import TPContext
 
@@ -87,3 +87,23 @@ def test_bf16_autocast_forward_backward_is_close_to_fp32():
     low.backward()
     assert abs(low.item() - ref.item()) < 0.05
     assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in model.parameters())
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_every_parameter_carries_its_record(arch):
+    """Each parameter has one ParamInfo; decay, init and tp splits follow its role."""
+    from megatronish.tensor_parallel.sharding import param_info
+
+    spec = spec_of(arch, tie_embeddings=False)
+    [model] = build_chunks(spec, TPContext(), [2])
+    for name, p in model.named_parameters():
+        info = param_info(p)
+        assert hasattr(p, "info"), f"{name} was never marked"
+        is_norm = "norm" in name
+        is_bias = name.endswith(".bias")
+        assert info.weight_decay == (not is_norm and not is_bias), name
+        assert info.init == ("ones" if is_norm and name.endswith("weight") else
+                             "zeros" if is_bias else "normal"), name  # fmt: skip
+        split = ("qkv", "proj.weight", "fc1", "fc2.weight", "word", "head.weight")
+        assert (info.shard is not None) == any(k in name for k in split), name
+        assert info.tied_to is None

@@ -8,9 +8,16 @@ import torch
 
 from megatronish.config.compose import load_config
 from megatronish.config.validate import ConfigError
-from megatronish.stop import DEADLINE, NO_STOP, SIGNAL, StopRequest, deadline_after, parse_signals
 from megatronish.testing.multiproc import run_world
 from megatronish.testing.runs import build_trainer
+from megatronish.training.stop import (
+    DEADLINE,
+    NO_STOP,
+    SIGNAL,
+    StopRequest,
+    deadline_after,
+    parse_signals,
+)
 
 
 class FakeClock:
@@ -83,15 +90,18 @@ def test_bad_stop_signal_config_exits_2_before_anything_starts(capsys):
     assert "SIGBOGUS" in err and "Traceback" not in err
 
 
+def step_clock(box: list):
+    """A clock that reads one "minute" per step of the trainer put in ``box`` (0 before)."""
+    return lambda: 60.0 * box[0].state.step if box else 0.0
+
+
 def _stop_on_one_rank(rank, world, ckpt_dir, stop_rank, stop_after):
     """Rank ``stop_rank`` passes its deadline after step ``stop_after``; the others never do."""
-    from megatronish.checkpoint.save import CheckpointSaver
-
-    trainer = build_trainer(rank, world, [f"checkpoint.dir={ckpt_dir}"], steps=20)
-    trainer.saver = CheckpointSaver(trainer.cfg, trainer)
-    clock = lambda: 60.0 * trainer.state.step  # one "minute" per step  # noqa: E731
     minutes = stop_after if rank == stop_rank else None
-    trainer.stop = StopRequest(exit_after_minutes=minutes, clock=clock)
+    stop = StopRequest(exit_after_minutes=minutes, clock=step_clock(box := []))
+    trainer = build_trainer(rank, world, [f"checkpoint.dir={ckpt_dir}"], steps=20, saving=True,
+                            stop=stop)  # fmt: skip
+    box.append(trainer)
     history = trainer.fit()
     return len(history), trainer.state.step, trainer.stop.reason
 
@@ -108,8 +118,7 @@ def _world_all_reduces(rank, world):
     """World all-reduces of a 4-step fit without and with a (never firing) stop check."""
     calls = []
     for stop in (None, StopRequest()):
-        trainer = build_trainer(rank, world, [], steps=4)
-        trainer.stop = stop
+        trainer = build_trainer(rank, world, [], steps=4, stop=stop)
         trainer.fit()
         calls.append(trainer.topo.stats.calls.get(("world", "all_reduce"), 0))
     return calls
@@ -121,10 +130,10 @@ def test_the_stop_check_costs_one_all_reduce_per_step():
 
 
 def test_a_stop_right_after_a_skipped_step_does_not_save_it(tmp_path):
-    from megatronish.checkpoint.save import CheckpointSaver
-
-    trainer = build_trainer(0, 1, [f"checkpoint.dir={tmp_path}", "checkpoint.interval=2"], 20)
-    trainer.saver = CheckpointSaver(trainer.cfg, trainer)
+    stop = StopRequest(exit_after_minutes=3, clock=step_clock(box := []))
+    overrides = [f"checkpoint.dir={tmp_path}", "checkpoint.interval=2"]
+    trainer = build_trainer(0, 1, overrides, 20, saving=True, stop=stop)
+    box.append(trainer)
     inner = trainer.forward_backward
 
     def nan_loss_at_step_3(chunks, microbatches, **kw):
@@ -134,7 +143,6 @@ def test_a_stop_right_after_a_skipped_step_does_not_save_it(tmp_path):
         return losses
 
     trainer.forward_backward = nan_loss_at_step_3
-    trainer.stop = StopRequest(exit_after_minutes=3, clock=lambda: 60.0 * trainer.state.step)
     trainer.fit()
     assert trainer.state.step == 3 and trainer.state.skipped_in_a_row == 1
     assert trainer.stop.reason == "trainer.exit_after_minutes=3 reached"

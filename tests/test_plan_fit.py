@@ -46,7 +46,7 @@ def test_nothing_fits_says_so():
 
 
 def _check_on_every_rank(rank, world, low_rank):
-    from megatronish.job import check_memory_fits
+    from megatronish.training.job import check_memory_fits
 
     if rank == low_rank:  # one host with too little free memory
         devices.available_ram_bytes = lambda meminfo=None: 64 * 2**20

@@ -6,9 +6,9 @@ import os
 import pytest
 
 from megatronish.config.validate import ConfigError, check_config
-from megatronish.profiling import trace_path
 from megatronish.testing import runs
 from megatronish.testing.multiproc import run_world
+from megatronish.training.profiling import trace_path
 
 
 def profiled_run(rank, world, overrides, steps, profile_dir):

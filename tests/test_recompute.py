@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from megatronish.recompute import recompute_segments
+from megatronish.model.recompute import recompute_segments
 from megatronish.testing.multiproc import run_world
 from megatronish.testing.runs import losses_of, merge_params, train_layout
 

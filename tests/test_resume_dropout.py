@@ -32,14 +32,8 @@ DP2_ZERO1 = ["parallel.zero_stage=1"]
 
 
 @pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    """The small standard-library corpus and its tokenizer, built once in the parent."""
-    from megatronish.data.build import build_datasets
-
-    cache = tmp_path_factory.mktemp("corpus")
-    cfg = load_config([*RUN, f"data.cache_dir={cache}"])
-    build_datasets(cfg.data, cfg.model.seq_length, cfg.trainer.seed)
-    return cache
+def cache_dir(stdlib_cache):
+    return stdlib_cache
 
 
 def _train(rank, world, cfg):

@@ -93,8 +93,8 @@ def test_rectangles_of_any_layout(tmp_path, saved_tp, verify):
                 local = torch.full(p.shape, float("nan"))
                 for rect in param_rects(p, rank, tp):
                     reader.read(name, rect.offsets, out=rect.take(local))
-                assert torch.equal(local, p.tp_shard.take(full[name], rank, tp)
-                                   if p.tp_shard else full[name]), (name, tp, rank)  # fmt: skip
+                assert torch.equal(local, p.info.shard.take(full[name], rank, tp)
+                                   if p.info.shard else full[name]), (name, tp, rank)  # fmt: skip
         # a rectangle cut on both dims, into a transposed (non-contiguous) destination
         cut = torch.empty(4, 3).t()
         reader.read("proj", [[0, 3], [2, 4]], out=cut)
@@ -128,7 +128,7 @@ def test_read_many_on_several_threads(tmp_path, verify):
             local = torch.full(p.shape, float("nan"))
             requests += [(name, r.offsets, r.take(local)) for r in param_rects(p, rank, tp)]
             expect.append(
-                (local, p.tp_shard.take(full[name], rank, tp) if p.tp_shard else full[name])
+                (local, p.info.shard.take(full[name], rank, tp) if p.info.shard else full[name])
             )
     with ShardReader(str(tmp_path), meta, verify=verify, threads=3) as reader:
         reader.read_many(requests)
@@ -184,7 +184,7 @@ def test_zero_range_straddling_params(tmp_path, saved_tp, lo, hi):
     for _, p in params:
         offsets.append(pos)
         pos += p.numel()
-    expect = torch.cat([(p.tp_shard.take(full[n], rank, tp) if p.tp_shard else full[n]).reshape(-1)
+    expect = torch.cat([(p.info.shard.take(full[n], rank, tp) if p.info.shard else full[n]).reshape(-1)
                         for n, p in params])  # fmt: skip
     bucket = SimpleNamespace(params=params, offsets=offsets)
     topo = SimpleNamespace(coords=SimpleNamespace(tp=rank), tp=tp)

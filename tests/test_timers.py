@@ -5,11 +5,11 @@ import itertools
 import pytest
 import torch
 
-import megatronish.timers as timers_module
-from megatronish.progress import ProgressLogger, format_timers
+import megatronish.distributed.timers as timers_module
+from megatronish.distributed.timers import TIMER_NAMES, Timers, max_min_over_ranks, timer_metrics
 from megatronish.testing import runs
 from megatronish.testing.multiproc import run_world
-from megatronish.timers import TIMER_NAMES, Timers, max_min_over_ranks, timer_metrics
+from megatronish.training.progress import ProgressLogger, format_timers
 
 
 @pytest.fixture
@@ -149,13 +149,10 @@ class RecordingLogger(ProgressLogger):
 
 
 def logged_run(rank, world, overrides, steps, ckpt_dir=None):
-    from megatronish.checkpoint.save import CheckpointSaver
-
     extra = [f"checkpoint.dir={ckpt_dir}", "checkpoint.interval=2"] if ckpt_dir else []
-    trainer = runs.build_trainer(rank, world, ["logging.log_interval=2", *overrides, *extra], steps)
+    overrides = ["logging.log_interval=2", *overrides, *extra]
+    trainer = runs.build_trainer(rank, world, overrides, steps, saving=bool(ckpt_dir) or None)
     trainer.logger = RecordingLogger(trainer.cfg)
-    if ckpt_dir:
-        trainer.saver = CheckpointSaver(trainer.cfg, trainer)
     trainer.fit()
     return trainer.logger.records
 

@@ -41,7 +41,7 @@ def _column(rank, world, sp, blocks):
     y_ref.backward(dy)
 
     layer = ColumnParallelLinear(H, OUT, g, sequence_parallel=sp, blocks=blocks)
-    shard = layer.weight.tp_shard
+    shard = layer.weight.info.shard
     with torch.no_grad():
         layer.weight.copy_(shard.take(w, g.rank, g.size))
     x_in = (seq_shard(x, g) if sp else x).detach().requires_grad_(True)
@@ -108,13 +108,13 @@ def _embedding(rank, world, sp):
     F.embedding(ids, w_ref).backward(dy)
     layer = VocabParallelEmbedding(vocab, H, g, sequence_parallel=sp)
     with torch.no_grad():
-        layer.weight.copy_(layer.weight.tp_shard.take(w, g.rank, g.size))
+        layer.weight.copy_(layer.weight.info.shard.take(w, g.rank, g.size))
     y = layer(ids)
     y.backward(seq_shard(dy, g) if sp else dy)
     ref = F.embedding(ids, w)
     torch.testing.assert_close(y, seq_shard(ref, g) if sp else ref)
     torch.testing.assert_close(
-        layer.weight.grad, layer.weight.tp_shard.take(w_ref.grad, g.rank, g.size)
+        layer.weight.grad, layer.weight.info.shard.take(w_ref.grad, g.rank, g.size)
     )
     return True
 

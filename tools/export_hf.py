@@ -58,8 +58,8 @@ def export(ckpt: str, out_dir: str, vocab_size: int | None = None, dtype: str = 
     from safetensors.torch import save_file
 
     from megatronish.checkpoint.format import read_metadata, resolve_step_dir
-    from megatronish.checkpoint.hf import to_hf
     from megatronish.checkpoint.shard_reader import ShardReader
+    from megatronish.hf.to_hf import to_hf
 
     step_dir = resolve_step_dir(ckpt)
     meta = read_metadata(step_dir)

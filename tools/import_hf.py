@@ -119,7 +119,7 @@ def special_tokens_of(hf_config: dict) -> dict:
 def import_hf(hf_dir: str, ckpt_dir: str, seq_length: int | None = None,
               force: bool = False) -> tuple[dict, str]:  # fmt: skip
     """Convert ``hf_dir`` into ``ckpt_dir``; returns ``(model config, step dir)``."""
-    from megatronish.checkpoint.hf import from_hf
+    from megatronish.hf.from_hf import from_hf
 
     ckpt_dir = os.path.expanduser(ckpt_dir)
     found = existing_checkpoints(ckpt_dir)
@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run the import; returns the exit code."""
     args = parse_args(argv)
     _importable()
-    from megatronish.checkpoint.hf import override_args
+    from megatronish.hf.common import override_args
 
     try:
         model_cfg, step_dir = import_hf(args.hf_dir, args.ckpt_dir, args.seq_length, args.force)

@@ -81,7 +81,7 @@ MUTANTS = [
     Mutant(
         "loss-scale",
         "microbatch losses not scaled by 1/num_microbatches",
-        "megatronish/trainer.py",
+        "megatronish/training/trainer.py",
         (("loss_scale=1.0 / len(batches)", "loss_scale=1.0"),),
         (REF,),
     ),
@@ -95,7 +95,7 @@ MUTANTS = [
     Mutant(
         "unsharded-adam",
         "Adam moments sized for whole buckets under ZeRO",
-        "megatronish/trainer.py",
+        "megatronish/training/trainer.py",
         (
             (
                 "[shard.numel() for shard, _, _ in self.zero.optimizer_shards()]",
@@ -108,7 +108,7 @@ MUTANTS = [
         "decay-on-norms",
         "weight decay applied to norm weights",
         "megatronish/optim/zero.py",
-        (('lambda n, p: not getattr(p, "no_weight_decay", False)', "lambda n, p: True"),),
+        (("lambda n, p: param_info(p).weight_decay", "lambda n, p: True"),),
         (REF,),
     ),
     Mutant(
@@ -121,7 +121,7 @@ MUTANTS = [
     Mutant(
         "clip-always",
         "grads scaled to max_norm even when the norm is below it",
-        "megatronish/trainer.py",
+        "megatronish/training/trainer.py",
         (("if max_norm > 0 and norm > max_norm:", "if max_norm > 0:"),),
         (REF,),
     ),
@@ -154,7 +154,7 @@ MUTANTS = [
     Mutant(
         "export-rope-theta",
         "HF export writes the default rope_theta",
-        "megatronish/checkpoint/hf.py",
+        "megatronish/hf/to_hf.py",
         (
             ('"rope_theta": spec.rope_theta,', '"rope_theta": 10000.0,'),
             ('"rope_theta": spec.rope_theta}', '"rope_theta": 10000.0}'),
@@ -171,7 +171,7 @@ MUTANTS = [
     Mutant(
         "precision-ignored",
         "trainer.precision=bf16 ignored: params and compute stay fp32",
-        "megatronish/trainer.py",
+        "megatronish/training/trainer.py",
         (("self.param_dtype = DTYPES[cfg.trainer.precision]", "self.param_dtype = torch.float32"),),
         (
             "tests/test_bf16.py::test_every_matmul_and_attention_kernel_runs_in_the_configured_precision",
@@ -181,13 +181,13 @@ MUTANTS = [
         "sp-norm-grad-sum",
         "sequence-parallel norm grads not summed over tp",
         "megatronish/optim/buckets.py",
-        (('return bool(getattr(p, "sequence_parallel", False)) or tied', "return tied"),),
+        (("return param_info(p).sequence_parallel or tied", "return tied"),),
         ("tests/test_tp_parity.py::test_tp_sp_matches_serial",),
     ),
     Mutant(
         "dp-same-samples",
         "every dp rank reads the same samples",
-        "megatronish/trainer.py",
+        "megatronish/training/trainer.py",
         (("start = first_sample + self.topo.coords.dp * per_rank", "start = first_sample"),),
         ("tests/test_training.py::test_data_parallel_matches_one_process",),
     ),
@@ -201,14 +201,14 @@ MUTANTS = [
     Mutant(
         "recompute-rng",
         "recomputed forward draws new dropout masks",
-        "megatronish/recompute.py",
+        "megatronish/model/recompute.py",
         (("        rng.load_state_dict(snapshot)\n", "        pass\n"),),
         ("tests/test_recompute.py",),
     ),
     Mutant(
         "eval-in-train-mode",
         "validation runs with dropout on",
-        "megatronish/trainer.py",
+        "megatronish/training/trainer.py",
         (
             (
                 "        for c in self.chunks:\n            c.eval()",
@@ -220,7 +220,7 @@ MUTANTS = [
     Mutant(
         "dp-loss-mean",
         "reported loss summed over dp ranks, not averaged",
-        "megatronish/trainer.py",
+        "megatronish/training/trainer.py",
         (("return (mean / self.topo.dp).item()", "return mean.item()"),),
         ("tests/test_training.py::test_data_parallel_matches_one_process",),
     ),

@@ -7,6 +7,7 @@ from torch import nn
 
 from megatronish.distributed.comm import all_gather_dim0
 from megatronish.distributed.topology import Topology
+from megatronish.tensor_parallel.sharding import param_info
 
 
 @torch.no_grad()
@@ -18,9 +19,9 @@ def gather_tp_params(chunks: list[nn.Module], topo: Topology) -> dict[str, torch
     out = {}
     for chunk in chunks:
         for name, p in chunk.named_parameters():
-            if getattr(p, "tied_to", None):
+            if param_info(p).tied_to:
                 continue
-            shard = getattr(p, "tp_shard", None)
+            shard = param_info(p).shard
             if shard is None or topo.tp == 1:
                 out[name] = p.detach().clone().cpu()
                 continue

@@ -18,7 +18,7 @@ from torch import nn
 
 from megatronish.distributed.comm import all_gather_into
 from megatronish.optim.buckets import Bucket
-from megatronish.tensor_parallel.sharding import global_shape
+from megatronish.tensor_parallel.sharding import global_shape, param_info
 
 
 @dataclass
@@ -49,7 +49,7 @@ class Rect:
 def param_rects(p: nn.Parameter, tp_rank: int, tp: int) -> list[Rect]:
     """The global rectangles covered by this rank's shard of ``p``."""
     shape = global_shape(p, tp)
-    shard = getattr(p, "tp_shard", None)
+    shard = param_info(p).shard
     if shard is None:
         return [Rect([[0, n] for n in shape], 0, 0, shape[0] if shape else 1)]
     rects, local = [], 0
@@ -111,7 +111,7 @@ def range_requests(
 
 def saved_name(name: str, p: nn.Parameter) -> str:
     """The global name a parameter is stored under (a tied head copy is its embedding)."""
-    return getattr(p, "tied_to", None) or name
+    return param_info(p).tied_to or name
 
 
 def writes(name: str, p: nn.Parameter, bucket: Bucket, offset: int, tp_rank: int) -> bool:
@@ -120,9 +120,9 @@ def writes(name: str, p: nn.Parameter, bucket: Bucket, offset: int, tp_rank: int
     Tied head copies are never written (the embedding is); tp-replicated params by tp rank 0;
     among dp replicas, the rank whose ZeRO shard holds the param's first element.
     """
-    if getattr(p, "tied_to", None):
+    if param_info(p).tied_to:
         return False
-    if getattr(p, "tp_shard", None) is None and tp_rank != 0:
+    if param_info(p).shard is None and tp_rank != 0:
         return False
     return min(offset // bucket.shard_size, bucket.dp - 1) == bucket.dp_rank
 

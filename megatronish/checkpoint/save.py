@@ -19,6 +19,7 @@ import json
 import os
 import shutil
 import threading
+from dataclasses import dataclass
 
 import torch
 from omegaconf import OmegaConf
@@ -152,6 +153,16 @@ def merge_and_publish(ckpt_dir: str, tmp_dir: str, step: int, world: int, header
         shutil.rmtree(old, ignore_errors=True)
     prune(ckpt_dir, keep_last, keep=step_dir_name(step))
     return final
+
+
+@dataclass(frozen=True)
+class Saving:
+    """What a Trainer's checkpoints record besides its own state: the RNG tracker whose streams
+    they hold, the logging run id, and the tokenizer's special token ids (for exports)."""
+
+    rng: object | None = None  # an RNGTracker
+    run_id: str | None = None
+    special_tokens: dict | None = None
 
 
 class CheckpointSaver:

@@ -170,17 +170,7 @@ def config_errors(
             f"model.seq_length={m.seq_length} is not divisible by parallel.tp={p.tp}, "
             "which sequence parallelism (parallel.sp=true) needs"
         )
-    vocab = m.vocab_size or vocab_size
-    if vocab is not None and pad_vocab(vocab, m.make_vocab_size_divisible_by) % p.tp:
-        errors.append(
-            f"padded vocab {pad_vocab(vocab, m.make_vocab_size_divisible_by)} is not divisible "
-            f"by parallel.tp={p.tp}; set model.make_vocab_size_divisible_by to a multiple of tp"
-        )
-    if m.vocab_size is not None and vocab_size is not None and vocab_size > m.vocab_size:
-        errors.append(
-            f"the tokenizer has {vocab_size} tokens but model.vocab_size={m.vocab_size}; "
-            "set model.vocab_size=null to take the tokenizer's"
-        )
+    errors += vocab_errors(cfg, vocab_size)
     if m.max_position_embeddings is not None and m.seq_length > m.max_position_embeddings:
         errors.append(
             f"model.seq_length={m.seq_length} exceeds model.max_position_embeddings="
@@ -290,6 +280,25 @@ def config_errors(
         )
     if not 0.0 < d.valid_fraction < 1.0:
         errors.append(f"data.valid_fraction={d.valid_fraction} must be in (0, 1)")
+    return errors
+
+
+def vocab_errors(cfg, vocab_size: int | None) -> list[str]:
+    """The rules that need the vocabulary: ``model.vocab_size``, or the tokenizer's
+    ``vocab_size`` once it is loaded (the rest of :func:`config_errors` does not)."""
+    m, tp = cfg.model, cfg.parallel.tp
+    errors = []
+    vocab = m.vocab_size or vocab_size
+    if vocab is not None and pad_vocab(vocab, m.make_vocab_size_divisible_by) % tp:
+        errors.append(
+            f"padded vocab {pad_vocab(vocab, m.make_vocab_size_divisible_by)} is not divisible "
+            f"by parallel.tp={tp}; set model.make_vocab_size_divisible_by to a multiple of tp"
+        )
+    if m.vocab_size is not None and vocab_size is not None and vocab_size > m.vocab_size:
+        errors.append(
+            f"the tokenizer has {vocab_size} tokens but model.vocab_size={m.vocab_size}; "
+            "set model.vocab_size=null to take the tokenizer's"
+        )
     return errors
 
 

@@ -111,3 +111,11 @@ def train_sentencepiece(
             f"{str(e).rstrip('.')}. Use a smaller vocab size or more text."
         ) from e
     return model_prefix + ".model"
+
+
+def tokenizer_vocab_size(data_cfg) -> int:
+    """The vocabulary of ``data_cfg``'s tokenizer without building any data (dry runs, the
+    planner): an existing model's, or the size a built-in corpus tokenizer will be trained to."""
+    if data_cfg.source == "indexed" and data_cfg.tokenizer_model:
+        return Tokenizer(data_cfg.tokenizer_model).vocab_size
+    return data_cfg.vocab_size

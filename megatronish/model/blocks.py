@@ -29,13 +29,13 @@ class Norm(nn.Module):
         sp = tp.sequence_parallel
         self.weight = mark_param(
             nn.Parameter(torch.empty(spec.hidden_size, device=device)),
-            init="ones", sequence_parallel=sp, no_weight_decay=True,
+            init="ones", sequence_parallel=sp, weight_decay=False,
         )  # fmt: skip
         self.bias = None
         if not self.rms:
             self.bias = mark_param(
                 nn.Parameter(torch.empty(spec.hidden_size, device=device)),
-                init="zeros", sequence_parallel=sp, no_weight_decay=True,
+                init="zeros", sequence_parallel=sp, weight_decay=False,
             )  # fmt: skip
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -13,13 +13,13 @@ from torch import nn
 
 from megatronish.model.blocks import Norm, TransformerBlock, rope_tables
 from megatronish.model.linear_cross_entropy import linear_cross_entropy
+from megatronish.model.recompute import checkpointed
 from megatronish.model.spec import ModelSpec
-from megatronish.recompute import checkpointed
 from megatronish.tensor_parallel.context import TPContext
 from megatronish.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatronish.tensor_parallel.layers import VocabParallelEmbedding
 from megatronish.tensor_parallel.mappings import copy_to_tp, gather_from_sp
-from megatronish.tensor_parallel.sharding import TPShard, mark_param
+from megatronish.tensor_parallel.sharding import TPShard, mark_param, update_param_info
 
 
 class Embedding(nn.Module):
@@ -72,7 +72,8 @@ class Head(nn.Module):
                 shard=TPShard(dim=0, blocks=(spec.padded_vocab_size,)), std=spec.init_std,
             )  # fmt: skip
             # A tied head on another stage starts equal to (and is initialised as) the embedding.
-            self.weight.tied_to = "embedding.word.weight" if spec.tie_embeddings else None
+            tied = "embedding.word.weight" if spec.tie_embeddings else None
+            update_param_info(self.weight, tied_to=tied)
 
     @property
     def output_weight(self) -> nn.Parameter:
@@ -126,7 +127,7 @@ class GPTChunk(nn.Module):
         self.embedding = Embedding(spec, tp, device) if first else None
         self.layers = nn.ModuleDict({str(i): TransformerBlock(spec, tp, device) for i in layer_ids})
         self.head = Head(spec, tp, self.embedding, device) if last else None
-        # (start, end, checkpointed) runs of layers; see megatronish.recompute.
+        # (start, end, checkpointed) runs of layers; see megatronish.model.recompute.
         self.segments = [(0, len(self.layers), False)]
         self.recompute_rng = None
         self._rope = None

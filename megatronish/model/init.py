@@ -12,7 +12,7 @@ import zlib
 import torch
 from torch import nn
 
-from megatronish.tensor_parallel.sharding import global_shape
+from megatronish.tensor_parallel.sharding import global_shape, param_info
 
 
 def param_seed(seed: int, name: str) -> int:
@@ -26,15 +26,15 @@ def init_parameters(module: nn.Module, seed: int, tp_rank: int, tp_size: int) ->
     for name, p in module.named_parameters():
         if p.device.type == "meta":
             continue
-        kind = getattr(p, "init_kind", "normal")
+        kind = param_info(p).init
         if kind == "ones":
             p.fill_(1.0)
         elif kind == "zeros":
             p.zero_()
         else:
-            key = getattr(p, "tied_to", None) or name
+            key = param_info(p).tied_to or name
             gen = torch.Generator(device=p.device).manual_seed(param_seed(seed, key))
             full = torch.empty(global_shape(p, tp_size), device=p.device, dtype=torch.float32)
-            full.normal_(0.0, getattr(p, "init_std", 0.02), generator=gen)
-            shard = getattr(p, "tp_shard", None)
+            full.normal_(0.0, param_info(p).std, generator=gen)
+            shard = param_info(p).shard
             p.copy_(full if shard is None else shard.take(full, tp_rank, tp_size))

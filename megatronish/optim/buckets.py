@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from megatronish.optim.param_units import chunk_visits
+from megatronish.tensor_parallel.sharding import param_info
 
 
 @dataclass
@@ -80,7 +81,7 @@ FIRST_BUCKET_BYTES = 1 << 20
 
 def needs_model_parallel_sum(p: nn.Parameter, tied: bool) -> bool:
     """Grads summed over tp (sequence-parallel params) or the embedding group (tied copies)."""
-    return bool(getattr(p, "sequence_parallel", False)) or tied
+    return param_info(p).sequence_parallel or tied
 
 
 def plan_buckets(

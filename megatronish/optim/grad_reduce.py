@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from megatronish.distributed.comm import ParallelGroup, all_reduce, reduce_scatter_into
-from megatronish.timers import Timers
+from megatronish.distributed.timers import Timers
 
 MAX_IN_FLIGHT = 1  # zero 2/3: reductions outstanding while the next bucket fills
 

@@ -7,6 +7,7 @@ from torch import nn
 
 from megatronish.distributed.comm import ParallelGroup, all_reduce
 from megatronish.distributed.topology import Topology
+from megatronish.tensor_parallel.sharding import param_info
 
 
 def flat_all_reduce(tensors: list[torch.Tensor], group: ParallelGroup, op: str = "sum") -> None:
@@ -27,8 +28,8 @@ def counts_in_norm(name: str, p: nn.Parameter, topo: Topology) -> bool:
     Every parameter is counted exactly once: tp-replicated params only on tp rank 0, a tied head
     copy never (its embedding on the first stage counts).
     """
-    if getattr(p, "tied_to", None):
+    if param_info(p).tied_to:
         return False
-    if getattr(p, "tp_shard", None) is None and topo.coords.tp != 0:
+    if param_info(p).shard is None and topo.coords.tp != 0:
         return False
     return True

@@ -22,8 +22,8 @@ from __future__ import annotations
 import torch
 
 from megatronish.distributed.comm import ParallelGroup, all_gather_into
+from megatronish.distributed.timers import Timers
 from megatronish.optim.param_units import ParamUnit, Visit, install_visit_hooks
-from megatronish.timers import Timers
 
 
 def resize_storage(t: torch.Tensor, numel: int) -> None:

@@ -35,13 +35,14 @@ import torch
 from torch import nn
 
 from megatronish.distributed.comm import all_gather_into, all_reduce
+from megatronish.distributed.timers import Timers
 from megatronish.distributed.topology import Topology
 from megatronish.optim.buckets import Bucket, plan_chunk_buckets
 from megatronish.optim.grad_reduce import GradReducer
 from megatronish.optim.grads import counts_in_norm, flat_all_reduce
 from megatronish.optim.param_gather import ParamGatherer, resize_storage
 from megatronish.optim.param_units import chunk_visits
-from megatronish.timers import Timers
+from megatronish.tensor_parallel.sharding import param_info
 
 
 class ZeroDataParallel:
@@ -72,7 +73,7 @@ class ZeroDataParallel:
         for i, chunk in enumerate(chunks):
             buckets = plan_chunk_buckets(
                 chunk, int(bucket_mb * 2**20), dp.size, dp.rank,
-                lambda n, p, tied=tied_names: n in tied or bool(getattr(p, "tied_to", None)),
+                lambda n, p, tied=tied_names: n in tied or bool(param_info(p).tied_to),
                 topo.device, per_unit=stage >= 2,
             )  # fmt: skip
             for b in buckets:
@@ -130,7 +131,7 @@ class ZeroDataParallel:
             self._new_grad_buffer(b)
         if self.stage >= 2:  # the reduced shard outlives the full buffers
             b.grad_shard = torch.zeros(hi - lo, device=b.device)
-        b.decay_ranges = b.ranges(lambda n, p: not getattr(p, "no_weight_decay", False), lo, hi)
+        b.decay_ranges = b.ranges(lambda n, p: param_info(p).weight_decay, lo, hi)
         b.norm_ranges = b.ranges(lambda n, p: counts_in_norm(n, p, self.topo), lo, hi)
         for _, p in b.params:
             p.register_post_accumulate_grad_hook(self._make_hook(b))
@@ -265,15 +266,13 @@ class ZeroDataParallel:
             ):
                 self._launch(b)
         late = [b for b in self.buckets if b.late]
-        sp = [
-            p.main_grad for b in late for _, p in b.params if getattr(p, "sequence_parallel", False)
-        ]
+        sp = [p.main_grad for b in late for _, p in b.params if param_info(p).sequence_parallel]
         flat_all_reduce(sp, self.topo.tp_group)
         tied = [
             p.main_grad
             for b in late
             for n, p in b.params
-            if n in self._tied_names(self.chunks, self.topo) or getattr(p, "tied_to", None)
+            if n in self._tied_names(self.chunks, self.topo) or param_info(p).tied_to
         ]
         flat_all_reduce(tied, self.topo.embedding_group)  # fmt: skip
         for b in late:

@@ -19,12 +19,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from megatronish.distributed.timers import Timers
 from megatronish.distributed.topology import Topology
 from megatronish.pipeline.grouping import Step, forward_only_steps, training_steps
 from megatronish.pipeline.no_pipeline import NO_PARAM_HOOKS
 from megatronish.pipeline.p2p import BatchedP2P, P2PCommunicator
 from megatronish.pipeline.posting import GroupPoster, Posted
-from megatronish.timers import Timers
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from megatronish.timers import Timers
+from megatronish.distributed.timers import Timers
 
 
 def forward_backward_no_pipeline(

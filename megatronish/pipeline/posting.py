@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
+from megatronish.distributed.timers import Timers
 from megatronish.pipeline.p2p import P2PCommunicator, P2PWork, Transfer
 from megatronish.pipeline.schedule import Op, message
-from megatronish.timers import Timers
 
 Record = Callable[[str, float, float], None]  # (event name, start, end) in perf_counter seconds
 

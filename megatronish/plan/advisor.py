@@ -2,8 +2,8 @@
 
 :func:`advise` enumerates every layout the trainer accepts
 (:func:`~megatronish.plan.candidates.valid_layouts`), plans each one's memory and communication
-(:class:`~megatronish.plan.plan_cache.PlanCache`, the same numbers as ``make_plan``), drops those
-whose peak plus the runtime's own bytes exceeds the device, and ranks the rest by
+(:class:`~megatronish.plan.estimate.Planner` on representative stages: ``make_plan``'s peak),
+drops those whose peak plus the runtime's own bytes exceeds the device, and ranks the rest by
 :func:`~megatronish.plan.step_time.step_time`. Layouts are planned in order of a lower bound of
 their step time (:func:`~megatronish.plan.step_time.lower_bound`, which needs no memory plan);
 once the fastest layouts of ``top + 1`` (tp, pp) combinations that fit are known, a layout whose
@@ -21,9 +21,8 @@ from dataclasses import dataclass
 
 from megatronish.model.spec import ModelSpec
 from megatronish.plan.candidates import valid_layouts
-from megatronish.plan.estimate import Plan
+from megatronish.plan.estimate import Plan, Planner
 from megatronish.plan.layout import Layout
-from megatronish.plan.plan_cache import PlanCache
 from megatronish.plan.step_time import Hardware, StepTime, lower_bound, step_time
 
 RECOMPUTE_ORDER = {"none": 0, "selective": 1, "full": 2}
@@ -88,7 +87,7 @@ def advise(
     (the last listed one needs a runner-up)."""
     layouts = valid_layouts(cfg, world_size, spec.vocab_size)
     bounds = sorted((lower_bound(spec, lay, hw), i) for i, lay in enumerate(layouts))
-    cache = PlanCache(spec)
+    planner = Planner(spec)
     ranked: list[Ranked] = []
     best: dict[tuple, float] = {}  # fastest time of each shape
     bar = math.inf  # the (top + 1)-th fastest shape's time
@@ -97,7 +96,7 @@ def advise(
     for bound, i in bounds:
         if bound > bar:
             break
-        plan = cache.plan(layouts[i])
+        plan = planner.plan(layouts[i], representative=True)
         planned += 1
         if not plan.fits(device_bytes, runtime_bytes):
             too_big += 1

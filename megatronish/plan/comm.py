@@ -14,6 +14,7 @@ from megatronish.optim.buckets import Bucket
 from megatronish.plan.layout import Layout
 from megatronish.plan.states import FP32, meta_chunks
 from megatronish.plan.zero3_gather import ChunkUnits, gathers_per_microbatch
+from megatronish.tensor_parallel.sharding import param_info
 
 
 def tp_volume(
@@ -63,9 +64,7 @@ def tp_volume(
 
 def _sequence_parallel_numel(chunks: list) -> int:
     """Elements of replicated params fed by sequence shards (grads summed over tp once)."""
-    return sum(
-        p.numel() for c in chunks for p in c.parameters() if getattr(p, "sequence_parallel", False)
-    )
+    return sum(p.numel() for c in chunks for p in c.parameters() if param_info(p).sequence_parallel)
 
 
 def dp_volume(

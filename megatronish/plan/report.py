@@ -1,9 +1,26 @@
-"""Human-readable text of a :class:`~megatronish.plan.estimate.Plan`."""
+"""What the planner prints and writes: the plan of a layout, the advisor's table, and an advised
+layout as a Hydra ``parallel`` group file with the command line to run it.
+
+The group file holds the ``parallel`` keys (dp stays null: derived from the world size). The
+layout's trainer keys (micro batch size, recompute) belong to another group, so the file's header
+lists them and :func:`run_overrides` adds them to the command line. Experiments are applied after
+the config groups, so an experiment that sets ``parallel`` keys itself (``gpt_1b``, ``gpt_7b``)
+would override ``parallel=NAME``; :func:`run_overrides` composes the command to check, and falls
+back to explicit ``parallel.*`` overrides when the group file would be overridden.
+"""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from megatronish.config import compose
+from megatronish.plan.advisor import Advice, Ranked, reason
 from megatronish.plan.devices import GiB
 from megatronish.plan.estimate import Plan
+from megatronish.plan.layout import Layout
+from megatronish.plan.step_time import TERMS, Hardware
+
+# -- the plan of one layout
 
 
 def gib(n: float) -> str:
@@ -72,3 +89,159 @@ def plan_report(
                 f"  at {mfu:.0%} MFU: {t:.2f} s per step, {plan.tokens_per_step / t:,.0f} tokens/s"
             )
     return "\n".join(lines)
+
+
+# -- the advisor's table
+
+
+def hardware_line(hw: Hardware, world_size: int, device_bytes: int, runtime_bytes: int) -> str:
+    """The inputs of the model in one sentence."""
+    nodes = -(-world_size // hw.gpus_per_node)
+    where = (
+        f"{hw.shared_cores:g} shared cores"
+        if hw.shared_cores
+        else f"{nodes} node(s) of {hw.gpus_per_node}"
+    )
+    return (
+        f"{world_size} ranks on {where}; {device_bytes / GiB:.2f} GiB per device "
+        f"(runtime {runtime_bytes / GiB:.2f} GiB); {hw.peak_flops / 1e12:g} TFLOP/s peak at "
+        f"{hw.efficiency:.0%}; intra-node {hw.intra_node_bw / 1e9:g} GB/s, inter-node "
+        f"{hw.inter_node_bw / 1e9:g} GB/s, latency {hw.latency_s * 1e6:g} us"
+    )
+
+
+def _row(i: int, r: Ranked, nxt: Ranked | None, hw: Hardware) -> list[str]:
+    lay, t = r.layout, r.time
+    mfu = r.plan.model_flops_per_step / (t.total * hw.peak_flops * lay.world_size)
+    terms = [f"{t.terms()[k]:.3f}" for k in TERMS]
+    return [str(i), lay.describe(), f"{t.total:.3f}", f"{mfu:.1%}",
+            f"{r.plan.peak_bytes / GiB:.1f}", *terms, reason(r, nxt, hw)]  # fmt: skip
+
+
+COLUMNS = ["#", "layout", "step s", "MFU", "peak GiB", *(f"{k} s" for k in TERMS), "why"]
+
+
+def markdown(columns: list[str], rows: list[list[str]]) -> str:
+    """A markdown table with padded columns (readable as plain text too)."""
+    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(columns)]
+
+    def line(cells):
+        return "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"
+
+    return "\n".join([line(columns), line(["-" * w for w in widths]), *map(line, rows)])
+
+
+def advice_table(advice: Advice, hw: Hardware, top: int) -> str:
+    """The top ``top`` rows (one per (tp, pp), fastest first)."""
+    best = advice.best_of_each_shape()
+    rows = [
+        _row(i + 1, r, best[i + 1] if i + 1 < len(best) else None, hw)
+        for i, r in enumerate(best[:top])
+    ]
+    return markdown(COLUMNS, rows)
+
+
+def advice_report(
+    advice: Advice, hw: Hardware, top: int, world_size: int, device_bytes: int, runtime: int
+) -> str:
+    """What ``python -m megatronish.plan ... advise=true`` prints."""
+    best = advice.best_of_each_shape()
+    skipped = advice.valid - advice.planned
+    lines = [
+        hardware_line(hw, world_size, device_bytes, runtime),
+        f"{advice.valid} valid layouts; {advice.planned} planned ({skipped} could not reach the "
+        f"top {top}), {advice.too_big} of them do not fit, {len(advice.ranked)} do.",
+        f"Fastest layout of each tp/pp ({min(top, len(best))} of {len(best)} shown); the "
+        "terms add up to the step; 'why' compares a row with the next:",
+        "",
+        advice_table(advice, hw, top),
+    ]
+    return "\n".join(lines)
+
+
+# -- an advised layout as a parallel group file
+
+
+# Overrides of the user's command that the advised layout replaces.
+LAYOUT_KEYS = ("parallel", "trainer.micro_batch_size", "trainer.recompute", "world_size")
+
+
+def parallel_values(layout: Layout) -> dict[str, object]:
+    return {
+        "tp": layout.tp, "pp": layout.pp, "vpp": layout.vpp, "dp": None,
+        "sp": layout.sequence_parallel, "zero_stage": layout.zero_stage,
+    }  # fmt: skip
+
+
+def trainer_overrides(layout: Layout) -> list[str]:
+    out = [f"trainer.micro_batch_size={layout.micro_batch_size}"]
+    out.append(f"trainer.recompute={layout.recompute}")
+    if layout.recompute == "full":
+        out += [f"trainer.recompute_method={layout.recompute_method}",
+                f"trainer.recompute_num_layers={layout.recompute_num_layers}"]  # fmt: skip
+    return out
+
+
+def _yaml(value: object) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    return str(value)
+
+
+def parallel_file_text(layout: Layout, summary: str, command: str) -> str:
+    """The YAML text of the group file (``summary``: one line on where it comes from)."""
+    header = [
+        f"# {summary}",
+        f"# Layout: {layout.describe()} on {layout.world_size} ranks (dp is derived).",
+        "# It also needs these trainer keys (not part of the parallel group):",
+        f"#   {' '.join(trainer_overrides(layout))}",
+        f"# Run: {command}",
+    ]
+    body = [f"{k}: {_yaml(v)}" for k, v in parallel_values(layout).items()]
+    return "\n".join([*header, *body]) + "\n"
+
+
+def group_name(path: Path) -> str | None:
+    """``NAME`` when ``path`` is ``configs/parallel/NAME.yaml`` of this checkout, else None."""
+    parallel_dir = Path(compose.CONFIG_DIR) / "parallel"
+    path = path.resolve()
+    return path.stem if path.suffix == ".yaml" and path.parent == parallel_dir else None
+
+
+def _kept(overrides: list[str]) -> list[str]:
+    return [o for o in overrides if not o.lstrip("+~").startswith(LAYOUT_KEYS)]
+
+
+def run_overrides(overrides: list[str], layout: Layout, name: str | None) -> list[str]:
+    """Overrides that run ``layout``: the user's (less their layout keys), ``parallel=NAME``
+    when the group file ``name`` exists and wins, else explicit ``parallel.*`` keys, and the
+    trainer keys."""
+    kept = [*_kept(overrides), *trainer_overrides(layout)]
+    if name is not None:
+        candidate = [*kept, f"parallel={name}"]
+        try:
+            cfg = compose.load_config(candidate)
+        except Exception:  # noqa: BLE001 - e.g. an experiment that overrides the group itself
+            cfg = None
+        if cfg is not None and all(
+            cfg.parallel[k] == v for k, v in parallel_values(layout).items()
+        ):
+            return candidate
+    explicit = [f"parallel.{k}={_yaml(v)}" for k, v in parallel_values(layout).items()]
+    return [*kept, *explicit]
+
+
+def write_parallel_file(path: Path, layout: Layout, overrides: list[str], summary: str) -> str:
+    """Write the group file; returns the command line that runs the layout."""
+    name = group_name(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # Written first without a command, so that composing ``parallel=NAME`` can check it.
+    path.write_text(parallel_file_text(layout, summary, "(see below)"))
+    command = "python -m megatronish.train " + " ".join(run_overrides(overrides, layout, name))
+    command += f"   (on {layout.world_size} ranks: torchrun, srun or scripts/slurm/train.sbatch)"
+    if name is None:
+        command += f"; or copy this file to configs/parallel/ and use parallel={path.stem}"
+    path.write_text(parallel_file_text(layout, summary, command))
+    return command

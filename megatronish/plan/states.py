@@ -21,6 +21,7 @@ from megatronish.optim.grad_reduce import MAX_IN_FLIGHT
 from megatronish.plan.layout import Layout
 from megatronish.plan.zero3_gather import chunk_units, rank_peak_gathered
 from megatronish.tensor_parallel.context import TPContext
+from megatronish.tensor_parallel.sharding import param_info
 
 FP32 = 4
 
@@ -65,7 +66,7 @@ def tied_rule(chunk: GPTChunk, layout: Layout):
     tie = chunk.spec.tie_embeddings and layout.pp > 1
 
     def is_tied(name, p) -> bool:
-        return (tie and name == "embedding.word.weight") or bool(getattr(p, "tied_to", None))
+        return (tie and name == "embedding.word.weight") or bool(param_info(p).tied_to)
 
     return is_tied
 

@@ -46,7 +46,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from megatronish.metrics import matmul_params
+from megatronish.model.flops import matmul_params
 from megatronish.model.spec import ModelSpec
 from megatronish.pipeline.schedule import analytic_bubble
 from megatronish.plan import comm

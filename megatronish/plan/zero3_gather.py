@@ -14,10 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
+from megatronish.model.recompute import recompute_segments
 from megatronish.optim.buckets import plan_chunk_buckets
 from megatronish.optim.param_units import chunk_visits
 from megatronish.plan.layout import Layout
-from megatronish.recompute import recompute_segments
 
 
 @dataclass(frozen=True)

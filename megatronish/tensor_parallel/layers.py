@@ -61,7 +61,7 @@ class ColumnParallelLinear(nn.Module):
                 _empty(shard.local_size(group.size), device=device),
                 shard=shard,
                 init="zeros",
-                no_weight_decay=True,
+                weight_decay=False,
             )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -105,7 +105,7 @@ class RowParallelLinear(nn.Module):
                 _empty(out_features, device=device),
                 init="zeros",
                 sequence_parallel=sequence_parallel and group.size > 1,
-                no_weight_decay=True,
+                weight_decay=False,
             )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

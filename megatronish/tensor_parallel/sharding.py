@@ -8,7 +8,7 @@ between local shards and global tensors, so every layout sees the same global mo
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -48,35 +48,48 @@ class TPShard:
         return torch.cat(pieces, dim=self.dim)
 
 
-def mark_param(
-    p: torch.nn.Parameter,
-    *,
-    shard: TPShard | None = None,
-    init: str = "normal",
-    std: float = 0.02,
-    sequence_parallel: bool = False,
-    no_weight_decay: bool = False,
-) -> torch.nn.Parameter:
-    """Attach megatronish metadata to a parameter.
+@dataclass(frozen=True)
+class ParamInfo:
+    """What megatronish knows about a parameter beyond its tensor, one typed record per parameter.
 
-    - ``shard``: how it is split over tp (None: replicated on every tp rank).
-    - ``init``: ``normal`` (with ``std``), ``ones`` or ``zeros``.
-    - ``sequence_parallel``: replicated over tp but fed by sequence shards, so its grad must be
-      all-reduced over tp (norm weights and row-parallel biases under sp).
-    - ``no_weight_decay``: norms and biases.
+    Initialisation, ZeRO (buckets, weight decay, grad sums), the grad norm and checkpoints read
+    it through :func:`param_info`; a new property (an expert index, a context-parallel placement)
+    is one field here with its default.
     """
-    p.tp_shard = shard
-    p.init_kind = init
-    p.init_std = std
-    p.sequence_parallel = sequence_parallel
-    p.no_weight_decay = no_weight_decay
+
+    shard: TPShard | None = None  # how it is split over tp (None: replicated on every tp rank)
+    init: str = "normal"  # normal (with std), ones or zeros
+    std: float = 0.02
+    # Replicated over tp but fed by sequence shards, so its grad is all-reduced over tp (norm
+    # weights and row-parallel biases under sequence parallelism).
+    sequence_parallel: bool = False
+    weight_decay: bool = True  # False for norms and biases
+    tied_to: str | None = None  # global name of the parameter this one is a copy of
+
+
+UNMARKED = ParamInfo()
+
+
+def mark_param(p: torch.nn.Parameter, **fields) -> torch.nn.Parameter:
+    """Attach a :class:`ParamInfo` made of ``fields`` to ``p``; returns ``p``."""
+    p.info = ParamInfo(**fields)
     return p
+
+
+def param_info(p: torch.nn.Parameter) -> ParamInfo:
+    """``p``'s record (defaults for a parameter nothing marked)."""
+    return getattr(p, "info", UNMARKED)
+
+
+def update_param_info(p: torch.nn.Parameter, **changes) -> None:
+    """Change fields of ``p``'s record (e.g. the head's ``tied_to``, known to the model only)."""
+    p.info = replace(param_info(p), **changes)
 
 
 def global_shape(p: torch.nn.Parameter, tp: int) -> tuple[int, ...]:
     """Shape of the unsplit parameter."""
     shape = list(p.shape)
-    shard = getattr(p, "tp_shard", None)
+    shard = param_info(p).shard
     if shard is not None:
         shape[shard.dim] = sum(shard.blocks)
     assert shard is None or p.shape[shard.dim] * tp == shape[shard.dim]

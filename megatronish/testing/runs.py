@@ -63,24 +63,27 @@ def test_config(overrides: list[str], steps: int):
 
 
 def build_trainer(
-    rank: int, world: int, overrides: list[str], steps: int = 10, model=None, p2p=None
+    rank: int, world: int, overrides: list[str], steps: int = 10, model=None, p2p=None, **kw
 ):
     """A Trainer for the tiny test model (or ``model`` overrides) in the current world's layout.
 
     Collective when ``world > 1``. Data is :class:`PatternTokens` (no files). ``p2p``: the
-    pipeline's p2p factory (e.g. :class:`~megatronish.testing.strict_p2p.StrictP2P`).
+    pipeline's p2p factory (e.g. :class:`~megatronish.testing.strict_p2p.StrictP2P`); ``kw``
+    goes to the Trainer (``saving``, ``stop``).
     """
 
     cfg = test_config(overrides, steps) if model is None else load_config(
         [*model, f"trainer.max_steps={steps}", *overrides])  # fmt: skip
-    return trainer_for(cfg, rank, world, p2p=p2p)[0]
+    return trainer_for(cfg, rank, world, p2p=p2p, **kw)[0]
 
 
-def trainer_for(cfg, rank: int, world: int, device: torch.device | None = None, p2p=None):
+def trainer_for(cfg, rank: int, world: int, device: torch.device | None = None, p2p=None, **kw):
     """``(Trainer, its RNG tracker)`` for the composed ``cfg`` in the current world, on
-    ``device`` (default CPU), with :class:`PatternTokens` data. Collective when ``world > 1``."""
-    from megatronish.job import build_model
-    from megatronish.trainer import Trainer
+    ``device`` (default CPU), with :class:`PatternTokens` data. Collective when ``world > 1``.
+    ``kw`` goes to the Trainer; ``saving=True`` saves to ``checkpoint.dir`` with this RNG."""
+    from megatronish.checkpoint.save import Saving
+    from megatronish.training.job import build_model
+    from megatronish.training.trainer import Trainer
 
     check_config(cfg, world)
     d = derive(cfg, world)
@@ -92,7 +95,9 @@ def trainer_for(cfg, rank: int, world: int, device: torch.device | None = None, 
     rng.seed(cfg.trainer.seed, tp_rank=topo.coords.tp, pp_rank=topo.coords.pp)
     chunks = build_model(cfg, topo, d, spec, rng)
     data = PatternTokens(spec.vocab_size, spec.seq_length, seed=cfg.trainer.seed)
-    return Trainer(cfg, topo, spec, d, chunks, data, p2p=p2p), rng
+    if kw.get("saving") is True:
+        kw["saving"] = Saving(rng)
+    return Trainer(cfg, topo, spec, d, chunks, data, p2p=p2p, **kw), rng
 
 
 def train_layout(

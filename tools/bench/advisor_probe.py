@@ -16,8 +16,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from megatronish.metrics import measure_matmul_peak
 from megatronish.testing.multiproc import run_world
+from megatronish.training.peaks import measure_matmul_peak
 
 MATMUL = 1024
 SIZES = (1 << 17, 1 << 18, 1 << 19, 1 << 20, 1 << 22)  # bytes

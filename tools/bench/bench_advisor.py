@@ -56,7 +56,7 @@ LAYOUTS = [
     (8, ["parallel.tp=2", "parallel.pp=2", "trainer.micro_batch_size=2"]),
     (8, ["parallel.tp=4", "parallel.sp=true", "trainer.recompute=selective"]),
 ]
-# Measured phases (megatronish/timers.py) next to the model's terms.
+# Measured phases (megatronish/distributed/timers.py) next to the model's terms.
 PHASES = {
     "fwd+bwd": ("forward", "backward"),  # compute, recompute and tp communication
     "pp wait": ("pp_recv_wait", "pp_send_wait"),  # bubble and pipeline transfers

@@ -19,8 +19,9 @@ from mish import build_run, full_weights
 from reference_run import make_reference_run
 from sections import bench_cli, table
 
-from megatronish.metrics import flops_per_token, measure_matmul_peak
+from megatronish.model.flops import flops_per_token
 from megatronish.testing.reference_gpt import RefConfig, ReferenceGPT, load_megatronish_weights
+from megatronish.training.peaks import measure_matmul_peak
 
 NAME = "single"
 WARMUP = 2
@@ -138,7 +139,7 @@ def run(quick: bool = False) -> dict:
         f"not inflate. "
         f"Model: tiny llama (4 layers, hidden 128, 4 heads, 2 kv heads, ffn 352, vocab 4096, "
         f"seq 256), batch 8 ({first['tokens_per_step']} tokens per step). MFU counts "
-        f"6N + 12Lsh model FLOPs per token (`megatronish.metrics.flops_per_token`, "
+        f"6N + 12Lsh model FLOPs per token (`megatronish.model.flops.flops_per_token`, "
         f"{first['flops_per_step'] / first['tokens_per_step'] / 1e6:.2f} MFLOP) against the "
         f"best fp32 1024^3 matmul rate measured in the same run at the same thread count."
     )

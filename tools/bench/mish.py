@@ -12,7 +12,7 @@ from megatronish.distributed.topology import Topology
 from megatronish.model.spec import ModelSpec
 from megatronish.testing.runs import build_trainer
 from megatronish.testing.synthetic import PatternTokens
-from megatronish.trainer import Trainer
+from megatronish.training.trainer import Trainer
 
 # The CPU default model (configs/experiment/tiny.yaml -> configs/model/tiny.yaml) with the
 # stdlib tokenizer's vocabulary, one microbatch of 8 per step, a constant learning rate (so the

@@ -16,13 +16,13 @@ from dataclasses import dataclass, field
 import torch
 
 from megatronish.config.compose import load_config
-from megatronish.metrics import device_peak_flops
 from megatronish.model.spec import ModelSpec
 from megatronish.plan.devices import gpu_for_cuda_name
-from megatronish.precision import apply_fp32_matmul_setting
 from megatronish.tensor_parallel.random import RNGTracker
 from megatronish.testing.runs import trainer_for
-from megatronish.trainer import Trainer
+from megatronish.training.peaks import device_peak_flops
+from megatronish.training.precision import apply_fp32_matmul_setting
+from megatronish.training.trainer import Trainer
 
 GiB = 2**30
 FULL_SHAPE = ["+experiment=gpt_1b", "model.vocab_size=32000"]

@@ -1,9 +1,10 @@
 """Section 5: the step time and peak memory of each recompute policy.
 
 One trainer of the throughput section's model; before each of its steps the policy under test
-is installed on its chunks (``megatronish.recompute.apply_recompute``, what ``trainer.recompute``
-selects at build time), so the policies are timed interleaved on the same weights. Then one step
-per policy measures its peak memory (CUDA), set against the planner's peak for that policy.
+is installed on its chunks (``megatronish.model.recompute.apply_recompute``, what
+``trainer.recompute`` selects at build time), so the policies are timed interleaved on the same
+weights. Then one step per policy measures its peak memory (CUDA), set against the planner's peak
+for that policy.
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ from common import interleaved, median
 from gpu_check.context import CheckContext, gib
 from gpu_check.report import SectionResult
 from gpu_check.sizing import size_model
-from megatronish.metrics import flops_per_token
+from megatronish.model.flops import flops_per_token
+from megatronish.model.recompute import apply_recompute
 from megatronish.plan.estimate import make_plan
-from megatronish.recompute import apply_recompute
 
 NAME = "recompute"
 TITLE = "Recompute policies"

@@ -2,7 +2,7 @@
 
 Both start from the same weights and see the same batches; their steps are timed interleaved
 (``tools/bench/common.py``: A B, B A, ... after warm-up, medians), each step ending when the
-device is done. MFU counts ``megatronish.metrics.flops_per_token`` against the device table's
+device is done. MFU counts ``megatronish.model.flops.flops_per_token`` against the device table's
 dense peak. The first losses must agree (same weights, same batch): otherwise the two would not
 be doing the same work.
 """
@@ -15,7 +15,7 @@ from gpu_check.context import CheckContext
 from gpu_check.reference import ReferenceRun
 from gpu_check.report import SectionResult
 from gpu_check.sizing import size_model
-from megatronish.metrics import flops_per_token
+from megatronish.model.flops import flops_per_token
 
 NAME = "throughput"
 TITLE = "Throughput: megatronish and plain PyTorch"

@@ -13,7 +13,7 @@ import os
 
 import torch
 
-from megatronish.timers import Timers
+from megatronish.distributed.timers import Timers
 
 
 def trace_path(profile_dir: str, rank: int) -> str:

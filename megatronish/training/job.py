@@ -8,17 +8,17 @@ from dataclasses import dataclass
 import torch
 
 from megatronish.config.derived import Derived, derive
-from megatronish.config.validate import ConfigError, config_errors
+from megatronish.config.validate import ConfigError, vocab_errors
 from megatronish.distributed.agree import PeerError, agree
 from megatronish.distributed.launch import LaunchEnv, init_process_group, pick_device
 from megatronish.distributed.rank_math import rank_map_table
 from megatronish.distributed.topology import Topology
 from megatronish.model.build import build_chunks
+from megatronish.model.recompute import apply_recompute
 from megatronish.model.spec import ModelSpec
-from megatronish.precision import apply_fp32_matmul_setting
-from megatronish.recompute import apply_recompute
 from megatronish.tensor_parallel.context import TPContext
 from megatronish.tensor_parallel.random import RNGTracker
+from megatronish.training.precision import apply_fp32_matmul_setting
 
 
 @dataclass
@@ -96,10 +96,8 @@ def build_model(cfg, topo: Topology, derived: Derived, spec: ModelSpec, rng: RNG
 
 
 def build_job(cfg, launch: LaunchEnv) -> Job:
-    """Everything a run needs. Collective when the world has more than one rank."""
-    errors = config_errors(cfg, launch.world_size)
-    if errors:
-        raise ConfigError(errors)
+    """Everything a run needs, for a config the entry point validated (``config_errors``).
+    Collective when the world has more than one rank."""
     set_threads(cfg, launch)
     derived = derive(cfg, launch.world_size)
     device = pick_device(cfg.trainer.device, launch.local_rank)
@@ -120,7 +118,7 @@ def _build_on(cfg, launch: LaunchEnv, topo: Topology, derived: Derived) -> Job:
         print(rank_map_table(topo.tp, topo.dp, topo.pp), flush=True)
 
     train_data, valid_data, tokenizer = build_data(cfg, topo, launch)
-    errors = config_errors(cfg, launch.world_size, vocab_size=tokenizer.vocab_size)
+    errors = vocab_errors(cfg, tokenizer.vocab_size)
     try:  # the same rules on every rank; agreeing keeps any disagreement from hanging
         agree("; ".join(errors) if errors else None, topo.world_group)
     except PeerError as e:

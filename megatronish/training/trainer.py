@@ -14,12 +14,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from megatronish.checkpoint.save import CheckpointSaver, Saving
 from megatronish.config.derived import Derived
 from megatronish.distributed.comm import all_reduce
+from megatronish.distributed.timers import Timers, device_sync, max_min_over_ranks, timer_metrics
 from megatronish.distributed.topology import Topology
-from megatronish.metrics import flops_per_token, peak_memory_bytes
+from megatronish.model.flops import flops_per_token
 from megatronish.model.spec import ModelSpec
-from megatronish.numerics import TooManySkippedSteps, skip_limit_message
 from megatronish.optim.lr_schedule import schedule_from_config
 from megatronish.optim.sharded_adamw import ShardedAdamW
 from megatronish.optim.zero import ZeroDataParallel
@@ -31,10 +32,12 @@ from megatronish.pipeline.engine import (
 )
 from megatronish.pipeline.no_pipeline import forward_backward_no_pipeline
 from megatronish.pipeline.p2p import BatchedP2P
-from megatronish.precision import DTYPES
-from megatronish.profiling import StepProfiler
-from megatronish.progress import ProgressLogger
-from megatronish.timers import Timers, device_sync, max_min_over_ranks, timer_metrics
+from megatronish.training.numerics import TooManySkippedSteps, skip_limit_message
+from megatronish.training.peaks import peak_memory_bytes
+from megatronish.training.precision import DTYPES
+from megatronish.training.profiling import StepProfiler
+from megatronish.training.progress import ProgressLogger
+from megatronish.training.stop import StopRequest
 
 
 @dataclass
@@ -74,7 +77,11 @@ class Trainer:
         peak_flops: float | None = None,
         forward_backward=None,
         p2p=None,
+        saving: Saving | None = None,
+        stop: StopRequest | None = None,
     ):
+        """``saving``: checkpoints go to ``checkpoint.dir`` (periodic, final and asynchronous
+        saves from :meth:`fit`); ``stop``: a :class:`StopRequest` asked at every step boundary."""
         self.cfg, self.topo, self.spec, self.derived = cfg, topo, spec, derived
         self.chunks = chunks
         self.train_data, self.valid_data = train_data, valid_data
@@ -100,8 +107,9 @@ class Trainer:
         self.p2p = p2p or BatchedP2P
         self.forward_backward = forward_backward or self._default_forward_backward()
         self.state = TrainState()
-        self.saver = None  # a CheckpointSaver: periodic and asynchronous saves from fit()
-        self.stop = None  # a StopRequest (megatronish/stop.py), asked at every step boundary
+        self.saver = None if saving is None else CheckpointSaver(
+            cfg, self, saving.rng, saving.run_id, saving.special_tokens)  # fmt: skip
+        self.stop = stop
         self.holds_loss = topo.is_last_stage
         self.flops_per_step = flops_per_token(spec) * derived.tokens_per_step
 

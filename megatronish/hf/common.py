@@ -1,0 +1,70 @@
+"""What megatronish and Hugging Face Llama / GPT-2 checkpoints share: names, vocabulary, ids.
+
+megatronish names (global, unsplit; see :mod:`megatronish.model.gpt`) map to
+``LlamaForCausalLM`` and ``GPT2LMHeadModel`` like this:
+
+============================  ===================================  ==============================
+megatronish                   llama                                gpt2 (Conv1D: ``[in, out]``)
+============================  ===================================  ==============================
+embedding.word.weight         model.embed_tokens.weight            transformer.wte.weight
+embedding.position            -                                    transformer.wpe.weight
+layers.i.attn_norm.*          model.layers.i.input_layernorm.*     transformer.h.i.ln_1.*
+layers.i.attn.qkv.*           ...self_attn.{q,k,v}_proj.*          transformer.h.i.attn.c_attn.*
+layers.i.attn.proj.*          ...self_attn.o_proj.*                transformer.h.i.attn.c_proj.*
+layers.i.mlp_norm.*           ...post_attention_layernorm.*        transformer.h.i.ln_2.*
+layers.i.mlp.fc1.*            ...mlp.{gate,up}_proj.*              transformer.h.i.mlp.c_fc.*
+layers.i.mlp.fc2.*            ...mlp.down_proj.*                   transformer.h.i.mlp.c_proj.*
+head.norm.*                   model.norm.*                         transformer.ln_f.*
+head.weight (untied only)     lm_head.weight                       lm_head.weight
+============================  ===================================  ==============================
+
+The embedding (and head) rows beyond the real vocabulary are megatronish's padding: exports
+drop them, imports add zero rows up to a multiple of 128. Both models use the rotate-half RoPE
+convention and the same GQA head grouping, so q/k/v rows need no permutation. Linear biases
+megatronish does not have (gpt2 with ``bias=false``) are exported as zeros; biases HF has only on
+one side (llama ``attention_bias`` without ``mlp_bias``) are imported with zeros for the other.
+Everything in this package works on CPU tensors in memory; no files, no transformers import.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from megatronish.config.schema import ModelConfig
+from megatronish.model.spec import ModelSpec
+
+VOCAB_MULTIPLE = 128
+GPT2_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")  # all the tanh approximation
+# Megatronish's sentencepiece tokenizers: 0 <unk>, 1 <s>, 2 </s> (end of document), no padding.
+# Exports of checkpoints that do not record their tokenizer's ids use these.
+DEFAULT_SPECIAL_TOKENS = {"bos_token_id": 1, "eos_token_id": 2}
+
+
+def model_spec(model_cfg: dict, vocab_size: int) -> ModelSpec:
+    """The resolved :class:`ModelSpec` of a ``model`` config section stored as a plain dict."""
+    names = {f.name for f in dataclasses.fields(ModelConfig)}
+    return ModelSpec.from_config(
+        ModelConfig(**{k: v for k, v in model_cfg.items() if k in names}), vocab_size
+    )
+
+
+def own_copy(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A contiguous copy (safetensors refuses tensors that share memory)."""
+    out = torch.empty(t.shape, dtype=dtype or t.dtype)
+    return out.copy_(t)
+
+
+def override_args(model_cfg: dict) -> list[str]:
+    """The ``model.*`` command-line overrides that rebuild ``model_cfg``'s model exactly."""
+    keys = ["arch", "num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
+            "ffn_hidden_size", "seq_length", "vocab_size", "max_position_embeddings", "norm_eps",
+            "bias", "tie_embeddings"]  # fmt: skip
+    if model_cfg["arch"] == "llama":
+        keys.insert(-2, "rope_theta")
+
+    def fmt(v) -> str:
+        return str(v).lower() if isinstance(v, bool) else str(v)
+
+    return [f"model.{k}={fmt(model_cfg[k])}" for k in keys]

@@ -261,8 +261,8 @@ def main() -> None:
     started = []
 
     def task(cfg) -> None:
+        OmegaConf.resolve(cfg)  # an interpolation error is a composition error
         started.append(True)
-        OmegaConf.resolve(cfg)
         if code := main_with_config(cfg, launch):
             sys.exit(code)
 

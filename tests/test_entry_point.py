@@ -45,6 +45,13 @@ def test_invalid_config_exits_2_with_every_reason(tmp_path):
     assert time.time() - t0 < 30
 
 
+def test_a_broken_interpolation_is_an_invalid_config_not_a_traceback(tmp_path):
+    r = run_train(["name=${nonexistent.key}", "trainer.dry_run=true"], tmp_path)
+    assert r.returncode == 2, r.stderr
+    assert "invalid config: Interpolation key 'nonexistent.key' not found" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
 @pytest.mark.slow
 def test_default_pipeline_trains_and_saves_on_the_stdlib_corpus(tmp_path):
     r = run_train([*SMALL, "trainer.max_steps=10"], tmp_path)

@@ -53,6 +53,7 @@ from megatronish.checkpoint.pieces import (
 from megatronish.distributed.agree import PeerError, agree
 from megatronish.distributed.comm import CollectiveError, all_reduce
 from megatronish.distributed.nccl_errors import failed_groups_message
+from megatronish.tensor_parallel.random import RNGTracker
 from megatronish.tensor_parallel.sharding import global_shape
 
 KINDS = ("model", "exp_avg", "exp_avg_sq")
@@ -160,7 +161,7 @@ class Saving:
     """What a Trainer's checkpoints record besides its own state: the RNG tracker whose streams
     they hold, the logging run id, and the tokenizer's special token ids (for exports)."""
 
-    rng: object | None = None  # an RNGTracker
+    rng: RNGTracker | None = None
     run_id: str | None = None
     special_tokens: dict | None = None
 

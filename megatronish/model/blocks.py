@@ -47,18 +47,21 @@ class Norm(nn.Module):
 
 
 def rope_tables(seq: int, dim: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin tables ``[s, 1, 1, dim]`` in the rotate-half convention (as in HF Llama)."""
+    """cos and signed sin tables ``[s, 1, 1, dim]`` for the rotate-half convention (as in HF
+    Llama); the sin table's first half is negated, so :func:`apply_rope` needs no negation."""
     inv = 1.0 / theta ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim)
     freqs = torch.outer(torch.arange(seq, device=device, dtype=torch.float32), inv)
+    sin = freqs.sin()
     emb = torch.cat([freqs, freqs], dim=-1)[:, None, None, :]
-    return emb.cos(), emb.sin()
+    return emb.cos(), torch.cat([-sin, sin], dim=-1)[:, None, None, :]
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ``[s, b, heads, d]`` by position."""
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``[s, b, heads, d]`` by position: ``x cos + [-x2, x1] sin`` with ``x1, x2``
+    its halves (the sign is in the table)."""
     half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+    swapped = torch.cat([x[..., half:], x[..., :half]], dim=-1)
+    return (x.float() * cos + swapped.float() * signed_sin).to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -94,16 +97,15 @@ class Attention(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, **gqa)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None):
-        d = self.spec.head_dim
+        d, heads = self.spec.head_dim, self.q_heads + self.kv_heads
         qkv = self.qkv(x)
         s, b = qkv.shape[:2]
-        q, k, v = qkv.split([self.q_heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
-        q = q.view(s, b, self.q_heads, d)
-        k = k.view(s, b, self.kv_heads, d)
+        qk, v = qkv.split([heads * d, self.kv_heads * d], dim=-1)  # local [q | k | v]
+        qk = qk.view(s, b, heads, d)
+        if rope is not None:  # q and k rotated in one pass
+            qk = apply_rope(qk, rope[0][:s], rope[1][:s])
+        q, k = qk.split([self.q_heads, self.kv_heads], dim=2)
         v = v.view(s, b, self.kv_heads, d)
-        if rope is not None:
-            cos, sin = rope[0][:s], rope[1][:s]
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
         if self.core_runner is not None:
             out = self.core_runner(self.core, q, k, v)

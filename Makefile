@@ -25,7 +25,7 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(PY) tools/bench/run_all.py $(ARGS)
 
-# Deliberate bugs planted one at a time in a scratch copy: does a test catch each? (~10 min)
+# Deliberate bugs planted one at a time in a scratch copy: does a test catch each? (~3 min)
 mutants: $(STAMP)
 	$(PY) tools/mutants.py $(ARGS)
 

@@ -6,7 +6,7 @@ applied there, its tests run (``pytest -x``, the copy first on the import path),
 is restored. The table says which test failed first, or SURVIVED. The exit code is 1 if any
 mutant survived or no longer applies (its source line changed: update the mutant).
 
-    python tools/mutants.py                 # all 23, about 3 minutes on 2 cores
+    python tools/mutants.py                 # all 24, about 3 minutes on 2 cores
     python tools/mutants.py --only loss-scale rng-restore
     python tools/mutants.py --list
 """
@@ -216,6 +216,13 @@ MUTANTS = [
             ),
         ),
         ("tests/test_training.py::test_evaluation_runs_without_dropout_and_leaves_training_on",),
+    ),
+    Mutant(
+        "gpt2-gelu-exact",
+        "gpt2's MLP uses the exact GELU instead of GPT-2's tanh approximation",
+        "megatronish/model/blocks.py",
+        (('y = F.gelu(y, approximate="tanh")', "y = F.gelu(y)"),),
+        (REF,),
     ),
     Mutant(
         "dp-loss-mean",

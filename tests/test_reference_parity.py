@@ -22,6 +22,7 @@ from megatronish.testing.compare import param_gaps
 from megatronish.testing.reference_gpt import (
     RefConfig,
     ReferenceGPT,
+    build_adamw,
     load_megatronish_weights,
     reference_state,
 )
@@ -45,15 +46,6 @@ def reference_lr(step: int, o, s, max_steps: int) -> float:
     decay = s.decay_steps or max_steps
     frac = min((step - s.warmup_steps) / max(decay - s.warmup_steps, 1), 1.0)
     return s.min_lr + 0.5 * (o.lr - s.min_lr) * (1 + math.cos(math.pi * frac))
-
-
-def reference_adamw(model: ReferenceGPT, o) -> torch.optim.AdamW:
-    """Weight decay on matrices (embedding, projections, head), none on norm weights."""
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    plain = [p for p in model.parameters() if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": o.weight_decay},
-              {"params": plain, "weight_decay": 0.0}]  # fmt: skip
-    return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
 
 
 def capture_grads(trainer) -> dict:
@@ -92,10 +84,10 @@ def gpt2_reference(trainer):
     def names(tensors):
         return to_hf(tensors, model_cfg, vocab_size=trainer.spec.vocab_size)[1]
 
-    config, _ = to_hf(gather_tp_params(trainer.chunks, trainer.topo), model_cfg)
+    config, state = to_hf(gather_tp_params(trainer.chunks, trainer.topo), model_cfg,
+                          vocab_size=trainer.spec.vocab_size)  # fmt: skip
     ref = GPT2LMHeadModel(GPT2Config(**config, attn_implementation="eager"))
-    missing, unexpected = ref.load_state_dict(names(gather_tp_params(trainer.chunks, trainer.topo)),
-                                              strict=False)  # fmt: skip
+    missing, unexpected = ref.load_state_dict(state, strict=False)
     assert set(missing) <= {"lm_head.weight"} and not unexpected, (missing, unexpected)
     return ref, lambda ids: ref(ids).logits, names
 
@@ -107,7 +99,8 @@ def side_by_side(overrides: list[str]):
     o, s, t = cfg.optimizer, cfg.scheduler, cfg.trainer
     build = gpt2_reference if trainer.spec.arch == "gpt2" else llama_reference
     ref, forward, reference_state = build(trainer)
-    opt = reference_adamw(ref, o)
+    # decay on matrices, none on norms and biases; torch's default (foreach) implementation
+    opt = build_adamw(ref, o.lr, o.weight_decay, (o.beta1, o.beta2), o.eps, fused=None)
     seen = capture_grads(trainer)
     n_micro = t.global_batch_size // t.micro_batch_size
     vocab = trainer.spec.vocab_size

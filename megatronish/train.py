@@ -37,6 +37,7 @@ from megatronish.distributed.agree import PeerError
 from megatronish.distributed.comm import CollectiveError
 from megatronish.distributed.launch import LaunchEnv, detect_launch
 from megatronish.distributed.nccl_errors import describe_comm_error, failed_groups_message
+from megatronish.distributed.rank_math import rank_map_table
 from megatronish.distributed.shutdown import shutdown_process_groups
 from megatronish.training.numerics import TooManySkippedSteps
 from megatronish.training.stop import StopRequest
@@ -61,7 +62,8 @@ def dry_run_report(cfg, world_size: int) -> str:
     lines = [OmegaConf.to_yaml(cfg).rstrip(), "", "derived:"]
     values = {
         "world_size": world_size,
-        "layout": f"tp={cfg.parallel.tp} pp={cfg.parallel.pp} vpp={cfg.parallel.vpp} dp={d.dp}",
+        "layout": f"tp={cfg.parallel.tp} cp={cfg.parallel.cp} pp={cfg.parallel.pp} "
+        f"vpp={cfg.parallel.vpp} dp={d.dp}",
         "microbatches_per_step": d.num_microbatches,
         "tokens_per_step": d.tokens_per_step,
         "vocab_size": spec.vocab_size,
@@ -73,6 +75,9 @@ def dry_run_report(cfg, world_size: int) -> str:
         "model_flops_per_step": f"{flops_per_token(spec) * d.tokens_per_step:.3e}",
     }
     lines += [f"  {k}: {v}" for k, v in values.items()]
+    if world_size <= 64:  # larger maps are printed at start-up by rank 0
+        p = cfg.parallel
+        lines += ["", rank_map_table(p.tp, d.dp, p.pp, p.cp)]
     return "\n".join(lines)
 
 
@@ -109,7 +114,7 @@ def _train(cfg, job, stop: StopRequest | None):
         for name in plan.removed:
             print(f"removed {name}, left by an interrupted save", flush=True)
         run_id = saved_run_id(plan) or f"{cfg.name}-{launch.run_id or 'local'}"
-        loss_rank = topo.is_last_stage and topo.coords.tp == 0 and topo.coords.dp == 0
+        loss_rank = topo.is_last_stage and topo.coords.tp == topo.coords.dp == topo.coords.cp == 0
         logger = ProgressLogger(cfg, enabled=loss_rank, run_dir=cfg.out_dir, run_id=run_id)
         try:
             return _fit_and_save(cfg, job, plan, run_id, logger, stop)

@@ -2,6 +2,7 @@
 written parallel file and the command line (pure: no processes)."""
 
 import copy
+import itertools
 import shutil
 
 import pytest
@@ -40,7 +41,8 @@ def _real_config(cfg, layout):
     """A composed config with the layout's values, as a user would write them."""
     new = copy.deepcopy(cfg)
     for key, value in {
-        "parallel.tp": layout.tp, "parallel.pp": layout.pp, "parallel.vpp": layout.vpp,
+        "parallel.tp": layout.tp, "parallel.cp": layout.cp, "parallel.pp": layout.pp,
+        "parallel.vpp": layout.vpp,
         "parallel.dp": None, "parallel.sp": layout.sp, "parallel.zero_stage": layout.zero_stage,
         "trainer.micro_batch_size": layout.micro_batch_size,
         "trainer.recompute": layout.recompute,
@@ -54,25 +56,27 @@ def test_candidates_are_exactly_the_layouts_the_trainer_accepts():
     layouts = valid_layouts(cfg, 4)
     shapes = {}
     for x in layouts:
-        shapes.setdefault((x.tp, x.pp, x.vpp, x.sp, x.micro_batch_size), x)
+        shapes.setdefault((x.tp, x.cp, x.pp, x.vpp, x.sp, x.micro_batch_size), x)
     for layout in shapes.values():
         assert config_errors(_real_config(cfg, layout), 4) == [], layout.describe()
-    # Every shape left out breaks a rule (same search space: tp and pp divide the world).
+    # Every shape left out breaks a rule (same search space: tp, cp and pp divide the world).
     base = layout_from_config(cfg, 1)
-    for tp in divisors(4):
-        for pp in divisors(4 // tp):
-            for vpp in range(1, 5):
-                for mbs in MICRO_BATCH_SIZES:
-                    for sp in (False, True) if tp > 1 else (False,):
-                        if (tp, pp, vpp, sp, mbs) in shapes or mbs * (4 // (tp * pp)) > 8:
-                            continue
-                        lay = base.with_(tp=tp, pp=pp, vpp=vpp, sp=sp, micro_batch_size=mbs)
-                        assert config_errors(_real_config(cfg, lay), 4), lay.describe()
+    for tp, cp, pp in itertools.product(divisors(4), repeat=3):
+        if 4 % (tp * cp * pp):
+            continue
+        for vpp, mbs in itertools.product(range(1, 5), MICRO_BATCH_SIZES):
+            for sp in (False, True) if tp > 1 else (False,):
+                key = (tp, cp, pp, vpp, sp, mbs)
+                if key in shapes or mbs * (4 // (tp * cp * pp)) > 8:
+                    continue
+                lay = base.with_(tp=tp, cp=cp, pp=pp, vpp=vpp, sp=sp, micro_batch_size=mbs)
+                assert config_errors(_real_config(cfg, lay), 4), lay.describe()
     kinds = {(x.tp, x.pp, x.vpp) for x in layouts}
     assert {(2, 2, 1), (1, 2, 2), (4, 1, 1), (1, 4, 1)} <= kinds
     assert (1, 4, 2) not in kinds  # 4 layers cannot make 8 chunks
-    assert {x.zero_stage for x in layouts if x.dp == 1} == {0}
-    assert {x.zero_stage for x in layouts if x.dp > 1} == {0, 1, 2, 3}
+    assert {(2, 2), (4, 1)} <= {(x.cp, x.dp) for x in layouts}  # cp=2 and 4 (seq 16)
+    assert {x.zero_stage for x in layouts if x.dp_cp == 1} == {0}
+    assert {x.zero_stage for x in layouts if x.dp_cp > 1} == {0, 1, 2, 3}
     assert {x.recompute for x in layouts} == {"none", "selective", "full"}
 
 
@@ -241,3 +245,19 @@ def test_cli_rejects_bad_advisor_options(capsys):
     assert "efficiency=2.0" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="top=ten: expected a whole number"):
         plan_main([*GPT_1B, "advise=true", "top=ten"])
+
+
+def test_long_sequences_are_advised_context_parallelism():
+    """When no layout without cp fits a long sequence's activations, the advisor ranks cp
+    layouts (and only those); with room for everything, the fastest has no cp traffic."""
+    cfg = tiny_config(["model.seq_length=4096", "trainer.micro_batch_size=1",
+                       "trainer.global_batch_size=4"], 1)  # fmt: skip
+    spec = spec_of(cfg)
+    planner = Planner(spec)
+    without_cp = [x for x in valid_layouts(cfg, 4) if x.cp == 1]
+    least = min(planner.plan(x, representative=True).peak_bytes for x in without_cp)
+    tight = advise(cfg, spec, 4, H100, device_bytes=least - 1, runtime_bytes=0)
+    assert tight.ranked and all(r.layout.cp > 1 for r in tight.ranked)
+    assert tight.ranked[0].time.cp > 0
+    roomy = advise(cfg, spec, 4, H100, device_bytes=2**40, runtime_bytes=0)
+    assert roomy.ranked[0].time.cp == 0

@@ -50,8 +50,22 @@ def stop_and_resume(tmp_path, first, second):
         ((2, ["parallel.zero_stage=1"]), (4, ["parallel.zero_stage=3"])),
         ((8, [*THREE_D, "parallel.zero_stage=1"]), (1, [])),
         ((1, []), (8, [*THREE_D, "parallel.zero_stage=2"])),
+        ((4, ["parallel.cp=2", "parallel.zero_stage=1"]), (1, [])),
+        ((2, ["parallel.cp=2", "parallel.zero_stage=3"]), (4, ["parallel.cp=4"])),
+        ((1, []), (4, ["parallel.cp=2", "parallel.tp=2", "parallel.zero_stage=2"])),
     ],
-    ids=["tp2-tp1", "tp1-tp4", "pp2vpp2-pp1", "pp1-pp4", "zero1dp2-zero3dp4", "3d-1", "1-3d"],
+    ids=[
+        "tp2-tp1",
+        "tp1-tp4",
+        "pp2vpp2-pp1",
+        "pp1-pp4",
+        "zero1dp2-zero3dp4",
+        "3d-1",
+        "1-3d",
+        "cp2dp2-1",
+        "cp2zero3-cp4",
+        "1-tp2cp2",
+    ],  # fmt: skip
 )
 def test_reshard_on_load_continues_the_run(tmp_path, first, second):
     saved, resumed = stop_and_resume(tmp_path, first, second)
@@ -96,6 +110,19 @@ def test_format_each_shard_once_with_checksums(tmp_path):
     files = sorted(os.listdir(step_dir))
     assert "metadata.json" in files and "rng-rank00003.safetensors" in files
     assert not any(f.startswith("index-") for f in files)
+
+
+def test_cp_leaves_no_trace_in_the_tensors(tmp_path):
+    """A cp=2 checkpoint holds the same tensors, shapes and shards as a cp=1 one of the same
+    dp x cp: cp only splits activations; its ranks' ZeRO shards are dp shards of the file."""
+    run(2, ["parallel.cp=2", "parallel.zero_stage=1"], 1, save=str(tmp_path / "cp"))
+    run(2, ["parallel.zero_stage=1"], 1, save=str(tmp_path / "dp"))
+    cp = read_metadata(resolve_step_dir(str(tmp_path / "cp")))
+    dp = read_metadata(resolve_step_dir(str(tmp_path / "dp")))
+    assert cp.layout["cp"] == 2 and dp.layout["cp"] == 1
+    assert {n: (e.shape, [s.offsets for s in e.shards]) for n, e in cp.tensors.items()} == {
+        n: (e.shape, [s.offsets for s in e.shards]) for n, e in dp.tensors.items()
+    }
 
 
 def test_keep_last_prunes_after_publish_and_stale_tmp_is_cleaned(tmp_path):

@@ -49,3 +49,30 @@ def test_tp_step_moves_the_analytic_volume(arch, sp):
         }
     got = {k: v for k, v in stats.items() if k.startswith("tp/")}
     assert got == expected
+
+
+@pytest.mark.parametrize(
+    "tp,recompute,precision", [(1, "none", "fp32"), (1, "full", "fp32"), (2, "none", "fp32"),
+                               (1, "none", "bf16")])  # fmt: skip
+def test_cp_step_moves_the_analytic_volume(tp, recompute, precision):
+    """Per layer and microbatch: one all-gather of k|v over cp in forward (again when full
+    recompute reruns the forward) and one reduce-scatter of their grads in backward, each of the
+    whole sequence's ``[s, b, 2 * kv_heads / tp, d]`` (bf16 runs: bf16 on the wire); grads
+    reduced over dp x cp like dp's."""
+    cp, micro = 2, 2
+    mbs = setting("trainer.micro_batch_size")
+    layers, h, s = setting("model.num_layers"), setting("model.hidden_size"), 16
+    heads, kv = setting("model.num_attention_heads"), setting("model.num_query_groups")
+    common = [f"trainer.global_batch_size={micro * mbs}", f"parallel.tp={tp}",
+              f"trainer.recompute={recompute}", f"trainer.precision={precision}"]  # fmt: skip
+    got = run_world(train_layout, tp * cp, [*common, f"parallel.cp={cp}"], 1)[0].stats
+    kv_bytes = s * mbs * (2 * kv // tp) * (h // heads) * (2 if precision == "bf16" else 4)
+    forwards = 2 if recompute == "full" else 1
+    assert got["cp/all_gather"] == {
+        "calls": forwards * micro * layers,
+        "bytes": forwards * micro * layers * kv_bytes,
+    }
+    assert got["cp/reduce_scatter"] == {"calls": micro * layers, "bytes": micro * layers * kv_bytes}
+    if tp == 1:  # the same buckets as plain data parallelism over as many ranks
+        dp = run_world(train_layout, cp, [*common, f"parallel.dp={cp}"], 1)[0].stats
+        assert got["dp_cp/all_reduce"] == dp["dp/all_reduce"]

@@ -19,6 +19,7 @@ def test_default_and_every_experiment_are_valid():
     assert errors_for(["+experiment=gpt_125m"], world=8) == []
     assert errors_for(["+experiment=gpt_1b"], world=8) == []
     assert errors_for(["+experiment=gpt_7b"], world=8) == []
+    assert errors_for(["+experiment=gpt_1b_32k"], world=8) == []
 
 
 @pytest.mark.parametrize(
@@ -26,6 +27,12 @@ def test_default_and_every_experiment_are_valid():
     [
         (["parallel.tp=2"], 3, "not divisible by tp*pp"),
         (["parallel.tp=2", "parallel.dp=2"], 2, "tp*pp*dp"),
+        (["parallel.cp=2"], 3, "not divisible by tp*cp*pp = 1*2*1"),
+        (["parallel.cp=2", "parallel.dp=2"], 2, "tp*cp*pp*dp = 1*2*1*2 = 4"),
+        (["parallel.cp=3", "model.seq_length=256"], 3, "not divisible by 2*cp = 6"),
+        (["parallel.cp=2", "parallel.tp=4", "parallel.sp=true", "model.seq_length=12",
+          "model.num_query_groups=4"], 8, "seq_length/cp = 6 is not divisible by parallel.tp=4"),
+        (["parallel.cp=0"], 1, "parallel.cp=0"),
         (["parallel.zero_stage=4"], 1, "zero_stage=4"),
         (["parallel.vpp=2"], 1, "vpp=2 needs parallel.pp > 1"),
         (["model.hidden_size=130"], 1, "hidden_size=130 is not divisible"),

@@ -31,6 +31,22 @@ def test_dry_run_prints_derived_values_and_exits(tmp_path):
     assert 1.0e9 <= params <= 1.5e9
 
 
+def test_long_context_experiment_dry_runs_and_plans_with_cp(tmp_path, capsys):
+    from megatronish.config.compose import load_config
+    from megatronish.plan.cli import main as plan_main
+    from megatronish.train import dry_run_report
+
+    cfg = load_config(["+experiment=gpt_1b_32k", "model.vocab_size=32000", "world_size=8"])
+    report = dry_run_report(cfg, 8)
+    assert "layout: tp=1 cp=4 pp=1 vpp=1 dp=2" in report and "seq_length: 32768" in report
+    assert " rank | tp | cp | dp | pp" in report and "    7 |  0 |  3 |  1 |  0" in report
+    code = plan_main(["+experiment=gpt_1b_32k", "model.vocab_size=32000", "world_size=8",
+                      "device=h100"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "tp=1 cp=4 pp=1 dp=2" in out and "cp/all_gather" in out and "fits" in out
+
+
 def test_cfg_job_prints_the_composed_config(tmp_path):
     r = run_train(["--cfg", "job", "parallel.tp=2"], tmp_path)
     assert r.returncode == 0 and "tp: 2" in r.stdout

@@ -32,6 +32,10 @@ LAYOUTS = [
     (4, ["trainer.precision=bf16", "parallel.tp=2", "parallel.sp=true", "parallel.zero_stage=1"]),
     (2, ["trainer.precision=bf16", "parallel.pp=2"]),
     (2, ["trainer.precision=bf16", "parallel.zero_stage=3", "trainer.recompute=full"]),
+    # context parallel: activations of seq / cp tokens beside the gathered K and V
+    (2, ["parallel.cp=2"]),
+    (4, ["parallel.cp=2", "parallel.tp=2", "parallel.sp=true", "parallel.zero_stage=1"]),
+    (4, ["parallel.cp=2", "parallel.pp=2", "model.arch=gpt2", "trainer.recompute=selective"]),
 ]
 
 
@@ -96,6 +100,18 @@ COMM_LAYOUTS = [
     (4, ["trainer.precision=bf16", "parallel.tp=2", "parallel.sp=true", "parallel.pp=2"]),
     (4, ["trainer.precision=bf16", "parallel.zero_stage=3", "parallel.grad_reduce_dtype=bf16"]),
     (2, ["trainer.precision=bf16", "parallel.zero_stage=0", "parallel.grad_reduce_dtype=bf16"]),
+    (4, ["parallel.cp=2", "parallel.tp=2", "parallel.sp=true", "trainer.recompute=full"]),
+    (4, ["parallel.cp=2", "parallel.pp=2", "parallel.zero_stage=3", "model.arch=gpt2"]),
+    (
+        4,
+        [
+            "parallel.cp=2",
+            "parallel.zero_stage=2",
+            "trainer.recompute=full",
+            "trainer.recompute_method=block",
+            "trainer.recompute_num_layers=2",
+        ],
+    ),
 ]
 
 
@@ -104,16 +120,17 @@ def test_planned_communication_matches_measured(world, extra):
     results = run_world(train_layout, world, extra, 1)
     cfg = tiny_config(extra, 1)
     plan = make_plan(spec_of(cfg), layout_from_config(cfg, world))
-    topo_pp = [r // (world // plan.layout.pp) for r in range(world)]  # tp, dp vary fastest
+    topo_pp = [r // (world // plan.layout.pp) for r in range(world)]  # tp, cp, dp vary fastest
     for rank, run in enumerate(results):
         measured = {k: (v["calls"], v["bytes"]) for k, v in run.stats.items()}
         # Scalars are not planned: the grad norm (model-parallel or world group), the timers
-        # (world group), and on the last stage the loss averaged over dp (one fp32).
+        # (world group), and on the last stage the loss averaged over dp (x cp) (one fp32).
         measured = {k: v for k, v in measured.items() if not k.startswith(("world/", "mp/"))}
-        if topo_pp[rank] == plan.layout.pp - 1 and plan.layout.dp > 1:
-            calls, nbytes = measured.pop("dp/all_reduce")
+        group = "dp_cp" if plan.layout.cp > 1 else "dp"  # where grads and the loss are averaged
+        if topo_pp[rank] == plan.layout.pp - 1 and plan.layout.dp_cp > 1:
+            calls, nbytes = measured.pop(f"{group}/all_reduce")
             if calls > 1:
-                measured["dp/all_reduce"] = (calls - 1, nbytes - 4)
+                measured[f"{group}/all_reduce"] = (calls - 1, nbytes - 4)
         assert measured == plan.stages[topo_pp[rank]].comm, rank
 
 

@@ -49,6 +49,33 @@ def test_groups_partition_the_world_and_vary_one_coordinate(tp, dp, pp):
             assert stages == sorted({0, pp - 1})
 
 
+CP_SHAPES = [(1, 2, 1, 1), (2, 2, 2, 1), (2, 2, 1, 2), (1, 4, 2, 1), (2, 2, 2, 2), (4, 2, 1, 2)]
+
+
+@pytest.mark.parametrize("tp,cp,dp,pp", CP_SHAPES)
+def test_cp_sits_between_tp_and_dp(tp, cp, dp, pp):
+    world = tp * cp * dp * pp
+    groups = group_ranks(tp, dp, pp, cp)
+    for rank in range(world):
+        c = rank_to_coords(rank, tp, dp, pp, cp)
+        assert rank == c.tp + tp * (c.cp + cp * (c.dp + dp * c.pp))
+        assert coords_to_rank(c, tp, dp, pp, cp) == rank
+    sizes = {"tp": tp, "cp": cp, "dp": dp, "dp_cp": dp * cp, "pp": pp, "mp": tp * pp}
+    varying = {"tp": {"tp"}, "cp": {"cp"}, "dp": {"dp"}, "dp_cp": {"dp", "cp"}, "pp": {"pp"},
+               "mp": {"tp", "pp"}}  # fmt: skip
+    for name, size in sizes.items():
+        assert sorted(r for g in groups[name] for r in g) == list(range(world)), name
+        for g in groups[name]:
+            assert len(g) == size, name
+            coords = [rank_to_coords(r, tp, dp, pp, cp) for r in g]
+            for attr in {"tp", "cp", "dp", "pp"} - varying[name]:
+                assert len({getattr(c, attr) for c in coords}) == 1, (name, attr)
+    for g in groups["cp"]:
+        assert g == list(range(g[0], g[0] + tp * cp, tp))  # next to the tp group
+    assert f"cp={cp}" in rank_map_table(tp, dp, pp, cp) and " rank | tp | cp | dp | pp" in (
+        rank_map_table(tp, dp, pp, cp))  # fmt: skip
+
+
 def test_out_of_range_is_rejected():
     with pytest.raises(ValueError, match="outside a world of 4"):
         rank_to_coords(4, 2, 2, 1)

@@ -66,3 +66,28 @@ def test_saved_states_reproduce_the_same_masks():
         again = F.dropout(torch.ones(32), 0.5)
     assert torch.equal(first, again)
     assert torch.equal(plain_first, F.dropout(torch.ones(32), 0.5))
+
+
+def _cp_masks(rank, world):
+    """tp=2 x cp=2: masks of replicated (outside) and tp-region (inside) activations."""
+    topo = Topology.build(tp=2, dp=1, pp=1, rank=rank, cp=2)
+    rng = RNGTracker(torch.device("cpu"))
+    rng.seed(42, tp_rank=topo.coords.tp, cp_rank=topo.coords.cp)
+    outside = F.dropout(torch.ones(64), 0.5)
+    with rng.fork("tp"):
+        inside = F.dropout(torch.ones(64), 0.5)
+    return topo.coords, outside, inside
+
+
+def test_cp_ranks_draw_their_own_masks():
+    """cp ranks hold other tokens of the same samples: their masks must differ, while the tp
+    ranks of one cp rank (which hold the same tokens without sp) share the replicated mask."""
+    got = {(c.tp, c.cp): (outside, inside) for c, outside, inside in run_world(_cp_masks, 4)}
+    for cp in (0, 1):
+        assert torch.equal(got[(0, cp)][0], got[(1, cp)][0])
+        assert not torch.equal(got[(0, cp)][1], got[(1, cp)][1])
+    for tp in (0, 1):
+        assert not torch.equal(got[(tp, 0)][0], got[(tp, 1)][0])
+        assert not torch.equal(got[(tp, 0)][1], got[(tp, 1)][1])
+    insides = [inside for _, inside in got.values()]
+    assert all(not torch.equal(a, b) for i, a in enumerate(insides) for b in insides[i + 1 :])

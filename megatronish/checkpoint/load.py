@@ -1,4 +1,4 @@
-"""Loading any checkpoint into any layout (tp, pp, vpp, dp, ZeRO stage, sp on or off).
+"""Loading any checkpoint into any layout (tp, cp, pp, vpp, dp, ZeRO stage, sp on or off).
 
 Each rank works out the rectangles of the global tensors its parameters cover in the *current*
 layout and reads just those byte ranges of the shards that intersect them, straight into its
@@ -161,13 +161,16 @@ def _fill(reader: ShardReader, ranges: list[tuple], topo) -> None:
 
 def _restore_rng(rng, step_dir: str, meta: Metadata, topo, vpp: int, seed: int) -> None:
     layout = meta.layout
-    saved = (layout.get("tp"), layout.get("pp"), layout.get("dp"), layout.get("vpp"))
-    same = saved == (topo.tp, topo.pp, topo.dp, vpp)
+    saved = (layout.get("tp"), layout.get("cp", 1), layout.get("pp"), layout.get("dp"),
+             layout.get("vpp"))  # fmt: skip
+    same = saved == (topo.tp, topo.cp, topo.pp, topo.dp, vpp)
     path = os.path.join(step_dir, f"rng-rank{topo.rank:05d}.safetensors")
     if same and os.path.exists(path):
         rng.load_state_dict(load_file(path))
     else:  # a new layout cannot replay the old masks; continue from a fresh, seeded stream
-        rng.seed(seed + meta.step, tp_rank=topo.coords.tp, pp_rank=topo.coords.pp)
+        rng.seed(
+            seed + meta.step, tp_rank=topo.coords.tp, pp_rank=topo.coords.pp, cp_rank=topo.coords.cp
+        )
 
 
 def find_resume_path(resume: str, ckpt_dir: str | None) -> str | None:

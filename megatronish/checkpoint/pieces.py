@@ -131,7 +131,7 @@ def writes(name: str, p: nn.Parameter, bucket: Bucket, offset: int, tp_rank: int
 def full_local_values(zero, optimizer, index: int, bucket: Bucket):
     """Full flat fp32 ``(main params, exp_avg, exp_avg_sq)`` of one bucket on this rank
     (collective)."""
-    dp = zero.topo.dp_group
+    dp = zero.topo.dp_cp_group
     if zero.stage == 0:
         return bucket.main_shard, optimizer.exp_avg[index], optimizer.exp_avg_sq[index]
     out = []

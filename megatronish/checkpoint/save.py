@@ -187,7 +187,8 @@ class CheckpointSaver:
         return {
             "step": t.state.step,
             "consumed_samples": t.state.consumed_samples,
-            "layout": {"tp": t.topo.tp, "pp": t.topo.pp, "dp": t.topo.dp, "vpp": p.vpp,
+            "layout": {"tp": t.topo.tp, "cp": t.topo.cp, "pp": t.topo.pp, "dp": t.topo.dp,
+                       "vpp": p.vpp,
                        "sp": bool(p.sp), "zero_stage": p.zero_stage,
                        "world_size": t.topo.world_size},  # fmt: skip
             "config": self.config_dict,

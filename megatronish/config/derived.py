@@ -43,7 +43,7 @@ class Derived:
 def derive(cfg, world_size: int) -> Derived:
     """Derived values of a config that passed validation."""
     m, p, t = cfg.model, cfg.parallel, cfg.trainer
-    dp = p.dp if p.dp is not None else world_size // (p.tp * p.pp)
+    dp = p.dp if p.dp is not None else world_size // (p.tp * p.cp * p.pp)
     chunks = p.pp * p.vpp
     split = p.pipeline_layer_split or even_layer_split(m.num_layers, chunks)
     gpt2 = m.arch == "gpt2"

@@ -35,9 +35,10 @@ class ModelConfig:
 @dataclass
 class ParallelConfig:
     tp: int = 1
+    cp: int = 1  # context parallel: each sequence split over cp ranks (2 chunks each)
     pp: int = 1
     vpp: int = 1
-    dp: int | None = None  # null: world_size / (tp * pp)
+    dp: int | None = None  # null: world_size / (tp * cp * pp)
     sp: bool = False
     zero_stage: int = 0
     bucket_size_mb: float = 25.0

@@ -99,7 +99,7 @@ def config_errors(
         if v is not None and v not in allowed:
             errors.append(f"{key}={v!r} is not one of {', '.join(allowed)} (or null)")
 
-    _positive(cfg, ["parallel.tp", "parallel.pp", "parallel.vpp", "parallel.dp",
+    _positive(cfg, ["parallel.tp", "parallel.cp", "parallel.pp", "parallel.vpp", "parallel.dp",
                     "trainer.num_threads", "trainer.peak_tflops", "data.max_corpus_mb",
                     "data.vocab_size",
                     "model.num_layers", "model.hidden_size", "model.num_attention_heads",
@@ -120,20 +120,23 @@ def config_errors(
         return errors
 
     # Layout.
-    if world_size % (p.tp * p.pp):
+    model_ranks = p.tp * p.cp * p.pp  # ranks of one data-parallel replica
+    names, sizes = ("tp*cp*pp", f"{p.tp}*{p.cp}*{p.pp}") if p.cp > 1 else (
+        "tp*pp", f"{p.tp}*{p.pp}")  # fmt: skip
+    if world_size % model_ranks:
         errors.append(
-            f"world size {world_size} is not divisible by tp*pp = {p.tp}*{p.pp}; "
-            f"launch a multiple of {p.tp * p.pp} ranks or change parallel.tp / parallel.pp"
+            f"world size {world_size} is not divisible by {names} = {sizes}; launch a multiple "
+            f"of {model_ranks} ranks or change parallel.tp / parallel.cp / parallel.pp"
         )
         dp = 1
-    elif p.dp is not None and p.tp * p.pp * p.dp != world_size:
+    elif p.dp is not None and model_ranks * p.dp != world_size:
         errors.append(
-            f"tp*pp*dp = {p.tp}*{p.pp}*{p.dp} = {p.tp * p.pp * p.dp} but the world has "
-            f"{world_size} ranks; set parallel.dp={world_size // (p.tp * p.pp)} or null"
+            f"{names}*dp = {sizes}*{p.dp} = {model_ranks * p.dp} but the world has "
+            f"{world_size} ranks; set parallel.dp={world_size // model_ranks} or null"
         )
         dp = p.dp
     else:
-        dp = p.dp if p.dp is not None else world_size // (p.tp * p.pp)
+        dp = p.dp if p.dp is not None else world_size // model_ranks
     if p.zero_stage not in (0, 1, 2, 3):
         errors.append(f"parallel.zero_stage={p.zero_stage} must be 0, 1, 2 or 3")
     if p.vpp > 1 and p.pp == 1:
@@ -165,9 +168,17 @@ def config_errors(
     ffn = m.ffn_hidden_size or default_ffn_hidden(m.arch, m.hidden_size)
     if ffn % p.tp:
         errors.append(f"ffn hidden size {ffn} is not divisible by parallel.tp={p.tp}")
-    if p.sp and m.seq_length % p.tp:
+    if p.cp > 1 and m.seq_length % (2 * p.cp):
         errors.append(
-            f"model.seq_length={m.seq_length} is not divisible by parallel.tp={p.tp}, "
+            f"model.seq_length={m.seq_length} is not divisible by 2*cp = {2 * p.cp}: context "
+            "parallelism gives each cp rank two equal chunks of every sequence; change "
+            "model.seq_length or parallel.cp"
+        )
+    elif p.sp and (m.seq_length // p.cp) % p.tp:
+        local = f"model.seq_length/cp = {m.seq_length // p.cp}" if p.cp > 1 else (
+            f"model.seq_length={m.seq_length}")  # fmt: skip
+        errors.append(
+            f"{local} is not divisible by parallel.tp={p.tp}, "
             "which sequence parallelism (parallel.sp=true) needs"
         )
     errors += vocab_errors(cfg, vocab_size)

@@ -1,4 +1,4 @@
-"""The Topology: this rank's place in the tp x dp x pp grid and its process groups.
+"""The Topology: this rank's place in the tp x cp x dp x pp grid and its process groups.
 
 A Topology is built once at start-up and passed explicitly to everything that communicates.
 There is no module-level process-group state.
@@ -15,7 +15,7 @@ import torch.distributed as dist
 from megatronish.distributed.comm import CommStats, ParallelGroup
 from megatronish.distributed.rank_math import Coords, group_of, group_ranks, rank_to_coords
 
-GROUP_NAMES = ("tp", "dp", "pp", "mp", "embedding", "world")
+GROUP_NAMES = ("tp", "cp", "dp", "dp_cp", "pp", "mp", "embedding", "world")
 
 
 @dataclass
@@ -30,10 +30,25 @@ class Topology:
     groups: dict[str, ParallelGroup]
     device: torch.device
     stats: CommStats
+    cp: int = 1
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.dp * self.pp
+        return self.tp * self.cp * self.dp * self.pp
+
+    @property
+    def dp_cp(self) -> int:
+        """Ranks holding the same parameters: gradients are averaged, ZeRO shards spread, over
+        them."""
+        return self.dp * self.cp
+
+    @property
+    def cp_group(self) -> ParallelGroup:
+        return self.groups["cp"]
+
+    @property
+    def dp_cp_group(self) -> ParallelGroup:
+        return self.groups["dp_cp"]
 
     @property
     def tp_group(self) -> ParallelGroup:
@@ -88,6 +103,7 @@ class Topology:
         rank: int,
         device: torch.device | str = "cpu",
         timeout_s: float | None = None,
+        cp: int = 1,
     ) -> Topology:
         """Create every group of the grid. Collective: all ranks call it with the same shape.
 
@@ -97,17 +113,21 @@ class Topology:
         description (``group_desc``) is its name; the world group is torch's default group,
         described as ``default_pg``.
         """
-        world = tp * dp * pp
+        world = tp * cp * dp * pp
         if world > 1 and not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError("Topology.build needs torch.distributed initialised for world > 1")
         if world > 1 and dist.get_world_size() != world:
             raise ValueError(
-                f"tp*dp*pp = {tp}*{dp}*{pp} = {world} but the job has {dist.get_world_size()} ranks"
+                f"tp*cp*dp*pp = {tp}*{cp}*{dp}*{pp} = {world} but the job has "
+                f"{dist.get_world_size()} ranks"
             )
         stats = CommStats()
         timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
         groups: dict[str, ParallelGroup] = {}
-        for name, all_groups in group_ranks(tp, dp, pp).items():
+        for name, all_groups in group_ranks(tp, dp, pp, cp).items():
+            if name == "dp_cp" and cp == 1:  # the dp group itself: no second communicator
+                groups[name] = groups["dp"]
+                continue
             mine = None
             # Every rank creates every group in the same order (torch.distributed requires it).
             for ranks in all_groups:
@@ -132,8 +152,9 @@ class Topology:
             dp=dp,
             pp=pp,
             rank=rank,
-            coords=rank_to_coords(rank, tp, dp, pp),
+            coords=rank_to_coords(rank, tp, dp, pp, cp),
             groups=groups,
             device=torch.device(device),
             stats=stats,
+            cp=cp,
         )

@@ -2,7 +2,8 @@
 
 Linear layers are the tensor-parallel ones; with a tp group of one they are ordinary linears, so
 this file reads like a single-device GPT. Under sequence parallelism the norms and residual adds
-see a sequence shard ``[s/tp, b, h]``.
+see a sequence shard ``[s/tp, b, h]``; under context parallelism every activation holds this cp
+rank's ``s/cp`` tokens and attention gathers the keys and values of the rest.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megatronish.context_parallel.attention import cp_causal_attention, gather_sequence
 from megatronish.model.rms_norm import low_precision_rms_norm
 from megatronish.model.spec import ModelSpec
 from megatronish.tensor_parallel.context import TPContext
@@ -93,7 +95,12 @@ class Attention(nn.Module):
         p = self.spec.attention_dropout if self.training else 0.0
         if p > 0 and self.tp.rng is not None and self.tp.size > 1:
             with self.tp.rng.fork("tp"):  # each rank drops its own heads' probabilities
-                return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, **gqa)
+                return self._attend(q, k, v, p, gqa)
+        return self._attend(q, k, v, p, gqa)
+
+    def _attend(self, q, k, v, p: float, gqa: dict) -> torch.Tensor:
+        if self.tp.cp.size > 1:  # local queries, the whole sequence's keys and values
+            return cp_causal_attention(q, k, v, self.tp.cp, p, gqa)
         return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, **gqa)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None):
@@ -106,6 +113,9 @@ class Attention(nn.Module):
             qk = apply_rope(qk, rope[0][:s], rope[1][:s])
         q, k = qk.split([self.q_heads, self.kv_heads], dim=2)
         v = v.view(s, b, self.kv_heads, d)
+        if self.tp.cp.size > 1:  # one all-gather of k|v over cp, at the kv-head count
+            kv = gather_sequence(torch.cat([k, v], dim=2), self.tp.cp)
+            k, v = kv.split([self.kv_heads, self.kv_heads], dim=2)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
         if self.core_runner is not None:
             out = self.core_runner(self.core, q, k, v)

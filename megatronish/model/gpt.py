@@ -45,7 +45,11 @@ class Embedding(nn.Module):
         if self.position is not None:
             s_local = x.shape[0]
             start = self.tp.group.rank * s_local if self.tp.sequence_parallel else 0
-            x = x + self.position[start : start + s_local].unsqueeze(1)
+            if self.tp.cp.size > 1:  # this cp rank's two chunks of positions
+                rows = self.tp.cp.positions(x.device)[start : start + s_local]
+                x = x + self.position[rows].unsqueeze(1)
+            else:
+                x = x + self.position[start : start + s_local].unsqueeze(1)
         p = self.spec.hidden_dropout
         return self.tp.dropout(x, p, self.training, self.tp.sequence_parallel)
 
@@ -136,9 +140,13 @@ class GPTChunk(nn.Module):
         if not self.spec.is_llama:
             return None
         if self._rope is None or self._rope[0].device != device:
-            self._rope = rope_tables(
+            cos, sin = rope_tables(
                 self.spec.seq_length, self.spec.head_dim, self.spec.rope_theta, device
             )
+            if self.tp.cp.size > 1:  # the rows of this cp rank's positions
+                pos = self.tp.cp.positions(device)
+                cos, sin = cos[pos], sin[pos]
+            self._rope = (cos, sin)
         return self._rope
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:

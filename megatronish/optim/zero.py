@@ -66,7 +66,7 @@ class ZeroDataParallel:
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
         self.separate_main = param_dtype != torch.float32
         self.timers = timers or Timers.off()  # param_gather, grad_reduce_wait; profiler ranges
-        dp = topo.dp_group
+        dp = topo.dp_cp_group  # the ranks holding the same params: dp x cp
         tied_names = self._tied_names(chunks, topo)
         self.buckets_of: list[list[Bucket]] = []
         units_of, visits_of = [], []
@@ -278,7 +278,7 @@ class ZeroDataParallel:
         for b in late:
             self._launch(b)
         self.reducer.finish_all()
-        scale = 1.0 / self.topo.dp
+        scale = 1.0 / self.topo.dp_cp  # each rank's loss is its own tokens' mean
         for b in self.buckets:
             self.owned_grad(b).mul_(scale)
 
@@ -341,7 +341,7 @@ class ZeroDataParallel:
         self.release_all()
 
     def _gather_updated(self) -> None:
-        if self.stage not in (1, 2) or self.topo.dp == 1:
+        if self.stage not in (1, 2) or self.topo.dp_cp == 1:
             return
         if self.gatherer is not None:  # waited for unit by unit in the next forward
             order = [b for bs in self.buckets_of for b in reversed(bs)]  # forward order
@@ -349,7 +349,7 @@ class ZeroDataParallel:
             return
         with self.timers.region("param_gather", "all-gather params"):
             for b in self.buckets:
-                all_gather_into(b.param_flat, b.param_shard, self.topo.dp_group)  # in place
+                all_gather_into(b.param_flat, b.param_shard, self.topo.dp_cp_group)  # in place
 
     # -- accounting -------------------------------------------------------------------------
     def state_bytes(self) -> dict[str, int]:

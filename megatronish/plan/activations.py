@@ -13,7 +13,9 @@ size ``d``, ``f`` ffn hidden; ``s_r`` = s/t under sequence parallelism, else s):
   logsumexp ``b a s / t``; flash/fused SDPA keeps no ``s x s`` matrix, attention dropout does;
 - MLP: SwiGLU keeps gate|up ``2 s b f / t``, SiLU(gate) and the product (``s b f / t`` each);
   GELU keeps its input and output (``s b f / t`` each);
-- dropout (p > 0): a 1-byte mask per element of each dropped tensor.
+- dropout (p > 0): a 1-byte mask per element of each dropped tensor;
+- context parallelism (cp > 1): every term above counts the rank's ``s = seq / cp`` tokens, and
+  attention also keeps the whole sequence's gathered K and V (``cp s b 2g d``).
 
 Korthikanti et al. (2022) count the same things for a 16-bit GeLU model with dropout
 (``sbh (34 + 5as/h)`` per layer without parallelism); ``korthikanti_per_layer`` gives their
@@ -50,15 +52,16 @@ class LayerShape:
     d: int
     f: int  # ffn hidden per tp rank
     s_r: int  # sequence held in the replicated regions (norms, residual)
+    cp: int = 1  # context parallel: ``s`` is this rank's seq / cp tokens
 
 
 def layer_shape(spec: ModelSpec, layout: Layout) -> LayerShape:
     t = layout.tp
-    s = spec.seq_length
+    s = spec.seq_length // layout.cp  # this cp rank's tokens of each sequence
     return LayerShape(
         s=s, b=layout.micro_batch_size, h=spec.hidden_size, t=t, a=spec.num_heads // t,
         g=spec.num_kv_heads // t, d=spec.head_dim, f=spec.ffn_hidden_size // t,
-        s_r=s // t if layout.sequence_parallel else s,
+        s_r=s // t if layout.sequence_parallel else s, cp=layout.cp,
     )  # fmt: skip
 
 
@@ -87,6 +90,8 @@ def layer_bytes(spec: ModelSpec, layout: Layout, core: bool = True) -> int:
     attn = tokens * (x.a + 2 * x.g) * x.d * e + tokens * x.a * x.d * e  # qkv out, SDPA out
     if spec.is_llama:
         attn += tokens * (x.a + x.g) * x.d * e  # rotated Q and K
+    if x.cp > 1:  # the whole sequence's K and V, gathered over cp
+        attn += x.cp * tokens * 2 * x.g * x.d * e
     if core:
         attn += x.b * x.a * x.s * 4  # logsumexp
         if spec.attention_dropout > 0:  # SDPA falls back to the math kernel

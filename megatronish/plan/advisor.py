@@ -6,9 +6,9 @@
 drops those whose peak plus the runtime's own bytes exceeds the device, and ranks the rest by
 :func:`~megatronish.plan.step_time.step_time`. Layouts are planned in order of a lower bound of
 their step time (:func:`~megatronish.plan.step_time.lower_bound`, which needs no memory plan);
-once the fastest layouts of ``top + 1`` (tp, pp) combinations that fit are known, a layout whose
+once the fastest layouts of ``top + 1`` (tp, cp, pp) combinations that fit are known, a layout whose
 bound is slower than all of them cannot enter the table and is not planned. The table lists the
-fastest layout of each (tp, pp) combination (the others differ only in vpp, ZeRO stage, sp,
+fastest layout of each (tp, cp, pp) combination (the others differ only in vpp, ZeRO stage, sp,
 recompute or micro batch); :func:`reason` says in words why a row beats the next.
 """
 
@@ -48,9 +48,9 @@ class Ranked:
         return self.plan.layout
 
     @property
-    def shape(self) -> tuple[int, int]:
-        """(tp, pp): the table lists the fastest layout of each."""
-        return self.layout.tp, self.layout.pp
+    def shape(self) -> tuple[int, int, int]:
+        """(tp, cp, pp): the table lists the fastest layout of each."""
+        return self.layout.tp, self.layout.cp, self.layout.pp
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,7 @@ class Advice:
     least_peak: int = 0  # the smallest planned peak of a layout that does not fit
 
     def best_of_each_shape(self) -> list[Ranked]:
-        """The fastest layout of every (tp, pp), fastest first."""
+        """The fastest layout of every (tp, cp, pp), fastest first."""
         seen, out = set(), []
         for r in self.ranked:
             if r.shape not in seen:
@@ -83,7 +83,7 @@ def advise(
     top: int = 10,
 ) -> Advice:
     """Rank the layouts of ``cfg``'s job on ``world_size`` ranks that fit ``device_bytes`` per
-    rank; planning stops once the fastest layouts of ``top + 1`` (tp, pp) shapes are known
+    rank; planning stops once the fastest layouts of ``top + 1`` (tp, cp, pp) shapes are known
     (the last listed one needs a runner-up)."""
     layouts = valid_layouts(cfg, world_size, spec.vocab_size)
     bounds = sorted((lower_bound(spec, lay, hw), i) for i, lay in enumerate(layouts))
@@ -128,6 +128,8 @@ def _term_phrase(term: str, win: Ranked, lose: Ranked, hw: Hardware) -> str:
         if w.tp <= hw.gpus_per_node < lo.tp:
             return "tp inside a node"
         return "less tp communication"
+    if term == "cp":
+        return "no cp communication" if w.cp == 1 else "less cp communication"
     if term == "pp":
         return "no pipeline transfers" if w.pp == 1 else "fewer exposed pipeline transfers"
     if term == "dp":

@@ -1,15 +1,15 @@
 """Every parallel layout of a job on N ranks that the trainer accepts (pure, no processes).
 
-A candidate varies tp, pp, vpp, sp, ZeRO stage, recompute and micro batch size; dp follows from
+A candidate varies tp, cp, pp, vpp, sp, ZeRO stage, recompute and micro batch size; dp follows from
 the world size. The model, the global batch, the precision and the bucket size stay as
 configured. Whether a candidate is valid is decided by
 :func:`megatronish.config.validate.config_errors` itself, on a copy of the config holding the
 candidate's values, so the list holds exactly the layouts ``python -m megatronish.train`` would
 start.
 
-Two reductions keep the list free of duplicates: without data parallelism every ZeRO stage is
-the same job, so only ZeRO 0 is listed; sequence parallelism needs tp > 1. Full recompute is
-``uniform`` with one layer per checkpointed group (Megatron's default granularity).
+Two reductions keep the list free of duplicates: without data (or context) parallelism every
+ZeRO stage is the same job, so only ZeRO 0 is listed; sequence parallelism needs tp > 1. Full
+recompute is ``uniform`` with one layer per checkpointed group (Megatron's default granularity).
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ def _with_layout(view: SimpleNamespace, layout: Layout) -> SimpleNamespace:
     """``view`` with the layout's parallel and trainer values (dp derived, even layer split)."""
     p = SimpleNamespace(**vars(view.parallel))
     p.tp, p.pp, p.vpp, p.dp, p.sp = layout.tp, layout.pp, layout.vpp, None, layout.sp
+    p.cp = layout.cp
     p.zero_stage, p.pipeline_layer_split = layout.zero_stage, None
     t = SimpleNamespace(**vars(view.trainer))
     t.micro_batch_size, t.recompute = layout.micro_batch_size, layout.recompute
@@ -65,18 +66,18 @@ def layout_errors(
 
 
 def _shapes(base: Layout, world_size: int, num_layers: int) -> Iterator[Layout]:
-    """tp, pp, vpp, sp and micro batch combinations (ZeRO 0, no recompute) before validation:
-    tp and pp divide the world, vpp goes up to one layer per chunk."""
+    """tp, cp, pp, vpp, sp and micro batch combinations (ZeRO 0, no recompute) before
+    validation: tp, cp and pp divide the world, vpp goes up to one layer per chunk."""
     sizes = sorted({*MICRO_BATCH_SIZES, base.micro_batch_size})
     for tp in divisors(world_size):
-        for pp in divisors(world_size // tp):
-            dp = world_size // (tp * pp)
-            for vpp in [1] if pp == 1 else range(1, num_layers // pp + 1):
-                for mbs in (b for b in sizes if b * dp <= base.global_batch_size):
-                    for sp in (False, True) if tp > 1 else (False,):
-                        yield base.with_(
-                            tp=tp, pp=pp, vpp=vpp, dp=dp, sp=sp, micro_batch_size=mbs
-                        )  # fmt: skip
+        for cp in divisors(world_size // tp):
+            for pp in divisors(world_size // (tp * cp)):
+                dp = world_size // (tp * cp * pp)
+                for vpp in [1] if pp == 1 else range(1, num_layers // pp + 1):
+                    for mbs in (b for b in sizes if b * dp <= base.global_batch_size):
+                        for sp in (False, True) if tp > 1 else (False,):
+                            yield base.with_(tp=tp, cp=cp, pp=pp, vpp=vpp, dp=dp, sp=sp,
+                                             micro_batch_size=mbs)  # fmt: skip
 
 
 def valid_layouts(cfg, world_size: int, vocab_size: int | None = None) -> list[Layout]:
@@ -97,7 +98,7 @@ def valid_layouts(cfg, world_size: int, vocab_size: int | None = None) -> list[L
     for shape in _shapes(base, world_size, cfg.model.num_layers):
         if layout_errors(view, shape, vocab_size):
             continue
-        for zero in ZERO_STAGES if shape.dp > 1 else (0,):
+        for zero in ZERO_STAGES if shape.dp_cp > 1 else (0,):
             for recompute in RECOMPUTE:
                 out.append(shape.with_(zero_stage=zero, recompute=recompute))
     return out
@@ -106,7 +107,7 @@ def valid_layouts(cfg, world_size: int, vocab_size: int | None = None) -> list[L
 def _base_config(cfg):
     """``cfg`` as a one-rank job (the layout fields the candidates replace)."""
     base = copy.deepcopy(cfg)
-    base.parallel.tp = base.parallel.pp = base.parallel.vpp = 1
+    base.parallel.tp = base.parallel.cp = base.parallel.pp = base.parallel.vpp = 1
     base.parallel.dp = None
     base.parallel.sp = False
     base.parallel.pipeline_layer_split = None

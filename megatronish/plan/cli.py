@@ -3,7 +3,7 @@
 Takes the same overrides as ``megatronish.train`` and prints, without allocating anything, what
 every rank of the layout will hold and do. Planner options (not part of the training config):
 
-- ``world_size=N``: ranks to plan for (default: tp * pp * (parallel.dp or 1));
+- ``world_size=N``: ranks to plan for (default: tp * cp * pp * (parallel.dp or 1));
 - ``device=NAME``: a GPU of the table in ``megatronish/plan/devices.py`` (``h100``, ``h200``,
   ``a100``, ``a100-40gb``, ...): its memory and peak for ``device_memory_gb`` and ``peak_tflops``
   unless those are given;
@@ -247,7 +247,7 @@ def main(argv: list[str]) -> int:
     if options.get("advise"):
         return advise_main(cfg, overrides, options)
     p = cfg.parallel
-    world = cfg.world_size or p.tp * p.pp * (p.dp or 1)
+    world = cfg.world_size or p.tp * p.cp * p.pp * (p.dp or 1)
     errors = config_errors(cfg, world)
     if errors:
         print("invalid config:\n" + "\n".join(f"  - {e}" for e in errors), file=sys.stderr)

@@ -28,7 +28,8 @@ def tp_volume(
     mine = [pp_rank + v * layout.pp for v in range(layout.vpp)]
     n_layers = sum(layers[c] for c in mine)
     first, last = 0 in mine, len(layers) - 1 in mine
-    m, s, b, h = layout.num_microbatches, spec.seq_length, layout.micro_batch_size, spec.hidden_size
+    m, b, h = layout.num_microbatches, layout.micro_batch_size, spec.hidden_size
+    s = spec.seq_length // layout.cp  # this cp rank's tokens
     act = s * b * h * layout.activation_bytes
     # Full recompute repeats a checkpointed group's forward collectives (two per layer) up to
     # the last saved tensor it must rebuild: the group's final reduction is skipped.
@@ -62,6 +63,30 @@ def tp_volume(
     return out
 
 
+def cp_volume(spec: ModelSpec, layout: Layout, pp_rank: int) -> dict[str, tuple[int, int]]:
+    """``{"cp/op": (calls, bytes)}``: per layer and microbatch one all-gather of k|v (the whole
+    sequence's ``[s, b, 2 kv_heads / tp, d]``) in forward, repeated when full recompute reruns
+    the layer, and one reduce-scatter of their grads in backward."""
+    if layout.cp == 1:
+        return {}
+    layers = layout.chunk_layers(spec.num_layers)
+    mine = [pp_rank + v * layout.pp for v in range(layout.vpp)]
+    n_layers = sum(layers[c] for c in mine)
+    redo = 0
+    if layout.recompute == "full":
+        n = layout.recompute_num_layers
+        redo = n_layers if layout.recompute_method == "uniform" else sum(
+            min(n, layers[c]) for c in mine)  # fmt: skip
+    m = layout.num_microbatches
+    kv = spec.seq_length * layout.micro_batch_size * 2 * (spec.num_kv_heads // layout.tp)
+    kv_bytes = kv * spec.head_dim * layout.activation_bytes
+    gathers = m * (n_layers + redo)
+    return {
+        "cp/all_gather": (gathers, gathers * kv_bytes),
+        "cp/reduce_scatter": (m * n_layers, m * n_layers * kv_bytes),
+    }
+
+
 def _sequence_parallel_numel(chunks: list) -> int:
     """Elements of replicated params fed by sequence shards (grads summed over tp once)."""
     return sum(p.numel() for c in chunks for p in c.parameters() if param_info(p).sequence_parallel)
@@ -72,21 +97,23 @@ def dp_volume(
 ) -> dict[str, tuple[int, int]]:
     """``{"dp/op": (calls, bytes)}``: grad reductions and param gathers, one call per bucket
     (``buckets``: this rank's, per chunk; ``units``: its chunks' units, needed for zero 3).
+    With context parallelism the group is dp x cp, reported as ``dp_cp/op``.
 
     Zero 0/1 reduce each bucket once per step, zero 2/3 once per microbatch (the buckets reduced
     after a model-parallel sum once per step). Zero 1/2 gather the updated params once after the
     step; zero 3 gathers each unit before its forward and its backward (the loss's unit once),
     or once per step when kept gathered.
     """
-    if layout.dp == 1:
+    if layout.dp_cp == 1:
         return {}
+    group = "dp_cp" if layout.cp > 1 else "dp"
     flat = [b for bs in buckets for b in bs]
     n, numel = len(flat), sum(b.numel for b in flat)
     if layout.zero_stage == 0:
-        return {"dp/all_reduce": (n, numel * layout.grad_reduce_bytes)}
+        return {f"{group}/all_reduce": (n, numel * layout.grad_reduce_bytes)}
     rounds = [1 if b.late or layout.zero_stage < 2 else layout.num_microbatches for b in flat]
     reduced = sum(r * b.numel for r, b in zip(rounds, flat)) * layout.grad_reduce_bytes
-    out = {"dp/reduce_scatter": (sum(rounds), reduced)}
+    out = {f"{group}/reduce_scatter": (sum(rounds), reduced)}
     calls, gathered = n, numel  # model params
     if layout.zero_stage == 3 and not layout.zero3_keep_gathered:
         if units is None:
@@ -94,7 +121,7 @@ def dp_volume(
         per_mb = [gathers_per_microbatch(cu) for cu in units]
         calls = layout.num_microbatches * sum(c for c, _ in per_mb)
         gathered = layout.num_microbatches * sum(e for _, e in per_mb)
-    out["dp/all_gather"] = (calls, gathered * layout.activation_bytes)
+    out[f"{group}/all_gather"] = (calls, gathered * layout.activation_bytes)
     return out
 
 
@@ -103,7 +130,8 @@ def pp_volume(spec: ModelSpec, layout: Layout, pp_rank: int) -> dict[str, tuple[
     if layout.pp == 1:
         return {}
     n = layout.pp * layout.vpp
-    s_r = spec.seq_length // layout.tp if layout.sequence_parallel else spec.seq_length
+    s = spec.seq_length // layout.cp
+    s_r = s // layout.tp if layout.sequence_parallel else s
     msg = s_r * layout.micro_batch_size * spec.hidden_size * layout.activation_bytes
     m = layout.num_microbatches
     mine = [pp_rank + v * layout.pp for v in range(layout.vpp)]

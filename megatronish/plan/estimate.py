@@ -111,7 +111,7 @@ def recompute_flops_per_token(spec: ModelSpec, layout: Layout) -> float:
 
 def optimizer_workspace(spec: ModelSpec, layout: Layout, states: StateBytes) -> int:
     """AdamW's ``sqrt(v)`` temporary of the largest owned bucket slice."""
-    owned = states.largest_bucket_numel // (1 if layout.zero_stage == 0 else layout.dp)
+    owned = states.largest_bucket_numel // (1 if layout.zero_stage == 0 else layout.dp_cp)
     return owned * FP32
 
 
@@ -147,12 +147,12 @@ class Planner:
 
     def _stage(self, layout: Layout, pp_rank: int) -> StagePlan:
         spec = self.spec
-        shape = (layout.tp, layout.pp, layout.vpp, layout.sp, layout.layers_per_chunk,
+        shape = (layout.tp, layout.cp, layout.pp, layout.vpp, layout.sp, layout.layers_per_chunk,
                  layout.precision, pp_rank)  # fmt: skip
         m, mbs = layout.num_microbatches, layout.micro_batch_size
         rc = (layout.recompute, layout.recompute_method, layout.recompute_num_layers)
         zero3_rc = rc if layout.zero_stage == 3 else None  # its gathered peak follows recompute
-        layout_states = (layout.dp, layout.zero_stage, layout.bucket_size_mb,
+        layout_states = (layout.dp_cp, layout.zero_stage, layout.bucket_size_mb,
                          layout.zero3_keep_gathered, zero3_rc)  # fmt: skip
         chunks = self._chunks(layout, pp_rank)
         st = self._cached(
@@ -163,14 +163,14 @@ class Planner:
         per_unit = layout.zero_stage >= 2
         buckets = self._cached(
             "buckets",
-            (shape, layout.dp, layout.bucket_size_mb, per_unit),
+            (shape, layout.dp_cp, layout.bucket_size_mb, per_unit),
             lambda: [chunk_buckets(c, layout) for c in chunks],
         )
         units = None
         if layout.zero_stage == 3:
             units = self._cached(
                 "units",
-                (shape, layout.dp, layout.bucket_size_mb, rc),
+                (shape, layout.dp_cp, layout.bucket_size_mb, rc),
                 lambda: [chunk_units(c, layout, tied_rule(c, layout)) for c in chunks],
             )
         act = self._cached("activations", (shape, mbs, self._capped(layout), rc),
@@ -181,6 +181,7 @@ class Planner:
                 "tp", (shape, mbs, m, rc), lambda: comm.tp_volume(spec, layout, pp_rank, chunks)
             )
         )
+        volume.update(comm.cp_volume(spec, layout, pp_rank))
         volume.update(comm.dp_volume(layout, buckets, units))
         volume.update(
             self._cached(

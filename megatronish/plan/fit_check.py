@@ -24,14 +24,15 @@ class LayoutDoesNotFit(ConfigError):
 def _changes(cfg, world: int) -> list[tuple[str, dict]]:
     """Single changes that lower memory per rank (as ``key -> value`` overrides)."""
     p, t = cfg.parallel, cfg.trainer
-    dp = world // (p.tp * p.pp)
+    dp = world // (p.tp * p.cp * p.pp)
     out: list[tuple[str, dict]] = []
     if dp % 2 == 0:
         out.append((f"parallel.tp={2 * p.tp}", {"parallel.tp": 2 * p.tp, "parallel.dp": None}))
+        out.append((f"parallel.cp={2 * p.cp}", {"parallel.cp": 2 * p.cp, "parallel.dp": None}))
         out.append((f"parallel.pp={2 * p.pp}", {"parallel.pp": 2 * p.pp, "parallel.dp": None}))
     if p.tp > 1 and not p.sp:
         out.append(("parallel.sp=true", {"parallel.sp": True}))
-    if dp > 1:
+    if dp * p.cp > 1:
         for z in range(p.zero_stage + 1, 4):
             out.append((f"parallel.zero_stage={z}", {"parallel.zero_stage": z}))
     if t.recompute == "none":
@@ -96,7 +97,7 @@ def memory_fit_error(
         lines += [f"  {o}   ({(peak + runtime) / GiB:.1f} GiB)" for o, peak in options]
     else:
         lines.append(
-            "No combination of up to three changes (tp, pp, sp, zero stage, recompute, micro "
+            "No combination of up to three changes (tp, cp, pp, sp, zero stage, recompute, micro "
             "batch) fits on this many ranks: use more devices or a smaller model."
         )
     lines.append(

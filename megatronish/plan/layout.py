@@ -29,10 +29,16 @@ class Layout:
     precision: str = "fp32"  # fp32 | bf16 (bf16 params and activations; fp32 main params,
     # grads and Adam moments)
     grad_reduce_dtype: str = "fp32"  # fp32 | bf16: the dp grad reduction
+    cp: int = 1  # context parallel: each sequence split over cp ranks
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.cp * self.pp * self.dp
+
+    @property
+    def dp_cp(self) -> int:
+        """Ranks holding the same params: grads are reduced and ZeRO shards spread over them."""
+        return self.dp * self.cp
 
     @property
     def num_microbatches(self) -> int:
@@ -60,7 +66,7 @@ class Layout:
         return (num_layers // chunks,) * chunks
 
     def describe(self) -> str:
-        parts = [f"tp={self.tp}", f"pp={self.pp}"]
+        parts = [f"tp={self.tp}"] + ([f"cp={self.cp}"] if self.cp > 1 else []) + [f"pp={self.pp}"]
         if self.vpp > 1:
             parts.append(f"vpp={self.vpp}")
         parts += [f"dp={self.dp}", f"zero={self.zero_stage}"]
@@ -83,7 +89,7 @@ def layout_from_config(cfg, world_size: int) -> Layout:
     p, t = cfg.parallel, cfg.trainer
     d = derive(cfg, world_size)
     return Layout(
-        tp=p.tp, pp=p.pp, vpp=p.vpp, dp=d.dp, sp=bool(p.sp), zero_stage=p.zero_stage,
+        tp=p.tp, cp=p.cp, pp=p.pp, vpp=p.vpp, dp=d.dp, sp=bool(p.sp), zero_stage=p.zero_stage,
         micro_batch_size=t.micro_batch_size, global_batch_size=t.global_batch_size,
         recompute=t.recompute, recompute_method=t.recompute_method,
         recompute_num_layers=t.recompute_num_layers,

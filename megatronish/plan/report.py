@@ -132,7 +132,7 @@ def markdown(columns: list[str], rows: list[list[str]]) -> str:
 
 
 def advice_table(advice: Advice, hw: Hardware, top: int) -> str:
-    """The top ``top`` rows (one per (tp, pp), fastest first)."""
+    """The top ``top`` rows (one per (tp, cp, pp), fastest first)."""
     best = advice.best_of_each_shape()
     rows = [
         _row(i + 1, r, best[i + 1] if i + 1 < len(best) else None, hw)
@@ -151,7 +151,7 @@ def advice_report(
         hardware_line(hw, world_size, device_bytes, runtime),
         f"{advice.valid} valid layouts; {advice.planned} planned ({skipped} could not reach the "
         f"top {top}), {advice.too_big} of them do not fit, {len(advice.ranked)} do.",
-        f"Fastest layout of each tp/pp ({min(top, len(best))} of {len(best)} shown); the "
+        f"Fastest layout of each tp/cp/pp ({min(top, len(best))} of {len(best)} shown); the "
         "terms add up to the step; 'why' compares a row with the next:",
         "",
         advice_table(advice, hw, top),
@@ -168,7 +168,7 @@ LAYOUT_KEYS = ("parallel", "trainer.micro_batch_size", "trainer.recompute", "wor
 
 def parallel_values(layout: Layout) -> dict[str, object]:
     return {
-        "tp": layout.tp, "pp": layout.pp, "vpp": layout.vpp, "dp": None,
+        "tp": layout.tp, "cp": layout.cp, "pp": layout.pp, "vpp": layout.vpp, "dp": None,
         "sp": layout.sequence_parallel, "zero_stage": layout.zero_stage,
     }  # fmt: skip
 

@@ -74,7 +74,7 @@ def tied_rule(chunk: GPTChunk, layout: Layout):
 def chunk_buckets(chunk: GPTChunk, layout: Layout) -> list[Bucket]:
     """One chunk's buckets (on meta), as the trainer groups them."""
     return plan_chunk_buckets(
-        chunk, int(layout.bucket_size_mb * 2**20), layout.dp, 0, tied_rule(chunk, layout),
+        chunk, int(layout.bucket_size_mb * 2**20), layout.dp_cp, 0, tied_rule(chunk, layout),
         torch.device("meta"), per_unit=layout.zero_stage >= 2,
     )  # fmt: skip
 
@@ -100,7 +100,7 @@ def state_bytes(
     per_chunk = [[b.numel for b in bs] for bs in buckets]
     numel = sum(sum(n) for n in per_chunk)
     param_numel = sum(p.numel() for c in chunks for p in c.parameters())
-    dp, zero = layout.dp, layout.zero_stage
+    dp, zero = layout.dp_cp, layout.zero_stage  # ZeRO shards over dp x cp
     shard = numel // dp
     owned = numel if zero == 0 else shard
     model = layout.activation_bytes  # the model's params: fp32, or bf16 beside fp32 main params

@@ -4,7 +4,8 @@ The model (symbols: ``N`` ranks, ``t`` tp, ``p`` pp, ``v`` vpp, ``d`` dp, ``m`` 
 ``g`` GPUs per node):
 
 - **Compute.** Each pipeline stage does the FLOPs of its layers (and the head on the last
-  stage) for the ``tokens / d`` tokens of its pipeline, split over its ``t`` ranks, at
+  stage) for the ``tokens / d`` tokens of its pipeline, split over its ``t c`` ranks (``c``
+  cp; the load-balanced split gives every cp rank the same causal attention work), at
   ``peak * efficiency``. Hardware FLOPs: recompute's repeated forward work is added (its part
   is reported as ``recompute``). The busiest stage sets the pace; with even layers it is the
   last one, which also computes the head.
@@ -14,10 +15,12 @@ The model (symbols: ``N`` ranks, ``t`` tp, ``p`` pp, ``v`` vpp, ``d`` dp, ``m`` 
   :mod:`~megatronish.plan.comm`. A call of ``B`` tensor bytes on a group of ``n`` ranks takes
   ``latency + f * B / bandwidth`` with the ring factors ``f = 2 (n - 1) / n`` (all-reduce),
   ``(n - 1) / n`` (all-gather, reduce-scatter) and 1 (send / recv). Ranks are laid out tp
-  fastest, then dp, then pp, so a group's ranks are ``t`` (tp), ``t d`` (dp) or ``N`` (pp and the
-  tied embedding) consecutive ranks; a group within ``g`` consecutive ranks runs at the
+  fastest, then cp, dp, pp, so a group's ranks are ``t`` (tp), ``t c`` (cp), ``t c d`` (dp, and
+  dp x cp where grads are reduced under cp) or ``N`` (pp and the tied embedding) consecutive
+  ranks; a group within ``g`` consecutive ranks runs at the
   intra-node bandwidth (NVLink), a larger one at the inter-node bandwidth (the NIC per GPU).
-- **Overlap.** tp collectives sit between the matmuls that need them: never hidden. ZeRO 3
+- **Overlap.** tp collectives sit between the matmuls that need them: never hidden; nor are
+  cp's K/V all-gathers (forward) and reduce-scatters (backward), one of each per layer. ZeRO 3
   prefetches: a unit's (block's) gather runs while the unit before it computes, so only the
   first unit of each forward and backward waits: exposed = ``max(gathers / units per chunk,
   gathers - compute)``. ZeRO 1/2's gather of the updated params runs during the next step's
@@ -37,7 +40,7 @@ The model (symbols: ``N`` ranks, ``t`` tp, ``p`` pp, ``v`` vpp, ``d`` dp, ``m`` 
   used by the other stages' ranks as long as a stage has at least ``cores`` ranks, so the
   bubble costs only the cores it leaves idle.
 
-The step time is ``busiest stage (compute + recompute + tp + ZeRO 3 gathers) * (1 + bubble)
+The step time is ``busiest stage (compute + recompute + tp + cp + ZeRO 3 gathers) * (1 + bubble)
 + exposed pp + the largest exposed end-of-step dp work``. Not modelled: the optimizer update,
 data loading, kernel launch overheads, and stragglers.
 """
@@ -53,7 +56,7 @@ from megatronish.plan import comm
 from megatronish.plan.estimate import Plan, recompute_flops_per_token
 from megatronish.plan.layout import Layout
 
-TERMS = ("compute", "recompute", "bubble", "tp", "pp", "dp")
+TERMS = ("compute", "recompute", "bubble", "tp", "cp", "pp", "dp")
 
 
 @dataclass(frozen=True)
@@ -77,6 +80,7 @@ class StepTime:
     recompute: float  # the forward work recompute repeats there
     bubble: float
     tp: float
+    cp: float  # the K/V all-gathers and their grads' reduce-scatters (between computes)
     pp: float
     dp: float  # exposed dp communication: reductions, ZeRO gathers, tied embedding
 
@@ -98,11 +102,15 @@ def ring_factor(op: str, n: int) -> float:
 
 
 def group_size_and_span(group: str, layout: Layout) -> tuple[int, int]:
-    """Ranks in a group and how many consecutive ranks it spans (tp fastest, then dp, then pp)."""
+    """Ranks in a group and how many consecutive ranks it spans (tp fastest, then cp, dp, pp)."""
     if group == "tp":
         return layout.tp, layout.tp
+    if group == "cp":
+        return layout.cp, layout.tp * layout.cp
     if group == "dp":
-        return layout.dp, layout.tp * layout.dp
+        return layout.dp, layout.tp * layout.cp * layout.dp
+    if group == "dp_cp":
+        return layout.dp_cp, layout.tp * layout.dp_cp
     return 2, layout.world_size  # pp neighbours and the embedding group: across the pipeline
 
 
@@ -149,12 +157,13 @@ class _Stage:
     compute: float
     recompute: float
     tp: float
+    cp: float
     zero3: float
     end: float  # exposed after the last backward: dp reduction, ZeRO 1/2 gather, embedding
 
     @property
     def busy(self) -> float:
-        return self.compute + self.recompute + self.tp + self.zero3
+        return self.compute + self.recompute + self.tp + self.cp + self.zero3
 
 
 def _stage_time(
@@ -165,10 +174,12 @@ def _stage_time(
     rate = hw.peak_flops * hw.efficiency / slow
     tokens = layout.global_batch_size * spec.seq_length / layout.dp
     model, extra = stage_flops_per_token(spec, layout, pp_rank)
-    compute, recompute = (f * tokens / layout.tp / rate for f in (model, extra))
+    compute, recompute = (f * tokens / (layout.tp * layout.cp) / rate for f in (model, extra))
     times = {k: comm_time(layout, hw, k, c, b) * slow for k, (c, b) in volume.items()}
     tp = sum(t for k, t in times.items() if k.startswith("tp/"))
-    gather = times.get("dp/all_gather", 0.0)
+    cp = sum(t for k, t in times.items() if k.startswith("cp/"))
+    dp = "dp_cp" if layout.cp > 1 else "dp"  # the group grads are reduced over
+    gather = times.get(f"{dp}/all_gather", 0.0)
     zero3, end = 0.0, times.get("embedding/all_reduce", 0.0)
     backward_all = 2 * compute / 3 + recompute
     if gather and hw.shared_cores:
@@ -180,8 +191,8 @@ def _stage_time(
         zero3 = max(gather / units, gather - (compute + recompute))
     elif gather:  # zero 1/2: during the next step's first forward, its first bucket exposed
         first_forward = compute / 3 / layout.num_microbatches
-        end += max(gather / volume["dp/all_gather"][0], gather - first_forward)
-    for key in ("dp/all_reduce", "dp/reduce_scatter"):
+        end += max(gather / volume[f"{dp}/all_gather"][0], gather - first_forward)
+    for key in (f"{dp}/all_reduce", f"{dp}/reduce_scatter"):
         if key not in times:
             continue
         reduce = times[key]
@@ -197,7 +208,7 @@ def _stage_time(
             end += max(computes * one, reduce - backward_all)
         else:
             end += max(one, reduce - backward_all / layout.num_microbatches)
-    return _Stage(compute, recompute, tp, zero3, end)
+    return _Stage(compute, recompute, tp, cp, zero3, end)
 
 
 def _pp_time(layout: Layout, volumes: list[dict], hw: Hardware) -> float:
@@ -221,6 +232,7 @@ def _combine(layout: Layout, bubble: float, stages: list[_Stage], pp: float, hw)
         recompute=busiest.recompute,
         bubble=busiest.busy * bubble_share(bubble, layout, hw),
         tp=busiest.tp,
+        cp=busiest.cp,
         pp=pp,
         dp=busiest.zero3 + max(s.end for s in stages),
     )
@@ -244,7 +256,8 @@ def lower_bound(spec: ModelSpec, layout: Layout, hw: Hardware) -> float:
     plain = layout.with_(sp=False)
     volumes, stages = [], []
     for r in sorted({0, layout.pp - 1}):
-        volume = {**comm.tp_volume(spec, plain, r), **comm.pp_volume(spec, layout, r)}
+        volume = {**comm.tp_volume(spec, plain, r), **comm.cp_volume(spec, layout, r),
+                  **comm.pp_volume(spec, layout, r)}  # fmt: skip
         volumes.append(volume)
         stages.append(_stage_time(spec, layout, r, volume, hw))
     return _combine(layout, bubble, stages, _pp_time(layout, volumes, hw), hw).total

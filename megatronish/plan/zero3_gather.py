@@ -38,7 +38,7 @@ def chunk_units(chunk, layout: Layout, is_tied) -> ChunkUnits:
     """``chunk``'s units (a meta-device GPT chunk) with the buckets the trainer would plan."""
     units, visits = chunk_visits(chunk, 0)
     buckets = plan_chunk_buckets(
-        chunk, int(layout.bucket_size_mb * 2**20), layout.dp, 0, is_tied, torch.device("meta"),
+        chunk, int(layout.bucket_size_mb * 2**20), layout.dp_cp, 0, is_tied, torch.device("meta"),
         per_unit=True,
     )  # fmt: skip
     unit_of = {id(p): k for k, u in enumerate(units) for p in u.params}

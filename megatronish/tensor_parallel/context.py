@@ -1,4 +1,4 @@
-"""TPContext: what a model layer needs to know about tensor/sequence parallelism."""
+"""TPContext: what a model layer needs to know about tensor/sequence (and context) parallelism."""
 
 from __future__ import annotations
 
@@ -7,17 +7,20 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from megatronish.context_parallel.attention import CPContext
 from megatronish.distributed.comm import ParallelGroup, single_group
 from megatronish.tensor_parallel.random import RNGTracker
 
 
 @dataclass
 class TPContext:
-    """The tp group, whether sequence parallelism is on, and the RNG tracker for dropout."""
+    """The tp group, whether sequence parallelism is on, the RNG tracker for dropout, and the
+    context-parallel split of the sequence (``cp``)."""
 
     group: ParallelGroup = field(default_factory=lambda: single_group("tp"))
     sp: bool = False
     rng: RNGTracker | None = None
+    cp: CPContext = field(default_factory=CPContext)
 
     @property
     def size(self) -> int:

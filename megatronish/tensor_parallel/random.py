@@ -16,6 +16,7 @@ import contextlib
 import torch
 
 TP_SEED_OFFSET = 2718
+CP_SEED_STRIDE = 100_003  # cp ranks hold other tokens of the same samples: their own masks
 
 
 class RNGTracker:
@@ -36,9 +37,10 @@ class RNGTracker:
         else:
             torch.set_rng_state(state)
 
-    def seed(self, seed: int, tp_rank: int, pp_rank: int = 0) -> None:
-        """Seed ``default`` (same on every tp rank) and ``tp`` (different per tp rank)."""
-        base = seed + 100 * pp_rank
+    def seed(self, seed: int, tp_rank: int, pp_rank: int = 0, cp_rank: int = 0) -> None:
+        """Seed ``default`` (same on every tp rank) and ``tp`` (different per tp rank); both
+        differ per cp rank, whose activations are other positions of the same samples."""
+        base = seed + 100 * pp_rank + CP_SEED_STRIDE * cp_rank
         torch.manual_seed(base)
         if self.device.type == "cuda":
             torch.cuda.manual_seed(base)

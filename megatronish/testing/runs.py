@@ -89,10 +89,12 @@ def trainer_for(cfg, rank: int, world: int, device: torch.device | None = None, 
     d = derive(cfg, world)
     p = cfg.parallel
     topo = Topology.build(tp=p.tp, dp=d.dp, pp=p.pp, rank=rank, timeout_s=p.collective_timeout_s,
-                          device=device or torch.device("cpu"))  # fmt: skip
+                          device=device or torch.device("cpu"), cp=p.cp)  # fmt: skip
     spec = ModelSpec.from_config(cfg.model, cfg.model.vocab_size)
     rng = RNGTracker(topo.device)
-    rng.seed(cfg.trainer.seed, tp_rank=topo.coords.tp, pp_rank=topo.coords.pp)
+    rng.seed(
+        cfg.trainer.seed, tp_rank=topo.coords.tp, pp_rank=topo.coords.pp, cp_rank=topo.coords.cp
+    )
     chunks = build_model(cfg, topo, d, spec, rng)
     data = PatternTokens(spec.vocab_size, spec.seq_length, seed=cfg.trainer.seed)
     if kw.get("saving") is True:
@@ -148,7 +150,7 @@ def train_layout(
     for i in range(len(chunks)):
         trainer.zero.gather(i)  # zero 3 keeps only shards between steps
     params = gather_tp_params(chunks, topo)
-    keep = topo.coords.tp == 0 and topo.coords.dp == 0
+    keep = topo.coords.tp == 0 and topo.coords.dp == 0 and topo.coords.cp == 0
     return LayoutRun(
         losses=[r.loss for r in history],
         grad_norms=[r.grad_norm for r in history],

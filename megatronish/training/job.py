@@ -9,6 +9,7 @@ import torch
 
 from megatronish.config.derived import Derived, derive
 from megatronish.config.validate import ConfigError, vocab_errors
+from megatronish.context_parallel.attention import CPContext
 from megatronish.distributed.agree import PeerError, agree
 from megatronish.distributed.launch import LaunchEnv, init_process_group, pick_device
 from megatronish.distributed.rank_math import rank_map_table
@@ -79,7 +80,8 @@ def check_memory_fits(cfg, launch: LaunchEnv, topo: Topology, vocab: int) -> Non
 
 
 def build_model(cfg, topo: Topology, derived: Derived, spec: ModelSpec, rng: RNGTracker):
-    tp_ctx = TPContext(group=topo.tp_group, sp=cfg.parallel.sp, rng=rng)
+    cp_ctx = CPContext(group=topo.cp_group, seq_length=spec.seq_length)
+    tp_ctx = TPContext(group=topo.tp_group, sp=cfg.parallel.sp, rng=rng, cp=cp_ctx)
     chunks = build_chunks(
         spec,
         tp_ctx,
@@ -105,7 +107,7 @@ def build_job(cfg, launch: LaunchEnv) -> Job:
     init_process_group(launch, device, cfg.parallel.collective_timeout_s)
     p = cfg.parallel
     topo = Topology.build(tp=p.tp, dp=derived.dp, pp=p.pp, rank=launch.rank, device=device,
-                          timeout_s=p.collective_timeout_s)  # fmt: skip
+                          timeout_s=p.collective_timeout_s, cp=p.cp)  # fmt: skip
     try:
         return _build_on(cfg, launch, topo, derived)
     except BaseException:
@@ -115,7 +117,7 @@ def build_job(cfg, launch: LaunchEnv) -> Job:
 
 def _build_on(cfg, launch: LaunchEnv, topo: Topology, derived: Derived) -> Job:
     if topo.rank == 0:
-        print(rank_map_table(topo.tp, topo.dp, topo.pp), flush=True)
+        print(rank_map_table(topo.tp, topo.dp, topo.pp, topo.cp), flush=True)
 
     train_data, valid_data, tokenizer = build_data(cfg, topo, launch)
     errors = vocab_errors(cfg, tokenizer.vocab_size)
@@ -128,6 +130,8 @@ def _build_on(cfg, launch: LaunchEnv, topo: Topology, derived: Derived) -> Job:
         check_memory_fits(cfg, launch, topo, tokenizer.vocab_size)
 
     rng = RNGTracker(topo.device)
-    rng.seed(cfg.trainer.seed, tp_rank=topo.coords.tp, pp_rank=topo.coords.pp)
+    rng.seed(
+        cfg.trainer.seed, tp_rank=topo.coords.tp, pp_rank=topo.coords.pp, cp_rank=topo.coords.cp
+    )
     chunks = build_model(cfg, topo, derived, spec, rng)
     return Job(cfg, launch, topo, derived, spec, chunks, rng, train_data, valid_data, tokenizer)

@@ -16,6 +16,7 @@ from torch import nn
 
 from megatronish.checkpoint.save import CheckpointSaver, Saving
 from megatronish.config.derived import Derived
+from megatronish.context_parallel.split import split_sequence
 from megatronish.distributed.comm import all_reduce
 from megatronish.distributed.timers import Timers, device_sync, max_min_over_ranks, timer_metrics
 from megatronish.distributed.topology import Topology
@@ -114,8 +115,8 @@ class Trainer:
         self.flops_per_step = flops_per_token(spec) * derived.tokens_per_step
 
     def pipeline_shape(self) -> PipelineShape:
-        """The activation every stage sends: ``[s or s/tp with sp, micro batch, hidden]``."""
-        s, tp = self.spec.seq_length, self.topo.tp
+        """The activation every stage sends: ``[s/cp (/tp with sp), micro batch, hidden]``."""
+        s, tp = self.spec.seq_length // self.topo.cp, self.topo.tp
         seq = s // tp if self.cfg.parallel.sp and tp > 1 else s
         shape = (seq, self.cfg.trainer.micro_batch_size, self.spec.hidden_size)
         return PipelineShape(shape, self.param_dtype)
@@ -135,7 +136,8 @@ class Trainer:
 
     # -- data -------------------------------------------------------------------------------
     def microbatches(self, data, first_sample: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """This dp rank's microbatches of the global batch that starts at ``first_sample``."""
+        """This dp rank's microbatches of the global batch that starts at ``first_sample``,
+        cut to this cp rank's chunks of every sequence."""
         t = self.cfg.trainer
         per_rank = t.global_batch_size // self.topo.dp
         start = first_sample + self.topo.coords.dp * per_rank
@@ -144,7 +146,9 @@ class Trainer:
             first = start + m * t.micro_batch_size
             batch = torch.stack([data[i] for i in range(first, first + t.micro_batch_size)])
             batch = batch.to(self.topo.device, non_blocking=True)
-            out.append((batch[:, :-1].contiguous(), batch[:, 1:].contiguous()))
+            inputs, targets = batch[:, :-1], batch[:, 1:]
+            out.append(tuple(split_sequence(t, 1, self.topo.cp, self.topo.coords.cp).contiguous()
+                             for t in (inputs, targets)))  # fmt: skip
         return out
 
     # -- one step ---------------------------------------------------------------------------
@@ -200,8 +204,8 @@ class Trainer:
         if not self.holds_loss or not losses:
             return float("nan")
         mean = torch.stack(losses).float().mean()
-        all_reduce(mean, self.topo.dp_group)
-        return (mean / self.topo.dp).item()
+        all_reduce(mean, self.topo.dp_cp_group)  # cp ranks: equal token counts, so a plain mean
+        return (mean / self.topo.dp_cp).item()
 
     @torch.no_grad()
     def evaluate(self) -> float:

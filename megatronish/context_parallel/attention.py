@@ -1,0 +1,129 @@
+"""Causal attention over a sequence split across the cp group: K/V all-gathered, Q local.
+
+Each rank keeps the queries of its two chunks (see :mod:`~megatronish.context_parallel.split`)
+and all-gathers keys and values, at the kv-head count (GQA stays grouped on the wire), once per
+layer; backward reduce-scatters their gradients. A query chunk at chunk index ``j`` attends to
+keys ``[0, (j+1)c)`` with a lower-right causal mask, so no rank computes scores that the mask
+would discard beyond its own diagonal blocks, and the two chunks' work sums to the same on every
+rank. docs/parallelism.md compares this with ring attention.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from megatronish.context_parallel.split import (
+    chunk_ids,
+    local_positions,
+    natural_order,
+    rank_major_order,
+    split_sequence,
+)
+from megatronish.distributed.comm import (
+    ParallelGroup,
+    all_gather_dim0,
+    reduce_scatter_dim0,
+    single_group,
+)
+
+
+@dataclass
+class CPContext:
+    """The cp group and the full sequence length; which positions this rank holds."""
+
+    group: ParallelGroup = field(default_factory=lambda: single_group("cp"))
+    seq_length: int = 0
+    _positions: dict = field(default_factory=dict, repr=False)
+    _masks: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def size(self) -> int:
+        return self.group.size
+
+    def positions(self, device: torch.device | str | None = None) -> torch.Tensor:
+        """Global positions of this rank's tokens (``[s / cp]``, int64)."""
+        key = str(device)
+        if key not in self._positions:
+            pos = local_positions(self.seq_length, self.size, self.group.rank)
+            self._positions[key] = torch.tensor(pos, dtype=torch.long, device=device)
+        return self._positions[key]
+
+    def mask(self, queries: int, keys: int, device: torch.device) -> torch.Tensor | object:
+        """:func:`causal_mask`, built once per shape and device: every layer and microbatch
+        shares it (on CPU a boolean tensor that SDPA keeps for backward)."""
+        key = (queries, keys, str(device))
+        if key not in self._masks:
+            self._masks[key] = causal_mask(queries, keys, device)
+        return self._masks[key]
+
+    def split(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """This rank's chunks of the whole-sequence tensor ``x`` along ``dim``."""
+        return split_sequence(x, dim, self.size, self.group.rank)
+
+
+def _reorder(x: torch.Tensor, order: list[int]) -> torch.Tensor:
+    """Permute the ``len(order)`` equal chunks of dim 0: chunk ``i`` of the result is chunk
+    ``order[i]`` of ``x``."""
+    chunks = x.view(len(order), x.shape[0] // len(order), *x.shape[1:])
+    index = torch.tensor(order, device=x.device)
+    return chunks.index_select(0, index).reshape(x.shape)
+
+
+class _GatherSequence(torch.autograd.Function):
+    """Forward: all-gather every rank's ``[s/cp, ...]`` into the whole ``[s, ...]`` in sequence
+    order. Backward: the gradient's chunks back to rank order, reduce-scattered (every rank's
+    queries contribute to every key)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: ParallelGroup) -> torch.Tensor:
+        ctx.group = group
+        return _reorder(all_gather_dim0(x, group), natural_order(group.size))
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        g = _reorder(g.contiguous(), rank_major_order(ctx.group.size))
+        return reduce_scatter_dim0(g, ctx.group), None
+
+
+def gather_sequence(x: torch.Tensor, cp: CPContext) -> torch.Tensor:
+    """The whole sequence of ``x`` (``[s/cp, ...]`` on each rank, dim 0 the sequence)."""
+    if cp.size == 1:
+        return x
+    return _GatherSequence.apply(x, cp.group)
+
+
+def causal_mask(queries: int, keys: int, device: torch.device) -> torch.Tensor | object:
+    """Lower-right causal mask: query ``i`` of the last ``queries`` sees keys ``<= keys - queries
+    + i``. A boolean tensor on CPU (SDPA's flash kernel takes it); on CUDA torch's
+    ``causal_lower_right`` bias, which its fused kernels apply without a mask tensor."""
+    if device.type == "cuda":
+        # Imported here: the module loads torch._dynamo (800 modules, a second of start-up).
+        from torch.nn.attention.bias import causal_lower_right
+
+        return causal_lower_right(queries, keys)
+    return torch.ones(queries, keys, dtype=torch.bool, device=device).tril(keys - queries)
+
+
+def cp_causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CPContext, dropout_p: float, gqa: dict
+) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d)) v for local queries ``q`` ``[b, heads, s/cp, d]`` against the
+    whole sequence's ``k`` and ``v`` ``[b, kv_heads, s, d]``; output ``[b, heads, s/cp, d]``."""
+    c = q.shape[2] // 2
+    outs = []
+    for slot, j in enumerate(chunk_ids(cp.size, cp.group.rank)):
+        keys = (j + 1) * c
+        outs.append(
+            F.scaled_dot_product_attention(
+                q[:, :, slot * c : (slot + 1) * c],
+                k[:, :, :keys],
+                v[:, :, :keys],
+                attn_mask=cp.mask(c, keys, q.device),
+                dropout_p=dropout_p,
+                **gqa,
+            )
+        )
+    return torch.cat(outs, dim=2)

@@ -7,6 +7,7 @@ rejected by Hydra/OmegaConf when the config is composed, before anything starts.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from hydra.core.config_store import ConfigStore
 
@@ -53,6 +54,10 @@ class ParallelConfig:
 class DataConfig:
     source: str = "stdlib"  # stdlib (built-in offline corpus) | indexed (use prefix)
     prefix: str | None = None  # .bin/.idx prefix when source=indexed
+    # [[weight, prefix], ...]: a weighted blend of indexed datasets (replaces prefix)
+    blend: list[Any] | None = None
+    blend_valid: list[Any] | None = None  # validation blend; null: the blend's valid splits
+    prefetch: bool = True  # read the next step's batches on a background thread
     tokenizer_model: str | None = None  # sentencepiece .model, required when source=indexed
     cache_dir: str = "~/.cache/megatronish"
     vocab_size: int = 4096  # tokenizer vocabulary when the stdlib corpus is built

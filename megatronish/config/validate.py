@@ -6,12 +6,11 @@ the values and the fix. :func:`check_config` raises :class:`ConfigError` with al
 
 from __future__ import annotations
 
-import os
-
 from omegaconf import DictConfig, OmegaConf
 
+from megatronish.config.data_rules import data_errors
 from megatronish.config.derived import default_ffn_hidden, pad_vocab
-from megatronish.config.value_rules import MIN_STDLIB_VOCAB, get, not_finite, value_errors
+from megatronish.config.value_rules import get, not_finite, value_errors
 
 CHOICES = {
     "model.arch": ("llama", "gpt2"),
@@ -264,33 +263,7 @@ def config_errors(
             "nothing would be traced; profile steps within the run"
         )
 
-    # Data.
-    d = cfg.data
-    if d.source == "indexed":
-        if not d.prefix:
-            errors.append("data.source=indexed needs data.prefix (the .bin/.idx path prefix)")
-        if not d.tokenizer_model:
-            errors.append("data.source=indexed needs data.tokenizer_model (a sentencepiece file)")
-        elif os.path.isdir(os.path.expanduser(d.tokenizer_model)):
-            errors.append(
-                f"data.tokenizer_model={d.tokenizer_model} is a directory; give the "
-                "sentencepiece .model file in it (tools/train_tokenizer.py writes <prefix>.model)"
-            )
-        elif not os.path.exists(os.path.expanduser(d.tokenizer_model)):
-            errors.append(f"data.tokenizer_model={d.tokenizer_model} does not exist")
-        if d.prefix and not os.path.exists(os.path.expanduser(d.prefix) + ".idx"):
-            errors.append(
-                f"data.prefix={d.prefix}: {d.prefix}.idx does not exist; create it with "
-                "tools/preprocess_data.py"
-            )
-    elif d.vocab_size < MIN_STDLIB_VOCAB:
-        errors.append(
-            f"data.vocab_size={d.vocab_size} is too small to train a tokenizer on the built-in "
-            "corpus: byte fallback takes 259 ids and each of the corpus's characters one more; "
-            f"use at least {MIN_STDLIB_VOCAB}"
-        )
-    if not 0.0 < d.valid_fraction < 1.0:
-        errors.append(f"data.valid_fraction={d.valid_fraction} must be in (0, 1)")
+    errors += data_errors(cfg)
     return errors
 
 

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from megatronish.data.blend import BlendedDataset
 from megatronish.data.gpt_dataset import GPTDataset
 from megatronish.data.indexed import IndexedDataset
 from megatronish.data.stdlib_corpus import ensure_stdlib_corpus
@@ -21,6 +22,8 @@ DEFAULTS: dict[str, Any] = {
     "vocab_size": 4096,
     "max_corpus_mb": 8.0,
     "valid_fraction": 0.02,
+    "blend": None,
+    "blend_valid": None,
 }
 FULL_SCAN_TOKENS = 1 << 28  # scan every token up to this size; larger data is spot-checked
 _CHUNK = 1 << 24
@@ -41,26 +44,35 @@ def _resolve_indexed(data_cfg: Any) -> tuple[str, str]:
             "data.prefix is required when data.source=indexed: set it to the output prefix of "
             "tools/preprocess_data.py (path without .bin/.idx), or use data.source=stdlib"
         )
-    if not model:
-        raise ValueError(
-            "data.tokenizer_model is required when data.source=indexed: set it to the "
-            "sentencepiece .model that tools/preprocess_data.py used for data.prefix"
-        )
-    prefix, model = os.path.expanduser(str(prefix)), os.path.expanduser(str(model))
+    return _resolve_prefix(prefix, "data.prefix"), _resolve_tokenizer(model)
+
+
+def _resolve_prefix(prefix: str, key: str) -> str:
+    prefix = os.path.expanduser(str(prefix))
     if prefix.endswith((".bin", ".idx")):
         prefix = prefix[:-4]
     for path in (prefix + ".idx", prefix + ".bin"):
         if not os.path.isfile(path):
             raise FileNotFoundError(
-                f"data.prefix={prefix}: {path} does not exist; create it with "
-                "tools/preprocess_data.py --output-prefix <prefix>, or fix data.prefix"
+                f"{key}={prefix}: {path} does not exist; create it with "
+                "tools/preprocess_data.py --output-prefix <prefix>, or fix the prefix"
             )
+    return prefix
+
+
+def _resolve_tokenizer(model: str | None) -> str:
+    if not model:
+        raise ValueError(
+            "data.tokenizer_model is required for indexed data (data.prefix or data.blend): "
+            "set it to the sentencepiece .model that tools/preprocess_data.py used"
+        )
+    model = os.path.expanduser(str(model))
     if not os.path.isfile(model):
         raise FileNotFoundError(
             f"data.tokenizer_model={model} does not exist; train one with "
             "tools/train_tokenizer.py, or fix data.tokenizer_model"
         )
-    return prefix, model
+    return model
 
 
 def check_token_ids(indexed: IndexedDataset, tokenizer: Tokenizer) -> None:
@@ -90,15 +102,26 @@ def check_token_ids(indexed: IndexedDataset, tokenizer: Tokenizer) -> None:
 
 
 def build_datasets(
-    data_cfg: Any, seq_length: int, seed: int
-) -> tuple[GPTDataset, GPTDataset, Tokenizer]:
+    data_cfg: Any,
+    seq_length: int,
+    seed: int,
+    samples: tuple[int, int] | None = None,
+    log=print,
+) -> tuple[Any, Any, Tokenizer]:
     """(train, valid, tokenizer) for ``data_cfg`` (object or mapping with the keys of ``DEFAULTS``;
     missing or None values take the default).
 
     ``source="stdlib"`` builds or reuses the cached standard-library corpus; ``"indexed"``
-    reads ``prefix`` (.bin/.idx) with ``tokenizer_model``. Token ids are checked against the
-    tokenizer vocabulary (see :func:`check_token_ids`).
+    reads ``prefix`` (.bin/.idx) with ``tokenizer_model``; ``blend`` (``[[weight, prefix], ...]``)
+    blends indexed datasets into :class:`~megatronish.data.blend.BlendedDataset` objects of
+    ``samples = (train, valid)`` global samples. Token ids are checked against the tokenizer
+    vocabulary (see :func:`check_token_ids`).
     """
+    valid_fraction = float(_cfg(data_cfg, "valid_fraction"))
+    if not 0.0 < valid_fraction < 1.0:
+        raise ValueError(f"data.valid_fraction={valid_fraction} must be in (0, 1)")
+    if _cfg(data_cfg, "blend") is not None:
+        return _build_blend(data_cfg, seq_length, seed, samples, valid_fraction, log)
     source = _cfg(data_cfg, "source")
     if source == "stdlib":
         prefix, model = ensure_stdlib_corpus(
@@ -113,9 +136,33 @@ def build_datasets(
     tokenizer = Tokenizer(model)
     indexed = IndexedDataset(prefix)
     check_token_ids(indexed, tokenizer)
-    valid_fraction = float(_cfg(data_cfg, "valid_fraction"))
-    if not 0.0 < valid_fraction < 1.0:
-        raise ValueError(f"data.valid_fraction={valid_fraction} must be in (0, 1)")
     train = GPTDataset(indexed, seq_length, seed, "train", valid_fraction)
     valid = GPTDataset(indexed, seq_length, seed, "valid", valid_fraction)
+    return train, valid, tokenizer
+
+
+def _build_blend(data_cfg, seq_length, seed, samples, valid_fraction, log):
+    """Blended train and valid datasets (see :func:`build_datasets`)."""
+    if samples is None:
+        raise ValueError("a blend needs the number of (train, valid) samples to build its index")
+    tokenizer = Tokenizer(_resolve_tokenizer(_cfg(data_cfg, "tokenizer_model")))
+    cache = os.path.join(os.path.expanduser(str(_cfg(data_cfg, "cache_dir"))), "blends")
+
+    def datasets(key: str, split: str, fraction: float):
+        weights, parts, names = [], [], []
+        for i, (weight, prefix) in enumerate(_cfg(data_cfg, key)):
+            indexed = IndexedDataset(_resolve_prefix(prefix, f"{key}[{i}]"))
+            check_token_ids(indexed, tokenizer)
+            weights.append(float(weight))
+            parts.append(GPTDataset(indexed, seq_length, seed, split, fraction))
+            names.append(os.path.basename(indexed.prefix))
+        return parts, weights, names
+
+    train_parts, weights, names = datasets("blend", "train", valid_fraction)
+    train = BlendedDataset(train_parts, weights, samples[0], names, cache, log)
+    if _cfg(data_cfg, "blend_valid") is not None:  # whole datasets set aside for validation
+        valid_parts, valid_weights, valid_names = datasets("blend_valid", "train", 0.0)
+    else:
+        valid_parts, valid_weights, valid_names = datasets("blend", "valid", valid_fraction)
+    valid = BlendedDataset(valid_parts, valid_weights, samples[1], valid_names, cache, log)
     return train, valid, tokenizer

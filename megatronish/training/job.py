@@ -54,7 +54,9 @@ def build_data(cfg, topo: Topology, launch: LaunchEnv):
         error = None
         if (launch.local_rank == 0) == first:
             try:
-                result = build_datasets(cfg.data, cfg.model.seq_length, cfg.trainer.seed)
+                t = cfg.trainer  # a blend's index covers the samples the run will read
+                samples = (t.max_steps * t.global_batch_size, t.eval_iters * t.global_batch_size)
+                result = build_datasets(cfg.data, cfg.model.seq_length, t.seed, samples)
             except (OSError, ValueError) as e:
                 error = f"{type(e).__name__}: {e}"
         agree(error, topo.world_group)
@@ -120,6 +122,11 @@ def _build_on(cfg, launch: LaunchEnv, topo: Topology, derived: Derived) -> Job:
         print(rank_map_table(topo.tp, topo.dp, topo.pp, topo.cp), flush=True)
 
     train_data, valid_data, tokenizer = build_data(cfg, topo, launch)
+    if topo.rank == 0 and hasattr(train_data, "describe"):  # a blend: what each dataset gives
+        for kind, data in (("train", train_data), ("valid", valid_data)):
+            print(f"[data] {kind} blend of {len(data):,} samples:", flush=True)
+            for line in data.describe():
+                print(f"[data]   {line}", flush=True)
     errors = vocab_errors(cfg, tokenizer.vocab_size)
     try:  # the same rules on every rank; agreeing keeps any disagreement from hanging
         agree("; ".join(errors) if errors else None, topo.world_group)

@@ -104,12 +104,16 @@ class ProgressLogger:
             logged = {k if "/" in k else f"train/{k}": v for k, v in metrics.items()}
             self.wandb_run.log(logged, step=metrics["step"])
 
-    def log_eval(self, step: int, loss: float) -> None:
+    def log_eval(self, step: int, loss: float, per_dataset: dict[str, float] | None = None) -> None:
+        """The validation loss (and, for a blend, each dataset's)."""
         if not self.enabled:
             return
-        print(f"eval   step {step:>6d} | valid loss {loss:.4f}", flush=True)
+        per_dataset = per_dataset or {}
+        parts = [f"valid loss {loss:.4f}", *(f"{k} {v:.4f}" for k, v in per_dataset.items())]
+        print(f"eval   step {step:>6d} | " + " | ".join(parts), flush=True)
         if self.wandb_run is not None:
-            self.wandb_run.log({"valid/loss": loss}, step=step)
+            metrics = {"valid/loss": loss, **{f"valid/{k}": v for k, v in per_dataset.items()}}
+            self.wandb_run.log(metrics, step=step)
 
     def close(self) -> None:
         if self.wandb_run is not None:

@@ -36,6 +36,7 @@ from megatronish.pipeline.p2p import BatchedP2P
 from megatronish.training.numerics import TooManySkippedSteps, skip_limit_message
 from megatronish.training.peaks import peak_memory_bytes
 from megatronish.training.precision import DTYPES
+from megatronish.training.prefetch import BatchPrefetcher, HostBatches
 from megatronish.training.profiling import StepProfiler
 from megatronish.training.progress import ProgressLogger
 from megatronish.training.stop import StopRequest
@@ -112,6 +113,10 @@ class Trainer:
             cfg, self, saving.rng, saving.run_id, saving.special_tokens)  # fmt: skip
         self.stop = stop
         self.holds_loss = topo.is_last_stage
+        self.prefetcher = BatchPrefetcher(
+            lambda first: self._host_microbatches(self.train_data, first),
+            cfg.trainer.global_batch_size, enabled=cfg.data.prefetch,
+        )  # fmt: skip
         self.flops_per_step = flops_per_token(spec) * derived.tokens_per_step
 
     def pipeline_shape(self) -> PipelineShape:
@@ -137,7 +142,11 @@ class Trainer:
     # -- data -------------------------------------------------------------------------------
     def microbatches(self, data, first_sample: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """This dp rank's microbatches of the global batch that starts at ``first_sample``,
-        cut to this cp rank's chunks of every sequence."""
+        cut to this cp rank's chunks of every sequence, on the device."""
+        return self._to_device(self._host_microbatches(data, first_sample))
+
+    def _host_microbatches(self, data, first_sample: int) -> HostBatches:
+        """:meth:`microbatches` in host memory (pinned when training on a GPU)."""
         t = self.cfg.trainer
         per_rank = t.global_batch_size // self.topo.dp
         start = first_sample + self.topo.coords.dp * per_rank
@@ -145,19 +154,26 @@ class Trainer:
         for m in range(self.derived.num_microbatches):
             first = start + m * t.micro_batch_size
             batch = torch.stack([data[i] for i in range(first, first + t.micro_batch_size)])
-            batch = batch.to(self.topo.device, non_blocking=True)
             inputs, targets = batch[:, :-1], batch[:, 1:]
-            out.append(tuple(split_sequence(t, 1, self.topo.cp, self.topo.coords.cp).contiguous()
-                             for t in (inputs, targets)))  # fmt: skip
+            pair = tuple(split_sequence(x, 1, self.topo.cp, self.topo.coords.cp).contiguous()
+                         for x in (inputs, targets))  # fmt: skip
+            if self.topo.device.type == "cuda":
+                pair = tuple(x.pin_memory() for x in pair)
+            out.append(pair)
         return out
+
+    def _to_device(self, batches):
+        device = self.topo.device
+        return [tuple(x.to(device, non_blocking=True) for x in pair) for pair in batches]
 
     # -- one step ---------------------------------------------------------------------------
     def train_step(self) -> StepResult:
         step = self.state.step
         for c in self.chunks:
             c.train()
-        with self.timers.region("data", "data"):
-            batches = self.microbatches(self.train_data, self.state.consumed_samples)
+        with self.timers.region("data", "data"):  # prefetched during the previous step
+            more = self.state.step + 1 < self.cfg.trainer.max_steps
+            batches = self._to_device(self.prefetcher.get(self.state.consumed_samples, more))
         self.zero.start_step(len(batches))
         losses = self.forward_backward(
             self.chunks, batches, loss_scale=1.0 / len(batches), param_hooks=self.zero
@@ -207,16 +223,27 @@ class Trainer:
         all_reduce(mean, self.topo.dp_cp_group)  # cp ranks: equal token counts, so a plain mean
         return (mean / self.topo.dp_cp).item()
 
-    @torch.no_grad()
     def evaluate(self) -> float:
         """Mean validation loss over ``trainer.eval_iters`` global batches."""
-        if self.valid_data is None:
+        return self._evaluate(self.valid_data)
+
+    def evaluate_datasets(self) -> dict[str, float]:
+        """A blend's validation loss per dataset, each over ``trainer.eval_iters`` global batches
+        of that dataset alone (empty when the validation data is not a blend)."""
+        if not hasattr(self.valid_data, "datasets"):
+            return {}
+        data = self.valid_data
+        return {name: self._evaluate(ds) for name, ds in zip(data.names, data.datasets)}
+
+    @torch.no_grad()
+    def _evaluate(self, data) -> float:
+        if data is None:
             return float("nan")
         for c in self.chunks:
             c.eval()
         losses = []
         for i in range(self.cfg.trainer.eval_iters):
-            batches = self.microbatches(self.valid_data, i * self.cfg.trainer.global_batch_size)
+            batches = self.microbatches(data, i * self.cfg.trainer.global_batch_size)
             if self.topo.pp > 1:
                 losses += forward_only_pipeline(
                     self.chunks, batches, topo=self.topo, vpp=self.cfg.parallel.vpp,
@@ -234,6 +261,12 @@ class Trainer:
     # -- the loop ---------------------------------------------------------------------------
     def fit(self) -> list[StepResult]:
         """Train until ``trainer.max_steps``; returns the results of the steps run here."""
+        try:
+            return self._fit()
+        finally:
+            self.prefetcher.close()
+
+    def _fit(self) -> list[StepResult]:
         t, log_every = self.cfg.trainer, self.cfg.logging.log_interval
         window_start, window_steps = time.perf_counter(), 0
         self.timers.reset()
@@ -251,7 +284,7 @@ class Trainer:
                 window_start, window_steps = time.perf_counter(), 0
             if t.eval_interval and (step % t.eval_interval == 0 or step == t.max_steps):
                 with self.timers.paused():
-                    self.logger.log_eval(step, self.evaluate())
+                    self.logger.log_eval(step, self.evaluate(), self.evaluate_datasets())
                 window_start = time.perf_counter()
             if self.saver is not None:
                 self._checkpoint(step)

@@ -1,0 +1,88 @@
+"""The ``data`` section's rules: one dataset (``data.prefix``), a weighted blend (``data.blend``,
+``data.blend_valid``) or the built-in corpus."""
+
+from __future__ import annotations
+
+import os
+
+from megatronish.config.value_rules import MIN_STDLIB_VOCAB
+
+
+def blend_pairs(blend, key: str) -> tuple[list[tuple[float, str]], list[str]]:
+    """``([(weight, prefix), ...], errors)`` of a ``[[weight, prefix], ...]`` list."""
+    pairs, errors = [], []
+    for i, entry in enumerate(blend):
+        if isinstance(entry, str) or not hasattr(entry, "__len__") or len(entry) != 2:
+            errors.append(
+                f"{key}[{i}]={entry} must be a [weight, prefix] pair, e.g. "
+                f"{key}=[[0.7,/data/web_text_document],[0.3,/data/code_text_document]]"
+            )
+            continue
+        weight, prefix = entry
+        try:
+            weight = float(weight)
+        except (TypeError, ValueError):
+            weight = float("nan")
+        if not weight > 0 or weight == float("inf"):
+            errors.append(f"{key}[{i}] has weight {entry[0]!r}; weights must be positive numbers")
+        if not os.path.exists(os.path.expanduser(str(prefix)) + ".idx"):
+            errors.append(
+                f"{key}[{i}]: {prefix}.idx does not exist; create it with "
+                "tools/preprocess_data.py or fix the prefix"
+            )
+        pairs.append((weight, str(prefix)))
+    return pairs, errors
+
+
+def _tokenizer_errors(d, why: str) -> list[str]:
+    if not d.tokenizer_model:
+        return [f"{why} needs data.tokenizer_model (a sentencepiece file)"]
+    path = os.path.expanduser(d.tokenizer_model)
+    if os.path.isdir(path):
+        return [
+            f"data.tokenizer_model={d.tokenizer_model} is a directory; give the "
+            "sentencepiece .model file in it (tools/train_tokenizer.py writes <prefix>.model)"
+        ]
+    if not os.path.exists(path):
+        return [f"data.tokenizer_model={d.tokenizer_model} does not exist"]
+    return []
+
+
+def data_errors(cfg) -> list[str]:
+    """Every problem of ``cfg.data``."""
+    d, errors = cfg.data, []
+    blend, blend_valid = getattr(d, "blend", None), getattr(d, "blend_valid", None)
+    if blend_valid is not None and blend is None:
+        errors.append("data.blend_valid needs data.blend (the training blend)")
+    if blend is not None:
+        if d.prefix:
+            errors.append(
+                f"data.blend and data.prefix={d.prefix} are both set; give one: a single dataset "
+                "is data.blend=[[1.0,PREFIX]] or data.prefix=PREFIX"
+            )
+        errors += blend_pairs(blend, "data.blend")[1]
+        if not blend:
+            errors.append("data.blend is empty; give [weight, prefix] pairs or null")
+        if blend_valid is not None:
+            errors += blend_pairs(blend_valid, "data.blend_valid")[1]
+        errors += _tokenizer_errors(d, "data.blend")
+    elif d.source == "indexed":
+        if not d.prefix:
+            errors.append(
+                "data.source=indexed needs data.prefix (the .bin/.idx path prefix) or data.blend"
+            )
+        errors += _tokenizer_errors(d, "data.source=indexed")
+        if d.prefix and not os.path.exists(os.path.expanduser(d.prefix) + ".idx"):
+            errors.append(
+                f"data.prefix={d.prefix}: {d.prefix}.idx does not exist; create it with "
+                "tools/preprocess_data.py"
+            )
+    elif d.vocab_size < MIN_STDLIB_VOCAB:
+        errors.append(
+            f"data.vocab_size={d.vocab_size} is too small to train a tokenizer on the built-in "
+            "corpus: byte fallback takes 259 ids and each of the corpus's characters one more; "
+            f"use at least {MIN_STDLIB_VOCAB}"
+        )
+    if not 0.0 < d.valid_fraction < 1.0:
+        errors.append(f"data.valid_fraction={d.valid_fraction} must be in (0, 1)")
+    return errors

@@ -144,3 +144,62 @@ def test_stdlib_corpus_is_built_once_and_reused(tmp_path, capsys):
     train, valid, tok2 = build_datasets(cfg, seq_length=64, seed=0)
     assert tok2.model_path == model and len(valid.documents) >= 1
     assert train[12345].shape == (65,)
+
+
+def test_preprocess_mixed_formats_identical_for_any_worker_count(corpus, tmp_path):
+    """jsonl, parquet, arrow and txt inputs in one run: documents in input order, and the same
+    bytes with 1 and 2 workers; --output-per-input writes one dataset per input."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    texts = [r["text"] for r in corpus.records]
+    table = pa.table({"text": texts[:25], "n": list(range(25))})
+    pq.write_table(table, tmp_path / "c.parquet")
+    with pa.ipc.new_stream(tmp_path / "d.arrow", table.schema) as w:
+        w.write_table(pa.table({"text": texts[25:], "n": list(range(25, 60))}))
+    inputs = [corpus.dir / "a.jsonl", tmp_path / "c.parquet", tmp_path / "d.arrow",
+              corpus.dir / "b.txt"]  # fmt: skip
+    for workers in (1, 2):
+        _run_tool("preprocess_data.py", "--input", *inputs, "--tokenizer-model", corpus.model,
+                  "--output-prefix", tmp_path / f"w{workers}", "--workers", workers)  # fmt: skip
+    for ext in (".bin", ".idx"):
+        assert (tmp_path / f"w1{ext}").read_bytes() == (tmp_path / f"w2{ext}").read_bytes()
+    tok, ds = Tokenizer(corpus.model), IndexedDataset(str(tmp_path / "w2"))
+    want = [*texts, *texts, (corpus.dir / "b.txt").read_text()]
+    assert len(ds) == len(want) == 121
+    for i in (0, 59, 60, 84, 85, 119, 120):
+        assert ds[i].tolist() == tok.encode(want[i]) + [tok.eod_id], i
+
+    out = _run_tool("preprocess_data.py", "--input", tmp_path / "*.parquet", tmp_path / "*.arrow",
+                    "--tokenizer-model", corpus.model, "--output-prefix", tmp_path / "per",
+                    "--output-per-input", "--workers", 2)  # fmt: skip
+    assert "per_c.bin/.idx" in out and "per_d.bin/.idx" in out and "tokens/s" in out
+    assert len(IndexedDataset(str(tmp_path / "per_c"))) == 25
+    assert len(IndexedDataset(str(tmp_path / "per_d"))) == 35
+
+
+def test_preprocess_refuses_unknown_inputs_and_clashing_outputs(corpus, tmp_path):
+    from megatronish.data.preprocess import output_prefixes, resolve_inputs
+
+    with pytest.raises(ValueError, match="matches no file"):
+        resolve_inputs([str(tmp_path / "*.jsonl")])
+    (tmp_path / "x.csv").write_text("a,b\n")
+    with pytest.raises(ValueError, match=r"unsupported extension\(s\) \['.csv'\]"):
+        resolve_inputs([str(tmp_path / "x.csv")])
+    with pytest.raises(ValueError, match=r"several inputs are named \['a'\]"):
+        output_prefixes(["d1/a.jsonl", "d2/a.jsonl"], "out", per_input=True)
+    assert output_prefixes(["d1/a.jsonl", "d2/a.jsonl"], "out", per_input=False) == ["out"] * 2
+
+
+def test_preprocess_keeps_document_order_across_many_chunks(corpus, tmp_path, monkeypatch):
+    from megatronish.data import preprocess
+
+    monkeypatch.setattr(preprocess, "CHUNK_DOCS", 7)  # 60 documents: 9 chunks, out of order
+    files = [str(corpus.dir / "a.jsonl")]
+    for workers in (1, 2):
+        preprocess.preprocess(files, corpus.model, str(tmp_path / f"w{workers}"), workers=workers)
+    assert (tmp_path / "w1.bin").read_bytes() == (tmp_path / "w2.bin").read_bytes()
+    tok, ds = Tokenizer(corpus.model), IndexedDataset(str(tmp_path / "w2"))
+    assert [ds[i].tolist() for i in range(60)] == [
+        tok.encode(r["text"]) + [tok.eod_id] for r in corpus.records
+    ]

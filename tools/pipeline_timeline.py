@@ -7,7 +7,7 @@ bubbles). Prints each rank's forward, backward and send/recv time and its measur
 to the paper's (pp-1)/(vpp*m).
 
 The model is the tiny llama with 8 layers (hidden 128, vocab 4096, seq 256, micro batch 1, as in
-tools/bench/bench_pp.py) unless Hydra overrides say otherwise; tp/dp overrides add ranks
+tools/bench/pp.py) unless Hydra overrides say otherwise; tp/dp overrides add ranks
 (world = tp * pp * dp).
 
 Example:

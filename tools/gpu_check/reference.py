@@ -1,9 +1,9 @@
 """The plain-PyTorch reference of the throughput section, on the trainer's device.
 
-``tools/bench/reference_gpt.py``'s llama (nn.RMSNorm, fused q|k|v and gate|up, RoPE, SDPA with
-grouped-query attention, untied head) loaded with the megatronish model's weights, trained on the
-same batches with bf16 autocast (on CUDA), torch's fused AdamW with the same groups and
-hyperparameters, and the same grad clipping: the same work as a megatronish step.
+``megatronish/testing/reference_gpt.py``'s llama (nn.RMSNorm, fused q|k|v and gate|up, RoPE,
+SDPA with grouped-query attention, untied head) loaded with the megatronish model's weights,
+trained on the same batches with bf16 autocast (on CUDA), torch's fused AdamW with the same
+groups and hyperparameters, and the same grad clipping: the same work as a megatronish step.
 """
 
 from __future__ import annotations

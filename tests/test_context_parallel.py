@@ -85,7 +85,8 @@ def test_gpu_mask_is_the_cpu_mask():
     torch.manual_seed(0)
     q, k, v = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 12, 8), torch.randn(1, 2, 12, 8)
     cpu = causal_mask(4, 12, torch.device("cpu"))
-    assert cpu.dtype == torch.bool and cpu[0].sum() == 9 and cpu[-1].all()
+    assert cpu.dtype == torch.float32 and (cpu[0] == 0).sum() == 9 and (cpu[-1] == 0).all()
+    assert (cpu[0, 9:] == float("-inf")).all()
     gpu = causal_mask(4, 12, torch.device("cuda"))  # builds no tensor: usable on CPU too
     assert isinstance(gpu, CausalBias) and gpu.variant == CausalVariant.LOWER_RIGHT
     a = F.scaled_dot_product_attention(q, k, v, attn_mask=cpu)

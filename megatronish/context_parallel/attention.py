@@ -51,12 +51,12 @@ class CPContext:
             self._positions[key] = torch.tensor(pos, dtype=torch.long, device=device)
         return self._positions[key]
 
-    def mask(self, queries: int, keys: int, device: torch.device) -> torch.Tensor | object:
-        """:func:`causal_mask`, built once per shape and device: every layer and microbatch
-        shares it (on CPU a boolean tensor that SDPA keeps for backward)."""
-        key = (queries, keys, str(device))
+    def mask(self, queries: int, keys: int, device: torch.device, dtype: torch.dtype):
+        """:func:`causal_mask`, built once per shape, device and dtype: every layer and
+        microbatch shares it (on CPU a tensor that SDPA keeps for backward)."""
+        key = (queries, keys, str(device), dtype)
         if key not in self._masks:
-            self._masks[key] = causal_mask(queries, keys, device)
+            self._masks[key] = causal_mask(queries, keys, device, dtype)
         return self._masks[key]
 
     def split(self, x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -95,16 +95,21 @@ def gather_sequence(x: torch.Tensor, cp: CPContext) -> torch.Tensor:
     return _GatherSequence.apply(x, cp.group)
 
 
-def causal_mask(queries: int, keys: int, device: torch.device) -> torch.Tensor | object:
+def causal_mask(
+    queries: int, keys: int, device: torch.device, dtype: torch.dtype = torch.float32
+) -> torch.Tensor | object:
     """Lower-right causal mask: query ``i`` of the last ``queries`` sees keys ``<= keys - queries
-    + i``. A boolean tensor on CPU (SDPA's flash kernel takes it); on CUDA torch's
+    + i``. On CPU an additive ``dtype`` mask (0 or -inf): SDPA's flash kernel would turn a
+    boolean one into that on every call and keep the copy for backward. On CUDA torch's
     ``causal_lower_right`` bias, which its fused kernels apply without a mask tensor."""
     if device.type == "cuda":
         # Imported here: the module loads torch._dynamo (800 modules, a second of start-up).
         from torch.nn.attention.bias import causal_lower_right
 
         return causal_lower_right(queries, keys)
-    return torch.ones(queries, keys, dtype=torch.bool, device=device).tril(keys - queries)
+    visible = torch.ones(queries, keys, dtype=torch.bool, device=device).tril(keys - queries)
+    mask = torch.zeros(queries, keys, dtype=dtype, device=device)
+    return mask.masked_fill_(~visible, float("-inf"))
 
 
 def cp_causal_attention(
@@ -121,7 +126,7 @@ def cp_causal_attention(
                 q[:, :, slot * c : (slot + 1) * c],
                 k[:, :, :keys],
                 v[:, :, :keys],
-                attn_mask=cp.mask(c, keys, q.device),
+                attn_mask=cp.mask(c, keys, q.device, q.dtype),
                 dropout_p=dropout_p,
                 **gqa,
             )

@@ -1,0 +1,131 @@
+"""Context parallelism on CPU: activation memory per rank at cp = 1, 2, 4 for a sequence whose
+activations do not fit one rank's budget, and a cp = 2 step against dp = 2 on the same tokens.
+Run alone: ``.venv/bin/python tools/bench/cp.py``.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+from common import MIB, cli, median, paired_ratio, slowest, table, timed_world
+
+from megatronish.plan.estimate import make_plan
+from megatronish.plan.fit_check import memory_fit_error
+from megatronish.plan.layout import layout_from_config, spec_of
+from megatronish.testing.memory import least_activations, measure_step
+from megatronish.testing.multiproc import run_world
+from megatronish.testing.runs import build_trainer, test_config
+
+SEQ = 4096
+MODEL = ["model.num_layers=4", "model.hidden_size=128", "model.num_attention_heads=4",
+         "model.num_query_groups=2", "model.ffn_hidden_size=352", "model.vocab_size=4096",
+         f"model.seq_length={SEQ}", "trainer.micro_batch_size=1", "scheduler.style=constant",
+         "scheduler.warmup_steps=0", "trainer.eval_interval=0", "trainer.device=cpu",
+         "logging.wandb=false", "logging.log_interval=1000000"]  # fmt: skip
+BUDGET_MIB = 128  # a rank's memory budget for this run's states and activations
+
+
+def _memory(rank: int, world: int, repeats: int) -> dict:
+    trainer = build_trainer(rank, world, ["trainer.global_batch_size=1", f"parallel.cp={world}"],
+                            steps=repeats + 2, model=MODEL)  # fmt: skip
+    first = trainer.train_step().loss
+    runs = [measure_step(trainer) for _ in range(repeats)]
+    states = runs[-1].params + runs[-1].grads + runs[-1].optimizer
+    return {"activations": least_activations(runs), "states": states, "loss": first}
+
+
+def memory(cp: int, repeats: int) -> dict:
+    """Measured (the largest rank), planned, and what the start-up check says at the budget."""
+    ranks = run_world(_memory, cp, repeats, timeout=600)
+    cfg = test_config([*MODEL, "trainer.global_batch_size=1", f"parallel.cp={cp}"], 1)
+    stage = make_plan(spec_of(cfg), layout_from_config(cfg, cp)).stages[0]
+    refused = memory_fit_error(cfg, cp, 4096, BUDGET_MIB * MIB, 0, f"{BUDGET_MIB} MiB")
+    loss = next(r["loss"] for r in ranks if r["loss"] == r["loss"])
+    return {"cp": cp, "activations": max(r["activations"] for r in ranks),
+            "states": max(r["states"] for r in ranks), "planned_activations": stage.step_extra,
+            "planned_states": stage.states.total, "fits": refused is None,
+            "first_loss": loss}  # fmt: skip
+
+
+def _torch_cp_on_cpu() -> str:
+    """Whether torch's own context parallel runs SDPA on CPU (in a 2-rank gloo world)."""
+    import torch
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import context_parallel
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    q, k, v = (torch.randn(1, 2, 64, 16) for _ in range(3))
+    try:
+        with context_parallel(mesh, buffers=[q, k, v], buffer_seq_dims=[2, 2, 2]):
+            F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return "runs"
+    except Exception as e:  # noqa: BLE001 - the reason is the result
+        return f"does not run: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
+
+
+def _steps(rank: int, world: int, repeats: int) -> dict:
+    runs = {name: build_trainer(rank, world, ["trainer.global_batch_size=2", *extra],
+                                steps=1_000_000, model=MODEL)
+            for name, extra in {"dp=2": [], "cp=2": ["parallel.cp=2"]}.items()}  # fmt: skip
+    out = timed_world({n: (lambda t=t: t.train_step().loss) for n, t in runs.items()}, repeats, 1,
+                      warmup=1, budget_s=120)  # fmt: skip
+    out["torch_cp"] = _torch_cp_on_cpu()
+    return out
+
+
+def run(quick: bool) -> dict:
+    repeats = 2 if quick else 3
+    mem = [memory(cp, repeats) for cp in (1, 2, 4)]
+    ranks = run_world(_steps, 2, 3 if quick else 9, timeout=900)
+    times = slowest(ranks)
+    losses = {n: next(r["losses"][n] for r in ranks if r["losses"][n][0] == r["losses"][n][0])
+              for n in times}  # fmt: skip
+    tokens = 2 * SEQ
+    rows = [[m["cp"], m["activations"] / MIB, m["planned_activations"] / MIB,
+             m["planned_activations"] / m["activations"], m["states"] / MIB,
+             (m["activations"] + m["states"]) / MIB, m["fits"], m["first_loss"]]
+            for m in mem]  # fmt: skip
+    step_rows = [[n, median(t) * 1e3, tokens / median(t), losses[n][0], losses[n][-1]]
+                 for n, t in times.items()]  # fmt: skip
+    return {
+        "title": f"Context parallelism: a {SEQ}-token sequence over 1, 2 and 4 ranks",
+        "config": {"model": MODEL, "budget_mib": BUDGET_MIB},
+        "results": {
+            "memory": mem,
+            "times": times,
+            "losses": losses,
+            "torch_cp": ranks[0]["torch_cp"],
+        },  # fmt: skip
+        "tables": [
+            table(
+                f"Memory per rank (MiB), one sequence of {SEQ} tokens per step, budget "
+                f"{BUDGET_MIB} MiB",
+                [
+                    "cp|",
+                    "activations, measured|.1f",
+                    "activations, planned|.1f",
+                    "planned / measured|.2f",
+                    "states|.1f",
+                    "measured total|.1f",
+                    "start-up check at the budget: fits|",
+                    "step 1 loss|.5f",
+                ],
+                rows,
+            ),
+            table(
+                f"Step time, 2 ranks, 2 sequences of {SEQ} tokens per step (median)",
+                ["variant|", "step ms|,.0f", "tokens/s|,.0f", "step 1 loss|.5f", "last loss|.5f"],
+                step_rows,
+            ),
+        ],  # fmt: skip
+        "facts": {
+            "cp=2 step time / dp=2's (median of per-repeat ratios)|.2fx": paired_ratio(
+                times["cp=2"], times["dp=2"]
+            ),
+            "torch.distributed.tensor.experimental.context_parallel on CPU|": ranks[0]["torch_cp"],
+        },  # fmt: skip
+    }
+
+
+if __name__ == "__main__":
+    cli(run, __doc__)

@@ -57,3 +57,18 @@ def test_an_unpredicted_cursor_is_read_now_and_a_reader_error_surfaces():
         p.get(30)
     p.close()
     assert sorted(calls) == [0, 10, 20, 30]
+
+
+def test_host_batches_are_pinned_for_a_gpu(monkeypatch):
+    """On a GPU the prefetched host tensors are pinned (so their copies can be asynchronous);
+    on CPU they are not. The device is only pretended: nothing is copied to it."""
+    import torch
+
+    trainer = build_trainer(0, 1, [], steps=2)
+    pinned = []
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t: pinned.append(t.shape) or t)
+    trainer._host_microbatches(trainer.train_data, 0)
+    assert pinned == []
+    trainer.topo.device = torch.device("cuda")
+    batches = trainer._host_microbatches(trainer.train_data, 0)
+    assert len(pinned) == 2 * len(batches) == 2 * trainer.derived.num_microbatches

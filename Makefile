@@ -16,8 +16,11 @@ $(STAMP): pyproject.toml scripts/install.sh
 	PYTHON=$(PYTHON) VENV=$(VENV) bash scripts/install.sh
 	@touch $(STAMP)
 
+# After training, a sample from the final checkpoint (the run's ARGS find it); SAMPLE= skips it.
+SAMPLE ?= prompt='class Foo:' max_new_tokens=40
 train: $(STAMP)
 	$(PY) -m megatronish.train $(ARGS)
+	$(if $(SAMPLE),$(PY) -m megatronish.generate $(ARGS) $(SAMPLE))
 
 test: $(STAMP)
 	WANDB_MODE=disabled $(PY) -m pytest tests $(PYTEST_ARGS)

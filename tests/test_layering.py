@@ -7,7 +7,8 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "megatronish"
 # Lowest first. A package may import only packages listed before it.
 LAYERS = ["config", "distributed", "context_parallel", "tensor_parallel", "model", "data",
-          "pipeline", "optim", "hf", "checkpoint", "plan", "training", "train", "testing"]  # fmt: skip
+          "pipeline", "optim", "hf", "checkpoint", "plan", "training", "train", "generate",
+          "testing"]  # fmt: skip
 
 
 def imports() -> dict[str, set[str]]:

@@ -6,7 +6,7 @@ applied there, its tests run (``pytest -x``, the copy first on the import path),
 is restored. The table says which test failed first, or SURVIVED. The exit code is 1 if any
 mutant survived or no longer applies (its source line changed: update the mutant).
 
-    python tools/mutants.py                 # all 24, about 3 minutes on 2 cores
+    python tools/mutants.py                 # all 28, about 4 minutes on 2 cores
     python tools/mutants.py --only loss-scale rng-restore
     python tools/mutants.py --list
 """
@@ -228,8 +228,41 @@ MUTANTS = [
         "dp-loss-mean",
         "reported loss summed over dp ranks, not averaged",
         "megatronish/training/trainer.py",
-        (("return (mean / self.topo.dp).item()", "return mean.item()"),),
+        (("return (mean / self.topo.dp_cp).item()", "return mean.item()"),),
         ("tests/test_training.py::test_data_parallel_matches_one_process",),
+    ),
+    Mutant(
+        "cp-grad-group",
+        "grads averaged over dp only, not over dp x cp",
+        "megatronish/optim/zero.py",
+        (("dp = topo.dp_cp_group  # the ranks", "dp = topo.dp_group  # the ranks"),),
+        ("tests/test_context_parallel.py::test_cp_matches_serial",),
+    ),
+    Mutant(
+        "cp-rope-positions",
+        "RoPE tables not indexed by the cp rank's positions",
+        "megatronish/model/gpt.py",
+        (("cos, sin = cos[pos], sin[pos]", "cos, sin = cos[: pos.numel()], sin[: pos.numel()]"),),
+        ("tests/test_context_parallel.py::test_cp_matches_serial",),
+    ),
+    Mutant(
+        "blend-order",
+        "blending error measured at g + 1 instead of Megatron's max(g, 1)",
+        "megatronish/data/blend.py",
+        (("t = g if g > 1 else 1", "t = g + 1"),),
+        ("tests/test_data_blend.py",),
+    ),
+    Mutant(
+        "prefetch-next",
+        "the prefetcher reads the wrong next batch",
+        "megatronish/training/prefetch.py",
+        (
+            (
+                "self._pool.submit(self.read, first + self.stride)",
+                "self._pool.submit(self.read, first + 1)",
+            ),
+        ),
+        ("tests/test_prefetch.py",),
     ),
 ]
 

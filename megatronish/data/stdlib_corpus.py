@@ -61,7 +61,8 @@ def collect_stdlib_texts(max_corpus_mb: float) -> list[str]:
     return texts
 
 
-def _cache_name(vocab_size: int, max_corpus_mb: float) -> str:
+def stdlib_cache_name(vocab_size: int, max_corpus_mb: float) -> str:
+    """The cache folder of the corpus and tokenizer for this Python, vocabulary and size."""
     v = sys.version_info
     return f"stdlib-py{v.major}{v.minor}-v{vocab_size}-{max_corpus_mb:g}mb"
 
@@ -119,7 +120,7 @@ def ensure_stdlib_corpus(cache_dir: str, vocab_size: int, max_corpus_mb: float) 
     callers either see a complete cache or build their own copy and keep the first one.
     """
     cache_dir = os.path.expanduser(cache_dir)
-    final = os.path.join(cache_dir, _cache_name(vocab_size, max_corpus_mb))
+    final = os.path.join(cache_dir, stdlib_cache_name(vocab_size, max_corpus_mb))
     if os.path.isfile(os.path.join(final, MARKER)):
         return _paths(final)
     if os.path.exists(final):

@@ -14,7 +14,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatronish.context_parallel.attention import cp_causal_attention, gather_sequence
+from megatronish.context_parallel.attention import (
+    causal_mask,
+    cp_causal_attention,
+    gather_sequence,
+)
 from megatronish.model.rms_norm import low_precision_rms_norm
 from megatronish.model.spec import ModelSpec
 from megatronish.tensor_parallel.context import TPContext
@@ -66,6 +70,30 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
     return (x.float() * cos + swapped.float() * signed_sin).to(x.dtype)
 
 
+class KVCache:
+    """One layer's keys and values of the tokens decoded so far (generation, tp = cp = 1).
+
+    Buffers ``[b, kv_heads, capacity, d]`` are allocated once; each :meth:`extend` writes the
+    next tokens' keys and values after the ``length`` held.
+    """
+
+    def __init__(self, spec: ModelSpec, batch: int, capacity: int, device=None, dtype=None):
+        shape = (batch, spec.num_kv_heads, capacity, spec.head_dim)
+        self.k = torch.empty(shape, device=device, dtype=dtype)
+        self.v = torch.empty(shape, device=device, dtype=dtype)
+        self.length = 0
+
+    def extend(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every key and value held, once ``k`` and ``v`` ``[b, kv_heads, s, d]`` are appended."""
+        start, end = self.length, self.length + k.shape[2]
+        if end > self.k.shape[2]:
+            raise ValueError(f"the KV cache holds {self.k.shape[2]} tokens, {end} are needed")
+        self.k[:, :, start:end] = k
+        self.v[:, :, start:end] = v
+        self.length = end
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+
 class Attention(nn.Module):
     """Causal self-attention with grouped-query heads split over tp."""
 
@@ -103,7 +131,21 @@ class Attention(nn.Module):
             return cp_causal_attention(q, k, v, self.tp.cp, p, gqa)
         return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, **gqa)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None):
+    def _attend_cached(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention of the last ``q.shape[2]`` positions to every key (no dropout)."""
+        gqa = {"enable_gqa": True} if self.kv_heads != self.q_heads else {}
+        s, keys = q.shape[2], k.shape[2]
+        if s == keys:  # the prompt, into an empty cache
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, **gqa)
+        mask = None if s == 1 else causal_mask(s, keys, q.device, q.dtype)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **gqa)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor] | None,
+        cache: KVCache | None = None,
+    ) -> torch.Tensor:
         d, heads = self.spec.head_dim, self.q_heads + self.kv_heads
         qkv = self.qkv(x)
         s, b = qkv.shape[:2]
@@ -117,7 +159,9 @@ class Attention(nn.Module):
             kv = gather_sequence(torch.cat([k, v], dim=2), self.tp.cp)
             k, v = kv.split([self.kv_heads, self.kv_heads], dim=2)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
-        if self.core_runner is not None:
+        if cache is not None:  # decoding: these queries see every token the cache holds
+            out = self._attend_cached(q, *cache.extend(k, v))
+        elif self.core_runner is not None:
             out = self.core_runner(self.core, q, k, v)
         else:
             out = self.core(q, k, v)
@@ -164,7 +208,7 @@ class TransformerBlock(nn.Module):
         self.mlp_norm = Norm(spec, tp, device)
         self.mlp = MLP(spec, tp, device)
 
-    def forward(self, x: torch.Tensor, rope=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope=None, cache: KVCache | None = None) -> torch.Tensor:
         p, split = self.spec.hidden_dropout, self.tp.sequence_parallel
-        x = x + self.tp.dropout(self.attn(self.attn_norm(x), rope), p, self.training, split)
+        x = x + self.tp.dropout(self.attn(self.attn_norm(x), rope, cache), p, self.training, split)
         return x + self.tp.dropout(self.mlp(self.mlp_norm(x)), p, self.training, split)

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatronish.model.blocks import Norm, TransformerBlock, rope_tables
+from megatronish.model.blocks import KVCache, Norm, TransformerBlock, rope_tables
 from megatronish.model.linear_cross_entropy import linear_cross_entropy
 from megatronish.model.recompute import checkpointed
 from megatronish.model.spec import ModelSpec
@@ -40,11 +40,12 @@ class Embedding(nn.Module):
                 std=spec.init_std, sequence_parallel=tp.sequence_parallel,
             )  # fmt: skip
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        """``offset``: the position of the first token (decoding after cached tokens)."""
         x = self.word(ids.t())  # [b, s] -> [s, b, h]
         if self.position is not None:
             s_local = x.shape[0]
-            start = self.tp.group.rank * s_local if self.tp.sequence_parallel else 0
+            start = self.tp.group.rank * s_local if self.tp.sequence_parallel else offset
             if self.tp.cp.size > 1:  # this cp rank's two chunks of positions
                 rows = self.tp.cp.positions(x.device)[start : start + s_local]
                 x = x + self.position[rows].unsqueeze(1)
@@ -165,3 +166,22 @@ class GPTChunk(nn.Module):
         if self.last and targets is not None:
             return self.head(x, targets)
         return x
+
+    def decode(self, ids: torch.Tensor, cache: list[KVCache]) -> torch.Tensor:
+        """Logits ``[b, s, padded vocab]`` of tokens ``ids`` ``[b, s]`` that follow the tokens
+        held in ``cache`` (one :class:`KVCache` per layer), whose keys and values they extend.
+
+        Generation runs the whole model on one rank (tp = cp = pp = 1), in eval mode.
+        """
+        if not (self.first and self.last) or self.tp.size > 1 or self.tp.cp.size > 1:
+            raise ValueError("decoding runs the whole model on one rank (tp = cp = pp = 1)")
+        start, s = cache[0].length, ids.shape[1]
+        if start + s > self.spec.seq_length:
+            raise ValueError(f"{start + s} tokens exceed model.seq_length={self.spec.seq_length}")
+        x = self.embedding(ids, offset=start)
+        rope = self.rope(x.device)
+        if rope is not None:
+            rope = (rope[0][start : start + s], rope[1][start : start + s])
+        for block, layer_cache in zip(self.layers.values(), cache, strict=True):
+            x = block(x, rope, layer_cache)
+        return self.head.logits(x).transpose(0, 1)

@@ -21,7 +21,7 @@ from megatronish.testing.runs import train_layout
 
 # Two microbatches of 4 per step, as the tp/pp parity tests.
 ARGS = ["trainer.micro_batch_size=4"]
-STEPS = 8
+STEPS = 6
 _REF: dict[str, list] = {}
 
 

@@ -12,6 +12,16 @@ from megatronish.config.schema import register_configs
 CONFIG_DIR = str(Path(__file__).resolve().parents[2] / "configs")
 
 
+def parse_bool(text: str) -> bool:
+    """A ``key=value`` option's boolean: ``true``/``1``/``yes`` or ``false``/``0``/``no`` (any
+    case); ValueError otherwise."""
+    if text.lower() in ("true", "1", "yes"):
+        return True
+    if text.lower() in ("false", "0", "no"):
+        return False
+    raise ValueError(text)
+
+
 def load_config(overrides: list[str] | None = None, config_name: str = "train") -> DictConfig:
     """The resolved, schema-checked config for ``overrides`` (Hydra override syntax)."""
     register_configs()

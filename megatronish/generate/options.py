@@ -4,19 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megatronish.config.compose import parse_bool
 from megatronish.generate.sampling import Sampling
 
 DEVICES = ("auto", "cpu", "cuda")
 ONE_PROCESS = ("parallel.tp", "parallel.cp", "parallel.pp")
-
-
-def parse_bool(text: str) -> bool:
-    """``true``/``1``/``yes`` or ``false``/``0``/``no`` (any case)."""
-    if text.lower() in ("true", "1", "yes"):
-        return True
-    if text.lower() in ("false", "0", "no"):
-        return False
-    raise ValueError(text)
 
 
 def _device(text: str) -> str:

@@ -37,18 +37,10 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from megatronish.config.compose import parse_bool
 from megatronish.config.validate import config_errors
 from megatronish.plan.devices import GiB, GPUModel, UnknownDevice, gpu_named, local_gpu
 from megatronish.plan.step_time import Hardware
-
-
-def parse_bool(text: str) -> bool:
-    if text.lower() in ("true", "1", "yes"):
-        return True
-    if text.lower() in ("false", "0", "no"):
-        return False
-    raise ValueError(text)
-
 
 ADVISE_OPTIONS = {
     "advise": parse_bool, "gpus_per_node": int, "intra_node_gbps": float,

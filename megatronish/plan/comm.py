@@ -17,6 +17,21 @@ from megatronish.plan.zero3_gather import ChunkUnits, gathers_per_microbatch
 from megatronish.tensor_parallel.sharding import param_info
 
 
+def _rank_layers(spec: ModelSpec, layout: Layout, pp_rank: int):
+    """``(layers per chunk, this rank's chunks, its layers, layers full recompute reruns,
+    checkpointed groups)``."""
+    layers = layout.chunk_layers(spec.num_layers)
+    mine = [pp_rank + v * layout.pp for v in range(layout.vpp)]
+    groups = redo = 0
+    if layout.recompute == "full":
+        for c in mine:
+            n = min(layout.recompute_num_layers, layers[c])
+            uniform = layout.recompute_method == "uniform"
+            redo += layers[c] if uniform else n
+            groups += -(-layers[c] // n) if uniform else n
+    return layers, mine, sum(layers[c] for c in mine), redo, groups
+
+
 def tp_volume(
     spec: ModelSpec, layout: Layout, pp_rank: int, chunks: list | None = None
 ) -> dict[str, tuple[int, int]]:
@@ -24,25 +39,13 @@ def tp_volume(
     (``chunks``: its :func:`~megatronish.plan.states.meta_chunks`, when already built)."""
     if layout.tp == 1:
         return {}
-    layers = layout.chunk_layers(spec.num_layers)
-    mine = [pp_rank + v * layout.pp for v in range(layout.vpp)]
-    n_layers = sum(layers[c] for c in mine)
+    layers, mine, n_layers, redo, groups = _rank_layers(spec, layout, pp_rank)
     first, last = 0 in mine, len(layers) - 1 in mine
     m, b, h = layout.num_microbatches, layout.micro_batch_size, spec.hidden_size
     s = spec.seq_length // layout.cp  # this cp rank's tokens
     act = s * b * h * layout.activation_bytes
     # Full recompute repeats a checkpointed group's forward collectives (two per layer) up to
     # the last saved tensor it must rebuild: the group's final reduction is skipped.
-    groups = redo = 0
-    if layout.recompute == "full":
-        for c in mine:
-            n = min(layout.recompute_num_layers, layers[c])
-            if layout.recompute_method == "uniform":
-                redo += layers[c]
-                groups += -(-layers[c] // n)
-            else:
-                redo += n
-                groups += n
     per_mb = 4 * n_layers + int(first) + int(last)
     out: dict[str, tuple[int, int]] = {}
     if layout.sequence_parallel:
@@ -69,14 +72,7 @@ def cp_volume(spec: ModelSpec, layout: Layout, pp_rank: int) -> dict[str, tuple[
     the layer, and one reduce-scatter of their grads in backward."""
     if layout.cp == 1:
         return {}
-    layers = layout.chunk_layers(spec.num_layers)
-    mine = [pp_rank + v * layout.pp for v in range(layout.vpp)]
-    n_layers = sum(layers[c] for c in mine)
-    redo = 0
-    if layout.recompute == "full":
-        n = layout.recompute_num_layers
-        redo = n_layers if layout.recompute_method == "uniform" else sum(
-            min(n, layers[c]) for c in mine)  # fmt: skip
+    _, _, n_layers, redo, _ = _rank_layers(spec, layout, pp_rank)
     m = layout.num_microbatches
     kv = spec.seq_length * layout.micro_batch_size * 2 * (spec.num_kv_heads // layout.tp)
     kv_bytes = kv * spec.head_dim * layout.activation_bytes

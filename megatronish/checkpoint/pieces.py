@@ -29,6 +29,7 @@ class Rect:
     dim: int
     local_start: int
     length: int
+    first: int = 0  # global index of local row 0 of dim 0 when ``dim`` is another (experts)
 
     def take(self, local: torch.Tensor) -> torch.Tensor:
         return local.narrow(self.dim, self.local_start, self.length)
@@ -41,22 +42,31 @@ class Rect:
         a, b = max(s, self.local_start), min(s + n, self.local_start + self.length)
         if b <= a:
             return None
-        offsets = [list(o) for o in local]  # dims other than ``dim`` are not split
+        offsets = [list(o) for o in local]  # dims other than ``dim`` are not split ...
+        if self.dim != 0:  # ... but for the stack of experts this rank holds
+            offsets[0][0] += self.first
         offsets[self.dim] = [self.offsets[self.dim][0] + a - self.local_start, b - a]
         return offsets, a - s, b - a
 
 
 def param_rects(p: nn.Parameter, tp_rank: int, tp: int) -> list[Rect]:
     """The global rectangles covered by this rank's shard of ``p``."""
-    shape = global_shape(p, tp)
-    shard = param_info(p).shard
+    shape = list(global_shape(p, tp))
+    shard, experts = param_info(p).shard, param_info(p).experts
+    first = 0 if experts is None else experts.first
+    if experts is not None:  # this rank's experts of the stack
+        shape[0] = p.shape[0]
     if shard is None:
-        return [Rect([[0, n] for n in shape], 0, 0, shape[0] if shape else 1)]
+        offsets = [[0, n] for n in shape]
+        if offsets:
+            offsets[0][0] = first
+        return [Rect(offsets, 0, 0, shape[0] if shape else 1)]
     rects, local = [], 0
     for start, n in shard.ranges(tp_rank, tp):
         offsets = [[0, s] for s in shape]
+        offsets[0][0] = first
         offsets[shard.dim] = [start, n]
-        rects.append(Rect(offsets, shard.dim, local, n))
+        rects.append(Rect(offsets, shard.dim, local, n, first))
         local += n
     return rects
 
@@ -131,7 +141,7 @@ def writes(name: str, p: nn.Parameter, bucket: Bucket, offset: int, tp_rank: int
 def full_local_values(zero, optimizer, index: int, bucket: Bucket):
     """Full flat fp32 ``(main params, exp_avg, exp_avg_sq)`` of one bucket on this rank
     (collective)."""
-    dp = zero.topo.dp_cp_group
+    dp = bucket.group  # dp x cp, or the expert-data-parallel ranks for experts
     if zero.stage == 0:
         return bucket.main_shard, optimizer.exp_avg[index], optimizer.exp_avg_sq[index]
     out = []

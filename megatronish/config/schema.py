@@ -13,6 +13,24 @@ from hydra.core.config_store import ConfigStore
 
 
 @dataclass
+class RouterConfig:
+    renormalize: bool = True  # softmax over all experts, top-k probabilities rescaled to sum 1
+    aux_loss_coef: float = 0.01  # load-balancing loss (Switch / Megatron); 0 disables
+    z_loss_coef: float = 0.0  # router z-loss (ST-MoE), e.g. 1e-3; 0 disables
+
+
+@dataclass
+class MoEConfig:
+    num_experts: int = 0  # 0: dense model
+    top_k: int = 2
+    layer_freq: int = 1  # block i is a mixture of experts when i % layer_freq == 0
+    ffn_hidden_size: int | None = None  # of one expert; null: model.ffn_hidden_size
+    shared_experts: int = 0  # always-on experts (one MLP of shared_experts * ffn_hidden_size)
+    capacity_factor: float | None = None  # null: dropless; else tokens over capacity dropped
+    router: RouterConfig = field(default_factory=RouterConfig)
+
+
+@dataclass
 class ModelConfig:
     arch: str = "llama"  # llama | gpt2
     num_layers: int = 4
@@ -31,6 +49,7 @@ class ModelConfig:
     init_std: float = 0.02
     bias: bool | None = None  # null: gpt2 has biases, llama does not
     tie_embeddings: bool | None = None  # null: gpt2 ties, llama does not
+    moe: MoEConfig = field(default_factory=MoEConfig)
 
 
 @dataclass
@@ -39,6 +58,7 @@ class ParallelConfig:
     cp: int = 1  # context parallel: each sequence split over cp ranks (2 chunks each)
     pp: int = 1
     vpp: int = 1
+    ep: int = 1  # expert parallel: experts split over ep ranks carved out of dp x cp
     dp: int | None = None  # null: world_size / (tp * cp * pp)
     sp: bool = False
     zero_stage: int = 0

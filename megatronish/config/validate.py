@@ -10,6 +10,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from megatronish.config.data_rules import data_errors
 from megatronish.config.derived import default_ffn_hidden, pad_vocab
+from megatronish.config.moe_rules import moe_errors
 from megatronish.config.value_rules import get, not_finite, value_errors
 
 CHOICES = {
@@ -181,6 +182,7 @@ def config_errors(
             "which sequence parallelism (parallel.sp=true) needs"
         )
     errors += vocab_errors(cfg, vocab_size)
+    errors += moe_errors(cfg, dp)
     if m.max_position_embeddings is not None and m.seq_length > m.max_position_embeddings:
         errors.append(
             f"model.seq_length={m.seq_length} exceeds model.max_position_embeddings="

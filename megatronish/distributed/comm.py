@@ -259,6 +259,24 @@ def reduce_scatter_into(
     return _named(work, group, "reduce_scatter")
 
 
+def all_to_all(
+    out: torch.Tensor,
+    t: torch.Tensor,
+    group: ParallelGroup,
+    out_splits: list[int],
+    in_splits: list[int],
+) -> torch.Tensor:
+    """Send rows ``in_splits[j]`` of ``t`` (dim 0, in order) to member ``j`` and receive
+    ``out_splits[j]`` rows from member ``j`` into ``out`` (expert parallelism's token exchange).
+    The bytes counted are the whole of ``t``, the rows a rank keeps included."""
+    if group.size == 1:
+        return out.copy_(t)
+    group.record("all_to_all", t)
+    with named_failures(group, "all_to_all"):
+        dist.all_to_all_single(out, t.contiguous(), out_splits, in_splits, group=group.handle())
+    return out
+
+
 def broadcast(t: torch.Tensor, group: ParallelGroup, src_index: int = 0) -> torch.Tensor:
     """Broadcast ``t`` in place from the member at ``src_index``."""
     if group.size == 1:

@@ -42,7 +42,15 @@ def coords_to_rank(c: Coords, tp: int, dp: int, pp: int, cp: int = 1) -> int:
     return c.tp + tp * (c.cp + cp * (c.dp + dp * c.pp))
 
 
-def group_ranks(tp: int, dp: int, pp: int, cp: int = 1) -> dict[str, list[list[int]]]:
+def expert_coords(c: Coords, cp: int, ep: int) -> tuple[int, int]:
+    """``(ep rank, expert-data-parallel rank)`` of a rank: expert parallelism is carved out of
+    the ``dp x cp`` ranks that hold the same dense parameters (index ``cp_rank + cp * dp_rank``),
+    ep fastest, as Megatron-LM carves it out of data parallelism."""
+    i = c.cp + cp * c.dp
+    return i % ep, i // ep
+
+
+def group_ranks(tp: int, dp: int, pp: int, cp: int = 1, ep: int = 1) -> dict[str, list[list[int]]]:
     """Every process group of the grid, as lists of global ranks.
 
     - ``tp``: same (cp, dp, pp); ``cp``: same (tp, dp, pp); ``dp``: same (tp, cp, pp);
@@ -52,6 +60,9 @@ def group_ranks(tp: int, dp: int, pp: int, cp: int = 1) -> dict[str, list[list[i
     - ``mp`` (model parallel, tp x pp): same (cp, dp).
     - ``embedding``: first and last pipeline stage of each (tp, cp, dp), which hold the two copies
       of a tied word embedding (a single rank when pp == 1).
+    - ``ep``: ``ep`` consecutive members of a ``dp_cp`` group; they hold different experts
+      and exchange tokens (all-to-all). ``edp`` (expert data parallel, ``dp*cp/ep`` ranks): the
+      members of a ``dp_cp`` group with the same ep rank, which hold the same experts.
     - ``world``: everyone.
     """
     grid = [
@@ -73,6 +84,8 @@ def group_ranks(tp: int, dp: int, pp: int, cp: int = 1) -> dict[str, list[list[i
         "cp": by(lambda t, c, d, p: (t, d, p)),
         "dp": by(lambda t, c, d, p: (t, c, p)),
         "dp_cp": by(lambda t, c, d, p: (t, p)),
+        "ep": by(lambda t, c, d, p: (t, p, (c + cp * d) // ep)),
+        "edp": by(lambda t, c, d, p: (t, p, (c + cp * d) % ep)),
         "pp": by(lambda t, c, d, p: (t, c, d)),
         "mp": by(lambda t, c, d, p: (c, d)),
         "embedding": [

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from megatronish.distributed.comm import CommStats, ParallelGroup
 from megatronish.distributed.rank_math import Coords, group_of, group_ranks, rank_to_coords
 
-GROUP_NAMES = ("tp", "cp", "dp", "dp_cp", "pp", "mp", "embedding", "world")
+GROUP_NAMES = ("tp", "cp", "dp", "dp_cp", "ep", "edp", "pp", "mp", "embedding", "world")
 
 
 @dataclass
@@ -31,6 +31,7 @@ class Topology:
     device: torch.device
     stats: CommStats
     cp: int = 1
+    ep: int = 1
 
     @property
     def world_size(self) -> int:
@@ -41,6 +42,22 @@ class Topology:
         """Ranks holding the same parameters: gradients are averaged, ZeRO shards spread, over
         them."""
         return self.dp * self.cp
+
+    @property
+    def edp(self) -> int:
+        """Ranks holding the same experts (expert data parallel): ``dp * cp / ep``."""
+        return self.dp_cp // self.ep
+
+    @property
+    def ep_group(self) -> ParallelGroup:
+        """The ranks that exchange tokens and hold different experts."""
+        return self.groups["ep"]
+
+    @property
+    def edp_group(self) -> ParallelGroup:
+        """The ranks holding the same experts: expert grads are reduced, their ZeRO shards
+        spread, over them."""
+        return self.groups["edp"]
 
     @property
     def cp_group(self) -> ParallelGroup:
@@ -104,6 +121,7 @@ class Topology:
         device: torch.device | str = "cpu",
         timeout_s: float | None = None,
         cp: int = 1,
+        ep: int = 1,
     ) -> Topology:
         """Create every group of the grid. Collective: all ranks call it with the same shape.
 
@@ -124,9 +142,12 @@ class Topology:
         stats = CommStats()
         timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
         groups: dict[str, ParallelGroup] = {}
-        for name, all_groups in group_ranks(tp, dp, pp, cp).items():
+        for name, all_groups in group_ranks(tp, dp, pp, cp, ep).items():
             if name == "dp_cp" and cp == 1:  # the dp group itself: no second communicator
                 groups[name] = groups["dp"]
+                continue
+            if name == "edp" and ep == 1:  # the dp_cp group itself
+                groups[name] = groups["dp_cp"]
                 continue
             mine = None
             # Every rank creates every group in the same order (torch.distributed requires it).
@@ -157,4 +178,5 @@ class Topology:
             device=torch.device(device),
             stats=stats,
             cp=cp,
+            ep=ep,
         )

@@ -9,6 +9,7 @@ rank's ``s/cp`` tokens and attention gathers the keys and values of the rest.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +22,7 @@ from megatronish.context_parallel.attention import (
 )
 from megatronish.model.rms_norm import low_precision_rms_norm
 from megatronish.model.spec import ModelSpec
+from megatronish.moe.layer import MoELayer
 from megatronish.tensor_parallel.context import TPContext
 from megatronish.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatronish.tensor_parallel.sharding import mark_param
@@ -197,16 +199,28 @@ class MLP(nn.Module):
         return self.fc2(y)
 
 
-class TransformerBlock(nn.Module):
-    """Pre-norm block: ``x + drop(attn(norm(x)))``, then ``+ drop(mlp(norm(.)))``."""
+def moe_layer(spec: ModelSpec, tp: TPContext, device=None) -> MoELayer:
+    """A mixture-of-experts MLP, with its shared experts as one dense MLP (no biases)."""
+    moe, shared = spec.moe, None
+    if moe.shared_experts:
+        size = moe.shared_experts * moe.ffn_hidden_size
+        shared = MLP(replace(spec, ffn_hidden_size=size, bias=False), tp, device)
+    return MoELayer(spec, tp, device, shared=shared)
 
-    def __init__(self, spec: ModelSpec, tp: TPContext, device=None):
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: ``x + drop(attn(norm(x)))``, then ``+ drop(mlp(norm(.)))``; the MLP is a
+    mixture of experts in the blocks ``model.moe.layer_freq`` picks."""
+
+    def __init__(self, spec: ModelSpec, tp: TPContext, device=None, layer: int = 0):
         super().__init__()
         self.spec, self.tp = spec, tp
         self.attn_norm = Norm(spec, tp, device)
         self.attn = Attention(spec, tp, device)
         self.mlp_norm = Norm(spec, tp, device)
-        self.mlp = MLP(spec, tp, device)
+        self.mlp = (
+            moe_layer(spec, tp, device) if spec.is_moe_layer(layer) else MLP(spec, tp, device)
+        )
 
     def forward(self, x: torch.Tensor, rope=None, cache: KVCache | None = None) -> torch.Tensor:
         p, split = self.spec.hidden_dropout, self.tp.sequence_parallel

@@ -130,7 +130,9 @@ class GPTChunk(nn.Module):
         self.spec, self.tp, self.first, self.last = spec, tp, first, last
         self.layer_ids = layer_ids
         self.embedding = Embedding(spec, tp, device) if first else None
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(spec, tp, device) for i in layer_ids})
+        self.layers = nn.ModuleDict(
+            {str(i): TransformerBlock(spec, tp, device, layer=i) for i in layer_ids}
+        )
         self.head = Head(spec, tp, self.embedding, device) if last else None
         # (start, end, checkpointed) runs of layers; see megatronish.model.recompute.
         self.segments = [(0, len(self.layers), False)]

@@ -36,5 +36,8 @@ def init_parameters(module: nn.Module, seed: int, tp_rank: int, tp_size: int) ->
             gen = torch.Generator(device=p.device).manual_seed(param_seed(seed, key))
             full = torch.empty(global_shape(p, tp_size), device=p.device, dtype=torch.float32)
             full.normal_(0.0, param_info(p).std, generator=gen)
+            experts = param_info(p).experts
+            if experts is not None:  # this rank's experts of the global stack
+                full = experts.take(full, p.shape[0])
             shard = param_info(p).shard
             p.copy_(full if shard is None else shard.take(full, tp_rank, tp_size))

@@ -8,6 +8,28 @@ from megatronish.config.derived import default_ffn_hidden, pad_vocab
 
 
 @dataclass(frozen=True)
+class MoESpec:
+    """The mixture-of-experts part of a model (see ``model.moe`` in the config)."""
+
+    num_experts: int
+    top_k: int
+    layer_freq: int
+    ffn_hidden_size: int  # of one expert
+    shared_experts: int = 0
+    capacity_factor: float | None = None  # None: dropless
+    renormalize: bool = True
+    aux_loss_coef: float = 0.0
+    z_loss_coef: float = 0.0
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Megatron's rule: every ``layer_freq``-th block, starting with block 0."""
+        return layer % self.layer_freq == 0
+
+    def num_moe_layers(self, num_layers: int) -> int:
+        return sum(self.is_moe_layer(i) for i in range(num_layers))
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     arch: str
     num_layers: int
@@ -26,6 +48,10 @@ class ModelSpec:
     init_std: float = 0.02
     bias: bool = False
     tie_embeddings: bool = False
+    moe: MoESpec | None = None  # None: every block is dense
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.moe is not None and self.moe.is_moe_layer(layer)
 
     @property
     def head_dim(self) -> int:
@@ -41,13 +67,14 @@ class ModelSpec:
         m = model_cfg
         vocab = m.vocab_size or vocab_size
         gpt2 = m.arch == "gpt2"
+        ffn = m.ffn_hidden_size or default_ffn_hidden(m.arch, m.hidden_size)
         return cls(
             arch=m.arch,
             num_layers=m.num_layers,
             hidden_size=m.hidden_size,
             num_heads=m.num_attention_heads,
             num_kv_heads=m.num_query_groups or m.num_attention_heads,
-            ffn_hidden_size=m.ffn_hidden_size or default_ffn_hidden(m.arch, m.hidden_size),
+            ffn_hidden_size=ffn,
             seq_length=m.seq_length,
             vocab_size=vocab,
             padded_vocab_size=pad_vocab(vocab, m.make_vocab_size_divisible_by),
@@ -59,4 +86,23 @@ class ModelSpec:
             init_std=m.init_std,
             bias=gpt2 if m.bias is None else m.bias,
             tie_embeddings=gpt2 if m.tie_embeddings is None else m.tie_embeddings,
+            moe=moe_spec(m, ffn),
         )
+
+
+def moe_spec(model_cfg, ffn_hidden_size: int) -> MoESpec | None:
+    """The resolved ``model.moe`` group (None for a dense model)."""
+    moe = getattr(model_cfg, "moe", None)
+    if moe is None or not moe.num_experts:
+        return None
+    return MoESpec(
+        num_experts=moe.num_experts,
+        top_k=moe.top_k,
+        layer_freq=moe.layer_freq,
+        ffn_hidden_size=moe.ffn_hidden_size or ffn_hidden_size,
+        shared_experts=moe.shared_experts,
+        capacity_factor=moe.capacity_factor,
+        renormalize=moe.router.renormalize,
+        aux_loss_coef=moe.router.aux_loss_coef,
+        z_loss_coef=moe.router.z_loss_coef,
+    )

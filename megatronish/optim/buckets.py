@@ -9,6 +9,10 @@ Under ZeRO 2/3 buckets follow the parameter units (:mod:`~megatronish.optim.para
 block's parameters never share a bucket with another block's, so a block is gathered by whole
 buckets (zero 3) and the full grads a step holds are those of about one block (zero 2/3).
 
+Experts (parameters holding a stack of experts) never share a bucket with dense parameters:
+they are replicated over the expert-data-parallel ranks only, so their buckets are sharded and
+reduced over that smaller group (``expert_dp``).
+
 Parameters whose grads need a model-parallel sum first (replicated params fed by sequence
 shards, tied embedding copies) go to "late" buckets that are reduced after that sum; all other
 buckets are reduced as soon as their grads are final.
@@ -21,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from megatronish.distributed.comm import ParallelGroup
 from megatronish.optim.param_units import chunk_visits
 from megatronish.tensor_parallel.sharding import param_info
 
@@ -36,6 +41,8 @@ class Bucket:
     dp_rank: int
     late: bool
     device: torch.device
+    expert: bool = False  # holds experts: reduced and sharded over the expert-data-parallel ranks
+    group: ParallelGroup | None = None  # the ranks that reduce and shard it (set by its owner)
     param_flat: torch.Tensor | None = None  # full (zero 0-2) params; None under zero 3
     param_shard: torch.Tensor | None = None  # this rank's slice (a view, or owned under zero 3)
     main_shard: torch.Tensor | None = None  # fp32 values of the owned slice the optimizer updates
@@ -92,6 +99,7 @@ def plan_buckets(
     is_tied,
     device: torch.device,
     first_small: bool = True,
+    expert: bool = False,
 ) -> list[Bucket]:
     """Group params into buckets in reverse order (roughly the order backward finishes them)."""
     groups: dict[bool, list[list[tuple[str, nn.Parameter]]]] = {False: [[]], True: [[]]}
@@ -116,8 +124,25 @@ def plan_buckets(
                 offsets.append(total)
                 total += p.numel()
             numel = -(-total // dp) * dp
-            buckets.append(Bucket(params, offsets, numel, dp, dp_rank, late, device))
+            buckets.append(Bucket(params, offsets, numel, dp, dp_rank, late, device, expert))
     return buckets
+
+
+def is_expert(p: nn.Parameter) -> bool:
+    """Whether ``p`` is a stack of experts (replicated over expert data parallelism only)."""
+    return param_info(p).experts is not None
+
+
+def _plan_split(named, bucket_bytes, dp, dp_rank, is_tied, device, expert_dp, first_small):
+    """Dense params' buckets over ``(dp, dp_rank)``, then the experts' over ``expert_dp``."""
+    dense = [(n, p) for n, p in named if not is_expert(p)]
+    experts = [(n, p) for n, p in named if is_expert(p)]
+    out = plan_buckets(dense, bucket_bytes, dp, dp_rank, is_tied, device, first_small)
+    if experts:
+        edp, edp_rank = expert_dp or (dp, dp_rank)
+        out += plan_buckets(experts, bucket_bytes, edp, edp_rank, is_tied, device,
+                            first_small and not out, expert=True)  # fmt: skip
+    return out
 
 
 def plan_chunk_buckets(
@@ -128,17 +153,19 @@ def plan_chunk_buckets(
     is_tied,
     device: torch.device,
     per_unit: bool,
+    expert_dp: tuple[int, int] | None = None,
 ) -> list[Bucket]:
-    """A chunk's buckets; ``per_unit`` (ZeRO 2/3): no bucket spans two units (blocks)."""
+    """A chunk's buckets; ``per_unit`` (ZeRO 2/3): no bucket spans two units (blocks).
+    ``expert_dp``: ``(size, rank)`` of the expert-data-parallel group (default: dp's)."""
     if not per_unit:
-        return plan_buckets(list(chunk.named_parameters()), bucket_bytes, dp, dp_rank, is_tied,
-                            device)  # fmt: skip
+        return _plan_split(list(chunk.named_parameters()), bucket_bytes, dp, dp_rank, is_tied,
+                           device, expert_dp, True)  # fmt: skip
     _, visits = chunk_visits(chunk, 0)
     buckets: list[Bucket] = []
     # Backward order, as plan_buckets; by module, so a unit used at both ends of the chunk (the
     # tied embedding and head) fills one bucket per end rather than one across the backward.
     for visit in reversed(visits):
         if visit.named_params:
-            buckets += plan_buckets(list(visit.named_params), bucket_bytes, dp, dp_rank, is_tied,
-                                    device, first_small=not buckets)  # fmt: skip
+            buckets += _plan_split(list(visit.named_params), bucket_bytes, dp, dp_rank, is_tied,
+                                   device, expert_dp, not buckets)  # fmt: skip
     return buckets

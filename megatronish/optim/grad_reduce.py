@@ -57,10 +57,17 @@ class GradReducer:
         self.in_flight: deque[Reduction] = deque()
         self.in_flight_numel = 0  # elements of the full buffers the reductions in flight hold
 
-    def launch(self, full: torch.Tensor, into: torch.Tensor, accumulate: bool = False) -> None:
-        """Reduce ``full`` over dp into ``into`` (the whole buffer under zero 0, this rank's
-        shard otherwise), added to it when ``accumulate``."""
-        group, wire = self.group, full
+    def launch(
+        self,
+        full: torch.Tensor,
+        into: torch.Tensor,
+        accumulate: bool = False,
+        group: ParallelGroup | None = None,
+    ) -> None:
+        """Reduce ``full`` over dp (or ``group``: the expert-data-parallel ranks of an expert
+        bucket) into ``into`` (the whole buffer under zero 0, this rank's shard otherwise), added
+        to it when ``accumulate``."""
+        group, wire = group or self.group, full
         if self.reduce_dtype != full.dtype and group.size > 1:  # reduced in a narrower dtype
             wire = full.to(self.reduce_dtype)
         if self.stage == 0:

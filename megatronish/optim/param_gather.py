@@ -24,16 +24,12 @@ import torch
 from megatronish.distributed.comm import ParallelGroup, all_gather_into
 from megatronish.distributed.timers import Timers
 from megatronish.optim.param_units import ParamUnit, Visit, install_visit_hooks
+from megatronish.tensor_parallel.mappings import in_backward
 
 
 def resize_storage(t: torch.Tensor, numel: int) -> None:
     """Give ``t``'s storage room for ``numel`` elements (0 frees it; views stay valid)."""
     t.untyped_storage().resize_(numel * t.element_size())
-
-
-def in_backward() -> bool:
-    """True inside autograd's backward (a recomputed forward runs there)."""
-    return torch._C._current_graph_task_id() != -1
 
 
 class ParamGatherer:
@@ -78,7 +74,9 @@ class ParamGatherer:
             for b in unit.buckets:
                 resize_storage(b.param_flat, b.numel)
                 b.extra["grads_left"] = len(b.params)
-                work = all_gather_into(b.param_flat, b.param_shard, self.group, async_op=True)
+                work = all_gather_into(
+                    b.param_flat, b.param_shard, b.group or self.group, async_op=True
+                )
                 if work is not None:
                     unit.works.append(work)
         unit.gathered = True
@@ -195,7 +193,9 @@ class ParamGatherer:
         in the order the buckets are listed."""
         with self.timers.region("param_gather", "all-gather params"):
             for b in buckets:
-                work = all_gather_into(b.param_flat, b.param_shard, self.group, async_op=True)
+                work = all_gather_into(
+                    b.param_flat, b.param_shard, b.group or self.group, async_op=True
+                )
                 b.extra["gather_work"] = work
 
     def wait_updated(self, unit: ParamUnit | None = None) -> None:

@@ -37,7 +37,7 @@ from torch import nn
 from megatronish.distributed.comm import all_gather_into, all_reduce
 from megatronish.distributed.timers import Timers
 from megatronish.distributed.topology import Topology
-from megatronish.optim.buckets import Bucket, plan_chunk_buckets
+from megatronish.optim.buckets import Bucket, is_expert, plan_chunk_buckets
 from megatronish.optim.grad_reduce import GradReducer
 from megatronish.optim.grads import counts_in_norm, flat_all_reduce
 from megatronish.optim.param_gather import ParamGatherer, resize_storage
@@ -66,7 +66,13 @@ class ZeroDataParallel:
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
         self.separate_main = param_dtype != torch.float32
         self.timers = timers or Timers.off()  # param_gather, grad_reduce_wait; profiler ranges
+        # The grad norm sums over every rank when ranks own shards (zero >= 1) or hold different
+        # experts (ep ranks); over tp x pp otherwise (zero 0 keeps whole replicas).
+        self.world_norm = stage > 0 or any(
+            is_expert(p) for chunk in chunks for p in chunk.parameters()
+        )
         dp = topo.dp_cp_group  # the ranks holding the same params: dp x cp
+        edp = topo.edp_group  # those holding the same experts: dp x cp / ep
         tied_names = self._tied_names(chunks, topo)
         self.buckets_of: list[list[Bucket]] = []
         units_of, visits_of = [], []
@@ -74,9 +80,10 @@ class ZeroDataParallel:
             buckets = plan_chunk_buckets(
                 chunk, int(bucket_mb * 2**20), dp.size, dp.rank,
                 lambda n, p, tied=tied_names: n in tied or bool(param_info(p).tied_to),
-                topo.device, per_unit=stage >= 2,
+                topo.device, per_unit=stage >= 2, expert_dp=(edp.size, edp.rank),
             )  # fmt: skip
             for b in buckets:
+                b.group = edp if b.expert else dp
                 self._allocate(b)
             self.buckets_of.append(buckets)
             units, visits = chunk_visits(chunk, i)
@@ -133,6 +140,8 @@ class ZeroDataParallel:
             b.grad_shard = torch.zeros(hi - lo, device=b.device)
         b.decay_ranges = b.ranges(lambda n, p: param_info(p).weight_decay, lo, hi)
         b.norm_ranges = b.ranges(lambda n, p: counts_in_norm(n, p, self.topo), lo, hi)
+        if self.stage == 0 and b.group.rank != 0 and self.world_norm:
+            b.norm_ranges = []  # zero 0 keeps whole replicas: the first one counts
         for _, p in b.params:
             p.register_post_accumulate_grad_hook(self._make_hook(b))
 
@@ -247,9 +256,9 @@ class ZeroDataParallel:
             self._drop_grad_buffer(b)  # the reduction holds it until done
             if not b.late:
                 b.pending = len(b.params)
-            self.reducer.launch(full, b.grad_shard, accumulate=rounds > 0)
+            self.reducer.launch(full, b.grad_shard, accumulate=rounds > 0, group=b.group)
         else:
-            self.reducer.launch(b.grad_flat, self.owned_grad(b))
+            self.reducer.launch(b.grad_flat, self.owned_grad(b), group=b.group)
 
     def finish_reduction(self) -> None:
         """Wait for every reduction; sum late buckets over tp / the embedding group first."""
@@ -299,7 +308,7 @@ class ZeroDataParallel:
             grad = self.owned_grad(b)
             for lo, hi in b.norm_ranges:
                 sq += grad[lo:hi].square().sum()  # torch's cascade sum keeps round-off small
-        group = self.topo.mp_group if self.stage == 0 else self.topo.world_group
+        group = self.topo.world_group if self.world_norm else self.topo.mp_group
         with self.timers.region(None, "grad norm all-reduce"):
             all_reduce(sq, group)
         return sq.sqrt()
@@ -349,7 +358,7 @@ class ZeroDataParallel:
             return
         with self.timers.region("param_gather", "all-gather params"):
             for b in self.buckets:
-                all_gather_into(b.param_flat, b.param_shard, self.topo.dp_cp_group)  # in place
+                all_gather_into(b.param_flat, b.param_shard, b.group)  # in place
 
     # -- accounting -------------------------------------------------------------------------
     def state_bytes(self) -> dict[str, int]:

@@ -14,13 +14,15 @@ from megatronish.tensor_parallel.random import RNGTracker
 
 @dataclass
 class TPContext:
-    """The tp group, whether sequence parallelism is on, the RNG tracker for dropout, and the
-    context-parallel split of the sequence (``cp``)."""
+    """The tp group, whether sequence parallelism is on, the RNG tracker for dropout, the
+    context-parallel split of the sequence (``cp``) and the expert-parallel group (``ep``: the
+    ranks whose mixture-of-experts blocks exchange tokens)."""
 
     group: ParallelGroup = field(default_factory=lambda: single_group("tp"))
     sp: bool = False
     rng: RNGTracker | None = None
     cp: CPContext = field(default_factory=CPContext)
+    ep: ParallelGroup = field(default_factory=lambda: single_group("ep"))
 
     @property
     def size(self) -> int:

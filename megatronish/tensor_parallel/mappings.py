@@ -30,6 +30,11 @@ from megatronish.distributed.comm import (
 )
 
 
+def in_backward() -> bool:
+    """True inside autograd's backward (a recomputed forward runs there)."""
+    return torch._C._current_graph_task_id() != -1
+
+
 def _split_last(x: torch.Tensor, group: ParallelGroup) -> torch.Tensor:
     size = x.shape[-1] // group.size
     return x.narrow(-1, group.rank * size, size).contiguous()

@@ -49,6 +49,19 @@ class TPShard:
 
 
 @dataclass(frozen=True)
+class ExpertShard:
+    """A stack of experts along dim 0: this rank holds experts ``[first, first + local)`` of
+    ``num_experts`` (expert parallelism splits the stack over ep ranks)."""
+
+    num_experts: int
+    first: int
+
+    def take(self, full: torch.Tensor, local: int) -> torch.Tensor:
+        """This rank's experts of the global stack ``full``."""
+        return full.narrow(0, self.first, local)
+
+
+@dataclass(frozen=True)
 class ParamInfo:
     """What megatronish knows about a parameter beyond its tensor, one typed record per parameter.
 
@@ -65,6 +78,7 @@ class ParamInfo:
     sequence_parallel: bool = False
     weight_decay: bool = True  # False for norms and biases
     tied_to: str | None = None  # global name of the parameter this one is a copy of
+    experts: ExpertShard | None = None  # a stack of experts, split over ep (dim 0)
 
 
 UNMARKED = ParamInfo()
@@ -89,8 +103,10 @@ def update_param_info(p: torch.nn.Parameter, **changes) -> None:
 def global_shape(p: torch.nn.Parameter, tp: int) -> tuple[int, ...]:
     """Shape of the unsplit parameter."""
     shape = list(p.shape)
-    shard = param_info(p).shard
+    shard, experts = param_info(p).shard, param_info(p).experts
     if shard is not None:
         shape[shard.dim] = sum(shard.blocks)
+    if experts is not None:
+        shape[0] = experts.num_experts
     assert shard is None or p.shape[shard.dim] * tp == shape[shard.dim]
     return tuple(shape)

@@ -89,7 +89,7 @@ def trainer_for(cfg, rank: int, world: int, device: torch.device | None = None, 
     d = derive(cfg, world)
     p = cfg.parallel
     topo = Topology.build(tp=p.tp, dp=d.dp, pp=p.pp, rank=rank, timeout_s=p.collective_timeout_s,
-                          device=device or torch.device("cpu"), cp=p.cp)  # fmt: skip
+                          device=device or torch.device("cpu"), cp=p.cp, ep=p.ep)  # fmt: skip
     spec = ModelSpec.from_config(cfg.model, cfg.model.vocab_size)
     rng = RNGTracker(topo.device)
     rng.seed(

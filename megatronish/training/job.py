@@ -83,7 +83,8 @@ def check_memory_fits(cfg, launch: LaunchEnv, topo: Topology, vocab: int) -> Non
 
 def build_model(cfg, topo: Topology, derived: Derived, spec: ModelSpec, rng: RNGTracker):
     cp_ctx = CPContext(group=topo.cp_group, seq_length=spec.seq_length)
-    tp_ctx = TPContext(group=topo.tp_group, sp=cfg.parallel.sp, rng=rng, cp=cp_ctx)
+    tp_ctx = TPContext(group=topo.tp_group, sp=cfg.parallel.sp, rng=rng, cp=cp_ctx,
+                       ep=topo.ep_group)  # fmt: skip
     chunks = build_chunks(
         spec,
         tp_ctx,
@@ -109,7 +110,7 @@ def build_job(cfg, launch: LaunchEnv) -> Job:
     init_process_group(launch, device, cfg.parallel.collective_timeout_s)
     p = cfg.parallel
     topo = Topology.build(tp=p.tp, dp=derived.dp, pp=p.pp, rank=launch.rank, device=device,
-                          timeout_s=p.collective_timeout_s, cp=p.cp)  # fmt: skip
+                          timeout_s=p.collective_timeout_s, cp=p.cp, ep=p.ep)  # fmt: skip
     try:
         return _build_on(cfg, launch, topo, derived)
     except BaseException:

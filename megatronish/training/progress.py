@@ -27,6 +27,12 @@ def format_step(m: dict[str, Any], max_steps: int) -> str:
     parts = [f"step {m['step']:>6d}/{max_steps}", f"loss {m['loss']:.4f}"]
     parts.append(f"lr {m['lr']:.2e}")
     parts.append(f"grad {m['grad_norm']:.3f}")
+    if "moe/aux_loss" in m:  # mixture of experts: the router losses and the load per expert
+        parts.append(f"aux {m['moe/aux_loss']:.4f} z {m['moe/z_loss']:.4f}")
+        mean = m["moe/tokens_per_expert_mean"]
+        parts.append(f"expert load max/mean {m['moe/tokens_per_expert_max'] / max(mean, 1):.2f}")
+        if m.get("moe/dropped_tokens"):
+            parts.append(f"dropped {m['moe/dropped_tokens']:,.0f}")
     parts.append(f"{m['tokens_per_s']:,.0f} tok/s")
     if m.get("mfu") is not None:
         parts.append(f"MFU {100 * m['mfu']:.1f}%")

@@ -22,6 +22,7 @@ from megatronish.distributed.timers import Timers, device_sync, max_min_over_ran
 from megatronish.distributed.topology import Topology
 from megatronish.model.flops import flops_per_token
 from megatronish.model.spec import ModelSpec
+from megatronish.moe import metrics as moe
 from megatronish.optim.lr_schedule import schedule_from_config
 from megatronish.optim.sharded_adamw import ShardedAdamW
 from megatronish.optim.zero import ZeroDataParallel
@@ -175,6 +176,7 @@ class Trainer:
             more = self.state.step + 1 < self.cfg.trainer.max_steps
             batches = self._to_device(self.prefetcher.get(self.state.consumed_samples, more))
         self.zero.start_step(len(batches))
+        moe.start_step(self.chunks, loss_scale=1.0 / len(batches))
         losses = self.forward_backward(
             self.chunks, batches, loss_scale=1.0 / len(batches), param_hooks=self.zero
         )
@@ -338,6 +340,15 @@ class Trainer:
         self.timers.reset()
         return timer_metrics(max_min)
 
+    def _moe_metrics(self) -> dict[str, float]:
+        """Routing metrics of the last step (collective; empty for a dense model)."""
+        if self.spec.moe is None:
+            return {}
+        return moe.step_metrics(
+            self.chunks, self.spec.num_layers, self.spec.moe.num_experts, self.topo.world_group,
+            self.topo.dp, self.derived.num_microbatches, self.topo.device,
+        )  # fmt: skip
+
     def _log(self, r: StepResult, step_time: float) -> None:
         timers = self._timer_metrics()
         tokens_per_s = self.derived.tokens_per_step / step_time
@@ -355,6 +366,7 @@ class Trainer:
                 "step_time_s": step_time,
                 "peak_memory": peak_memory_bytes(self.topo.device),
                 "skipped_steps": self.state.skipped_steps,
+                **self._moe_metrics(),
                 **timers,
             }
         )

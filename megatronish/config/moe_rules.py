@@ -1,0 +1,59 @@
+"""The mixture-of-experts rules: ``model.moe`` and ``parallel.ep`` against the layout."""
+
+from __future__ import annotations
+
+
+def moe_errors(cfg, dp: int) -> list[str]:
+    """Every rule of ``model.moe`` / ``parallel.ep`` that ``cfg`` breaks (``dp``: its data-parallel
+    size, already checked against the world)."""
+    moe, p = cfg.model.moe, cfg.parallel
+    errors: list[str] = []
+    if p.ep < 1:
+        return [f"parallel.ep={p.ep} must be >= 1"]
+    if moe.num_experts < 0:
+        return [f"model.moe.num_experts={moe.num_experts} must be >= 0 (0: a dense model)"]
+    if moe.num_experts == 0:
+        if p.ep > 1:
+            errors.append(
+                f"parallel.ep={p.ep} needs experts to split: set model.moe.num_experts (a "
+                "multiple of ep) or parallel.ep=1"
+            )
+        return errors
+    e, k = moe.num_experts, moe.top_k
+    if not 1 <= k <= e:
+        errors.append(f"model.moe.top_k={k} must be in [1, model.moe.num_experts={e}]")
+    if moe.layer_freq < 1:
+        errors.append(f"model.moe.layer_freq={moe.layer_freq} must be >= 1")
+    if moe.shared_experts < 0:
+        errors.append(f"model.moe.shared_experts={moe.shared_experts} must be >= 0")
+    if moe.ffn_hidden_size is not None and moe.ffn_hidden_size < 1:
+        errors.append(f"model.moe.ffn_hidden_size={moe.ffn_hidden_size} must be >= 1 or null")
+    elif moe.ffn_hidden_size is not None and moe.ffn_hidden_size % p.tp:
+        errors.append(
+            f"model.moe.ffn_hidden_size={moe.ffn_hidden_size} is not divisible by "
+            f"parallel.tp={p.tp} (experts are split over tp like the dense MLP)"
+        )
+    if moe.capacity_factor is not None and not moe.capacity_factor > 0:
+        errors.append(
+            f"model.moe.capacity_factor={moe.capacity_factor} must be > 0, or null (dropless)"
+        )
+    for key in ("aux_loss_coef", "z_loss_coef"):
+        if getattr(moe.router, key) < 0:
+            errors.append(f"model.moe.router.{key}={getattr(moe.router, key)} must be >= 0")
+    if e % p.ep:
+        errors.append(
+            f"model.moe.num_experts={e} is not divisible by parallel.ep={p.ep}; every ep rank "
+            "holds the same number of experts"
+        )
+    if (dp * p.cp) % p.ep:
+        carved = f"dp*cp = {dp}*{p.cp} = {dp * p.cp}" if p.cp > 1 else f"dp={dp}"
+        errors.append(
+            f"parallel.ep={p.ep} must divide {carved}: expert parallelism is carved out of "
+            "the data-parallel ranks; change parallel.ep or the world size"
+        )
+    if p.tp > 1 and not p.sp:
+        errors.append(
+            f"mixture-of-experts blocks with parallel.tp={p.tp} need parallel.sp=true (each tp "
+            "rank routes its own sequence shard, as in Megatron-LM)"
+        )
+    return errors

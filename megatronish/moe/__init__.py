@@ -1,0 +1,1 @@
+"""Mixture of experts with expert parallelism: routing, token dispatch, grouped experts."""

@@ -1,0 +1,58 @@
+"""The experts of one mixture-of-experts block that this rank holds, as stacked weights.
+
+``fc1`` ``[local experts, (2)f/tp, h]`` and ``fc2`` ``[local experts, h, f/tp]`` are one parameter
+each (stacks indexed by expert, split over tp like the dense MLP: gate|up by columns, down by
+rows), so checkpoints store them by global expert index and Mixtral's ``gate_up_proj`` /
+``down_proj`` are the same tensors. Experts have no biases (as in Megatron-LM's grouped MLP).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatronish.tensor_parallel.sharding import ExpertShard, TPShard, mark_param
+
+if TYPE_CHECKING:
+    from megatronish.model.spec import ModelSpec
+
+
+class GroupedExperts(nn.Module):
+    """Experts ``[first, first + num_local)`` of the block, each a SwiGLU (llama) or GELU (gpt2)
+    MLP; the output is partial over tp (summed by the caller)."""
+
+    def __init__(self, spec: ModelSpec, tp_size: int, num_local: int, first: int, device=None):
+        super().__init__()
+        moe, h = spec.moe, spec.hidden_size
+        f = moe.ffn_hidden_size
+        self.llama, self.num_local = spec.is_llama, num_local
+        blocks = (f, f) if self.llama else (f,)
+        experts = ExpertShard(moe.num_experts, first)
+        fc1 = TPShard(dim=1, blocks=blocks)
+        self.fc1 = mark_param(
+            nn.Parameter(torch.empty(num_local, fc1.local_size(tp_size), h, device=device)),
+            shard=fc1, std=spec.init_std, experts=experts,
+        )  # fmt: skip
+        self.fc2 = mark_param(
+            nn.Parameter(torch.empty(num_local, h, f // tp_size, device=device)),
+            shard=TPShard(dim=2, blocks=(f,)), experts=experts,
+            std=spec.init_std / math.sqrt(2 * spec.num_layers),
+        )  # fmt: skip
+
+    def forward(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """``rows`` grouped by local expert (``counts`` rows each): one matmul pair per expert."""
+        outputs, start = [], 0
+        for e, n in enumerate(counts):
+            y = F.linear(rows[start : start + n], self.fc1[e])
+            if self.llama:
+                gate, up = y.chunk(2, dim=-1)
+                y = F.silu(gate) * up
+            else:
+                y = F.gelu(y, approximate="tanh")
+            outputs.append(F.linear(y, self.fc2[e]))
+            start += n
+        return torch.cat(outputs) if outputs else rows

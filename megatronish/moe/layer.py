@@ -1,0 +1,127 @@
+"""The mixture-of-experts block: router, dispatch over ep, grouped experts, combine.
+
+Under sequence parallelism (tp > 1) each tp rank routes its own sequence shard (the router's
+grads are summed over tp like a norm's), then tokens and routing are gathered over tp, so every
+tp rank holds the microbatch's tokens and computes its tp slice of every expert; the weighted
+sum over slots is reduce-scattered back to the sequence shards, as the dense MLP's output is.
+
+The balancing and z losses enter the gradient through the block's output (Megatron-LM's
+auxiliary-loss scaler): the forward is the identity, the backward gives the loss the gradient
+the language-model loss has (``loss_scale``, set by the trainer each step), so no extra tensor
+travels through the pipeline.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatronish.distributed.comm import all_gather_dim0, all_reduce
+from megatronish.moe.dispatch import combine, dispatch
+from megatronish.moe.experts import GroupedExperts
+from megatronish.moe.routing import (
+    expert_capacity,
+    load_balancing_loss,
+    route,
+    sort_assignments,
+    z_loss,
+)
+from megatronish.tensor_parallel.mappings import gather_from_sp, in_backward, reduce_scatter_to_sp
+from megatronish.tensor_parallel.sharding import mark_param
+
+if TYPE_CHECKING:
+    from megatronish.model.spec import ModelSpec
+    from megatronish.tensor_parallel.context import TPContext
+
+AUX, Z, DROPPED = -3, -2, -1  # the last entries of MoELayer.stats (the first E: assignments)
+
+
+class _AttachLoss(torch.autograd.Function):
+    """Identity on ``x``; in backward ``loss`` receives gradient 1 (its scale is inside it)."""
+
+    @staticmethod
+    def forward(ctx, x, loss):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, torch.ones((), device=grad.device, dtype=torch.float32)
+
+
+class MoELayer(nn.Module):
+    """Top-k mixture of experts (+ shared experts) in place of a block's MLP."""
+
+    def __init__(
+        self, spec: ModelSpec, tp: TPContext, device=None, shared: nn.Module | None = None
+    ):
+        """``shared``: the always-on experts' MLP (input and output like the block's)."""
+        super().__init__()
+        moe, ep = spec.moe, tp.ep
+        if tp.size > 1 and not tp.sequence_parallel:
+            raise ValueError("mixture-of-experts blocks with tp > 1 need sequence parallelism")
+        if moe.num_experts % ep.size:
+            raise ValueError(f"{moe.num_experts} experts do not split over ep={ep.size}")
+        self.spec, self.moe, self.tp = spec, moe, tp
+        self.router = mark_param(
+            nn.Parameter(torch.empty(moe.num_experts, spec.hidden_size, device=device)),
+            std=spec.init_std, sequence_parallel=tp.sequence_parallel, weight_decay=False,
+        )  # fmt: skip
+        local = moe.num_experts // ep.size
+        self.experts = GroupedExperts(spec, tp.size, local, ep.rank * local, device)
+        self.shared = shared
+        self.loss_scale = 1.0  # the language-model loss's scale per microbatch (the trainer's)
+        # Since the last reset: assignments per expert, balancing loss, z-loss, dropped slots
+        # (this rank's parts; summed over ranks they are the step's totals).
+        self.stats = torch.zeros(moe.num_experts + 3, dtype=torch.float64, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        moe, tp = self.moe, self.tp
+        s, b, h = x.shape
+        logits = F.linear(x.reshape(-1, h).float(), self.router.float())
+        probs, weights, experts = route(logits, moe.top_k, moe.renormalize)
+        tokens = x.reshape(-1, h)
+        all_weights, all_experts = weights, experts
+        if tp.sequence_parallel:  # the microbatch's tokens (of this cp rank) on every tp rank
+            tokens = gather_from_sp(x, tp.group).reshape(-1, h)
+            all_weights = gather_from_sp(weights.view(s, b, -1), tp.group).reshape(-1, moe.top_k)
+            all_experts = all_gather_dim0(experts.view(s, b, -1), tp.group).reshape(-1, moe.top_k)
+        capacity = None
+        if moe.capacity_factor is not None:
+            capacity = expert_capacity(tokens.shape[0], moe.num_experts, moe.top_k,
+                                       moe.capacity_factor)  # fmt: skip
+        order, counts, dropped = sort_assignments(all_experts, all_weights, moe.num_experts,
+                                                  capacity)  # fmt: skip
+        rows, record = dispatch(tokens, order, counts, moe.top_k, tp.ep)
+        outputs = self.experts(rows, record.local_counts)
+        out = combine(outputs, record, all_weights, tp.ep).view(-1, b, h)
+        if tp.sequence_parallel:
+            out = reduce_scatter_to_sp(out, tp.group)
+        if self.shared is not None:
+            out = out + self.shared(x)
+        if self.training and torch.is_grad_enabled():
+            out = self._auxiliary_losses(out, logits, probs, all_experts, experts, dropped)
+        return out
+
+    def _auxiliary_losses(self, out, logits, probs, all_experts, experts, dropped):
+        """Attach the balancing and z losses to ``out``'s gradient; record the step's stats."""
+        moe, cp = self.moe, self.tp.cp
+        total = all_experts.shape[0] * cp.size  # the microbatch's tokens, every cp chunk
+        counts = torch.bincount(all_experts.reshape(-1), minlength=moe.num_experts)
+        all_reduce(counts, cp.group)
+        aux = load_balancing_loss(probs, counts, total, moe.top_k, moe.aux_loss_coef)
+        zl = z_loss(logits, total, moe.z_loss_coef)
+        if moe.aux_loss_coef or moe.z_loss_coef:
+            # cp ranks hold parts of one sequence whose grads are averaged over cp: x cp.
+            out = _AttachLoss.apply(out, (aux + zl) * (self.loss_scale * cp.size))
+        if not in_backward():  # not again when full recompute reruns the forward
+            with torch.no_grad():
+                mine = torch.bincount(experts.reshape(-1), minlength=moe.num_experts)
+                self.stats[: moe.num_experts] += mine.to(self.stats.dtype)
+                self.stats[AUX] += aux.detach().double()
+                self.stats[Z] += zl.detach().double()
+                if self.tp.group.rank == 0:  # every tp rank drops the same slots
+                    self.stats[DROPPED] += dropped.to(self.stats.dtype)
+        return out

@@ -1,0 +1,60 @@
+"""What the trainer does with the mixture-of-experts blocks of its chunks: the auxiliary losses'
+gradient scale, and the routing statistics of a step (tokens per expert, losses, drops)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from megatronish.distributed.comm import ParallelGroup, all_reduce
+from megatronish.moe.layer import AUX, DROPPED, MoELayer, Z
+
+
+def moe_layers(chunks: list[nn.Module]) -> list[MoELayer]:
+    """Every mixture-of-experts block of ``chunks``."""
+    return [m for c in chunks for m in c.modules() if isinstance(m, MoELayer)]
+
+
+def start_step(chunks: list[nn.Module], loss_scale: float) -> None:
+    """Before a step: the auxiliary losses get the language-model loss's scale per microbatch;
+    the statistics start from zero."""
+    for layer in moe_layers(chunks):
+        layer.loss_scale = loss_scale
+        layer.stats.zero_()
+
+
+def step_metrics(
+    chunks: list[nn.Module],
+    num_layers: int,
+    num_experts: int,
+    world: ParallelGroup,
+    dp_replicas: int,
+    num_microbatches: int,
+    device: torch.device,
+) -> dict[str, float]:
+    """The last step's routing metrics over every rank (collective over ``world``).
+
+    Keys are ``moe/...``:
+
+    - ``aux_loss`` / ``z_loss``: summed over the blocks, mean over the microbatches of the step
+      (the amounts added to the language-model loss in the gradient);
+    - ``tokens_per_expert_max`` / ``_mean``: assignments one expert of one block took in the
+      step (max over blocks and experts, and their mean);
+    - ``dropped_tokens``: assignments over capacity, all blocks, the whole step.
+    """
+    rows = torch.zeros(num_layers, num_experts + 3, dtype=torch.float64, device=device)
+    for c in chunks:
+        for index, block in getattr(c, "layers", {}).items():
+            if isinstance(block.mlp, MoELayer):
+                rows[int(index)] = block.mlp.stats
+    all_reduce(rows, world)
+    moe_rows = rows[rows[:, :num_experts].sum(dim=1) > 0]
+    counts = moe_rows[:, :num_experts]
+    per_batch = dp_replicas * num_microbatches
+    return {
+        "moe/aux_loss": (rows[:, AUX].sum() / per_batch).item(),
+        "moe/z_loss": (rows[:, Z].sum() / per_batch).item(),
+        "moe/tokens_per_expert_max": counts.max().item() if counts.numel() else 0.0,
+        "moe/tokens_per_expert_mean": counts.mean().item() if counts.numel() else 0.0,
+        "moe/dropped_tokens": rows[:, DROPPED].sum().item(),
+    }

@@ -1,0 +1,80 @@
+"""Top-k routing of tokens to experts and its auxiliary losses (pure tensor functions).
+
+Ties between equal router probabilities go to the lower expert index (a stable sort), so every
+layout and every run routes the same tokens to the same experts.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def route(
+    logits: torch.Tensor, top_k: int, renormalize: bool = True
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(probs [T, E], weights [T, k], experts [T, k])`` of router ``logits`` ``[T, E]``.
+
+    ``probs`` is the softmax over every expert (fp32); ``experts`` the ``top_k`` most probable,
+    in descending order, and ``weights`` their probabilities, rescaled to sum to 1 when
+    ``renormalize`` (Mixtral's router).
+    """
+    probs = torch.softmax(logits.float(), dim=-1)
+    ordered, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+    weights, experts = ordered[:, :top_k], order[:, :top_k]
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return probs, weights, experts
+
+
+def load_balancing_loss(
+    probs: torch.Tensor, counts: torch.Tensor, total_tokens: int, top_k: int, coef: float
+) -> torch.Tensor:
+    """This rank's part of the Switch-Transformer balancing loss (Megatron-LM's form)::
+
+        coef * E / (k * T^2) * sum_e counts_e * sum_t probs[t, e]
+
+    ``counts`` are the assignments per expert over all ``total_tokens`` tokens of the
+    microbatch; ``probs`` this rank's tokens' rows. The loss is linear in ``probs``, so the
+    ranks holding parts of a sequence (tp shards, cp chunks) add their parts to get the whole.
+    """
+    num_experts = probs.shape[-1]
+    scale = coef * num_experts / (top_k * total_tokens * total_tokens)
+    return scale * (probs.sum(dim=0) * counts.to(probs.dtype)).sum()
+
+
+def z_loss(logits: torch.Tensor, total_tokens: int, coef: float) -> torch.Tensor:
+    """This rank's part of the router z-loss ``coef * mean_t logsumexp(logits_t)^2`` (ST-MoE)."""
+    return coef * torch.logsumexp(logits.float(), dim=-1).square().sum() / total_tokens
+
+
+def expert_capacity(tokens: int, num_experts: int, top_k: int, factor: float) -> int:
+    """Assignments an expert takes from ``tokens`` tokens at capacity ``factor``."""
+    return math.ceil(tokens * top_k / num_experts * factor)
+
+
+def sort_assignments(
+    experts: torch.Tensor,
+    weights: torch.Tensor,
+    num_experts: int,
+    capacity: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(order, counts, dropped)``: the flat ``[T * k]`` assignments an expert computes, sorted
+    by expert (token order within one), the count per expert, and how many were dropped.
+
+    Dropless when ``capacity`` is None; otherwise each expert keeps its ``capacity`` assignments
+    of highest weight (Megatron-LM's ``probs`` drop policy; equal weights: the earlier token).
+    """
+    flat = experts.reshape(-1)
+    counts = torch.bincount(flat, minlength=num_experts)
+    if capacity is None:
+        return torch.argsort(flat, stable=True), counts, counts.new_zeros(())
+    by_weight = torch.argsort(-weights.detach().reshape(-1), stable=True)
+    by_expert = by_weight[torch.argsort(flat[by_weight], stable=True)]
+    starts = torch.cumsum(counts, 0) - counts
+    rank = torch.arange(flat.numel(), device=flat.device) - starts[flat[by_expert]]
+    kept = torch.sort(by_expert[rank < capacity]).values  # token order ...
+    order = kept[torch.argsort(flat[kept], stable=True)]  # ... within each expert
+    kept_counts = counts.clamp(max=capacity)
+    return order, kept_counts, flat.numel() - kept_counts.sum()

@@ -188,7 +188,7 @@ class CheckpointSaver:
             "step": t.state.step,
             "consumed_samples": t.state.consumed_samples,
             "layout": {"tp": t.topo.tp, "cp": t.topo.cp, "pp": t.topo.pp, "dp": t.topo.dp,
-                       "vpp": p.vpp,
+                       "vpp": p.vpp, "ep": t.topo.ep,
                        "sp": bool(p.sp), "zero_stage": p.zero_stage,
                        "world_size": t.topo.world_size},  # fmt: skip
             "config": self.config_dict,

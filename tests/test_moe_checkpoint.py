@@ -3,10 +3,11 @@ ep / tp / pp / ZeRO layout and loaded at any other, continuing the run of one pr
 
 import pytest
 
-from megatronish.checkpoint.format import read_metadata, resolve_step_dir
+from megatronish.checkpoint.format import CheckpointError, read_metadata, resolve_step_dir
+from megatronish.checkpoint.load import load_into
 from megatronish.testing.compare import assert_parity
 from megatronish.testing.multiproc import run_world
-from megatronish.testing.runs import losses_of, merge_params, train_layout
+from megatronish.testing.runs import build_trainer, losses_of, merge_params, train_layout
 
 MOE = ["model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.router.z_loss_coef=0.001",
        "scheduler.decay_steps=10", "trainer.micro_batch_size=2"]  # fmt: skip
@@ -57,3 +58,16 @@ def test_experts_are_keyed_by_global_index(tmp_path):
     # rank 0: experts 0-1, rank 1: experts 2-3; the gate and the up block a piece each
     assert sorted(s.offsets[0] for s in entry.shards) == [[0, 2], [0, 2], [2, 2], [2, 2]]
     assert meta.tensors["model/layers.0.mlp.router"].shape == [4, 64]
+
+
+def test_routing_changes_are_refused_unless_allowed(tmp_path):
+    run(1, [], 1, save=str(tmp_path))
+    trainer = build_trainer(0, 1, [*MOE, "model.moe.top_k=1"], 2)
+    with pytest.raises(CheckpointError, match=r"model.moe.top_k: checkpoint 2, config 1.*"
+                       r"allow_model_changes=\[moe.top_k\]"):  # fmt: skip
+        load_into(trainer, str(tmp_path))
+    allowed = [*MOE, "model.moe.top_k=1", "checkpoint.allow_model_changes=[moe.top_k]"]
+    load_into(build_trainer(0, 1, allowed, 2), str(tmp_path))
+    dense = build_trainer(0, 1, [m for m in MOE if not m.startswith("model.moe")], 2)
+    with pytest.raises(CheckpointError, match="model.moe.num_experts: checkpoint 4, config 0"):
+        load_into(dense, str(tmp_path))

@@ -1,7 +1,8 @@
 """Export a megatronish checkpoint as a Hugging Face model directory (config.json + safetensors).
 
 CKPT is a checkpoint.dir (its ``latest`` step) or one step_XXXXXXX directory, saved with any
-layout (tensors are stored globally). llama exports as LlamaForCausalLM, gpt2 as GPT2LMHeadModel;
+layout (tensors are stored globally). llama exports as LlamaForCausalLM, gpt2 as GPT2LMHeadModel,
+a llama mixture of experts (every block, no shared experts) as MixtralForCausalLM;
 ``AutoModelForCausalLM.from_pretrained(OUT_DIR)`` loads the result. Only the weights are
 exported (no optimizer state, no tokenizer).
 

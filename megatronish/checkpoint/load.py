@@ -30,7 +30,8 @@ from megatronish.model.spec import ModelSpec
 # the norm (RMSNorm / LayerNorm) and the activation (SwiGLU / GELU). FUNCTION_KEYS change what the
 # same tensors compute: refused unless checkpoint.allow_model_changes names them.
 SHAPE_KEYS = ("arch", "num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
-              "ffn_hidden_size", "bias", "tie_embeddings")  # fmt: skip
+              "ffn_hidden_size", "bias", "tie_embeddings", "moe.num_experts", "moe.layer_freq",
+              "moe.shared_experts")  # fmt: skip
 
 
 def _saved_model_values(saved: dict) -> dict:
@@ -42,6 +43,12 @@ def _saved_model_values(saved: dict) -> dict:
             values[key] = arch == "gpt2"
     if values.get("num_query_groups") is None:
         values["num_query_groups"] = values.get("num_attention_heads")
+    moe = saved.get("moe") or {}  # absent in checkpoints older than mixtures of experts
+    for key in ("num_experts", "layer_freq", "shared_experts", "top_k"):
+        values[f"moe.{key}"] = moe.get(key)
+    values["moe.router.renormalize"] = (moe.get("router") or {}).get("renormalize")
+    if moe.get("num_experts") == 0:  # a dense model: the other moe values mean nothing
+        values.update({k: None for k in values if k.startswith("moe.") and k != "moe.num_experts"})
     return values
 
 
@@ -56,12 +63,17 @@ def check_compatible(
         "num_attention_heads": spec.num_heads, "num_query_groups": spec.num_kv_heads,
         "ffn_hidden_size": spec.ffn_hidden_size, "rope_theta": spec.rope_theta,
         "norm_eps": spec.norm_eps, "vocab_size": spec.vocab_size, "bias": spec.bias,
-        "tie_embeddings": spec.tie_embeddings,
+        "tie_embeddings": spec.tie_embeddings, "moe.num_experts": 0,
     }  # fmt: skip
+    if spec.moe is not None:
+        m = spec.moe
+        mine.update({"moe.num_experts": m.num_experts, "moe.layer_freq": m.layer_freq,
+                     "moe.shared_experts": m.shared_experts, "moe.top_k": m.top_k,
+                     "moe.router.renormalize": m.renormalize})  # fmt: skip
     keys = [*SHAPE_KEYS, *(k for k in FUNCTION_KEYS if k not in allowed)]
     if spec.arch != "llama":
         keys = [k for k in keys if k != "rope_theta"]  # no rotary embedding
-    changed = [k for k in keys if saved.get(k) is not None and saved[k] != mine[k]]
+    changed = [k for k in keys if None not in (saved.get(k), mine.get(k)) and saved[k] != mine[k]]
     wrong = [f"model.{k}: checkpoint {saved[k]}, config {mine[k]}" for k in changed]
     emb = meta.tensors.get("model/embedding.word.weight")
     if emb is not None and emb.shape != [spec.padded_vocab_size, spec.hidden_size]:

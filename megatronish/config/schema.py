@@ -137,7 +137,7 @@ class TrainerConfig:
 
 # Model keys that change what a checkpoint's tensors compute without changing which tensors
 # there are (bias and tie_embeddings do change them).
-FUNCTION_KEYS = ("rope_theta", "norm_eps", "vocab_size")
+FUNCTION_KEYS = ("rope_theta", "norm_eps", "vocab_size", "moe.top_k", "moe.router.renormalize")
 
 
 @dataclass

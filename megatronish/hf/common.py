@@ -1,4 +1,4 @@
-"""What megatronish and Hugging Face Llama / GPT-2 checkpoints share: names, vocabulary, ids.
+"""What megatronish and Hugging Face Llama / GPT-2 / Mixtral checkpoints share: names, vocabulary.
 
 megatronish names (global, unsplit; see :mod:`megatronish.model.gpt`) map to
 ``LlamaForCausalLM`` and ``GPT2LMHeadModel`` like this:
@@ -18,6 +18,9 @@ head.norm.*                   model.norm.*                         transformer.l
 head.weight (untied only)     lm_head.weight                       lm_head.weight
 ============================  ===================================  ==============================
 
+A llama mixture of experts is Mixtral (``MixtralForCausalLM``); its blocks' MLP maps as in
+:mod:`megatronish.hf.mixtral`, everything else as for Llama.
+
 The embedding (and head) rows beyond the real vocabulary are megatronish's padding: exports
 drop them, imports add zero rows up to a multiple of 128. Both models use the rotate-half RoPE
 convention and the same GQA head grouping, so q/k/v rows need no permutation. Linear biases
@@ -32,7 +35,7 @@ import dataclasses
 
 import torch
 
-from megatronish.config.schema import ModelConfig
+from megatronish.config.schema import ModelConfig, MoEConfig, RouterConfig
 from megatronish.model.spec import ModelSpec
 
 VOCAB_MULTIPLE = 128
@@ -40,14 +43,32 @@ GPT2_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")  # all the tan
 # Megatronish's sentencepiece tokenizers: 0 <unk>, 1 <s>, 2 </s> (end of document), no padding.
 # Exports of checkpoints that do not record their tokenizer's ids use these.
 DEFAULT_SPECIAL_TOKENS = {"bos_token_id": 1, "eos_token_id": 2}
+# The model.moe and model.moe.router keys an import records (and prints as overrides).
+MOE_KEYS = ("num_experts", "top_k", "layer_freq", "ffn_hidden_size", "shared_experts",
+            "capacity_factor")  # fmt: skip
+ROUTER_KEYS = ("renormalize", "aux_loss_coef", "z_loss_coef")
+
+
+def _known(cls, values: dict, nested: str | None = None) -> dict:
+    """The entries of ``values`` that are fields of dataclass ``cls`` (but ``nested``)."""
+    names = {f.name for f in dataclasses.fields(cls)} - {nested}
+    return {k: v for k, v in values.items() if k in names}
+
+
+def model_config(model_cfg: dict) -> ModelConfig:
+    """The :class:`ModelConfig` of a ``model`` section stored as a plain dict (nested ``moe`` and
+    ``moe.router`` dicts included; unknown keys are dropped, missing ones take defaults)."""
+    moe = dict(model_cfg.get("moe") or {})
+    router = RouterConfig(**_known(RouterConfig, moe.get("router") or {}))
+    return ModelConfig(
+        **_known(ModelConfig, model_cfg, "moe"),
+        moe=MoEConfig(**_known(MoEConfig, moe, "router"), router=router),
+    )
 
 
 def model_spec(model_cfg: dict, vocab_size: int) -> ModelSpec:
     """The resolved :class:`ModelSpec` of a ``model`` config section stored as a plain dict."""
-    names = {f.name for f in dataclasses.fields(ModelConfig)}
-    return ModelSpec.from_config(
-        ModelConfig(**{k: v for k, v in model_cfg.items() if k in names}), vocab_size
-    )
+    return ModelSpec.from_config(model_config(model_cfg), vocab_size)
 
 
 def own_copy(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -63,8 +84,17 @@ def override_args(model_cfg: dict) -> list[str]:
             "bias", "tie_embeddings"]  # fmt: skip
     if model_cfg["arch"] == "llama":
         keys.insert(-2, "rope_theta")
+    args = [f"model.{k}={_fmt(model_cfg[k])}" for k in keys]
+    moe = model_cfg.get("moe") or {}
+    if moe.get("num_experts"):
+        args += [f"model.moe.{k}={_fmt(moe[k])}" for k in MOE_KEYS if k in moe]
+        router = moe.get("router") or {}
+        args += [f"model.moe.router.{k}={_fmt(router[k])}" for k in ROUTER_KEYS if k in router]
+    return args
 
-    def fmt(v) -> str:
-        return str(v).lower() if isinstance(v, bool) else str(v)
 
-    return [f"model.{k}={fmt(model_cfg[k])}" for k in keys]
+def _fmt(v) -> str:
+    """A value as Hydra's override grammar reads it back (``true``, ``null``, ``0.001``)."""
+    if v is None:
+        return "null"
+    return str(v).lower() if isinstance(v, bool) else str(v)

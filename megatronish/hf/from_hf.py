@@ -1,7 +1,8 @@
-"""A Hugging Face Llama / GPT-2 config and state dict -> megatronish's config and tensors (pure).
+"""A Hugging Face Llama / GPT-2 / Mixtral config and state dict -> megatronish's config and
+tensors (pure).
 
-See :mod:`megatronish.hf.common` for the name mapping. Imports add zero rows up to a multiple of
-128 and refuse what megatronish cannot represent.
+See :mod:`megatronish.hf.common` (and :mod:`megatronish.hf.mixtral`) for the name mapping.
+Imports add zero rows up to a multiple of 128 and refuse what megatronish cannot represent.
 """
 
 from __future__ import annotations
@@ -13,6 +14,11 @@ import torch
 from megatronish.config.derived import pad_vocab
 from megatronish.config.schema import ModelConfig
 from megatronish.hf.common import GPT2_ACTIVATIONS, VOCAB_MULTIPLE, own_copy
+from megatronish.hf.mixtral import moe_config, moe_from_hf
+
+# config.json values a Llama / Mixtral config leaves out take its class's defaults.
+LLAMA_DEFAULTS = {"rms_norm_eps": 1e-6, "rope_theta": 1e4, "max_position_embeddings": 2048}
+MIXTRAL_DEFAULTS = {"rms_norm_eps": 1e-5, "rope_theta": 1e6, "max_position_embeddings": 131072}
 
 
 def from_hf(
@@ -22,11 +28,18 @@ def from_hf(
 
     The embedding (and an untied head) gets zero rows up to a multiple of 128. ``seq_length``
     defaults to the HF model's maximum positions. Raises ``ValueError`` for HF features
-    megatronish does not have (RoPE scaling, exact-erf GELU, GPT-2 layer-index scaling, ...).
+    megatronish does not have (RoPE scaling, exact-erf GELU, GPT-2 layer-index scaling, a Mixtral
+    sliding window shorter than the sequence, ...).
     """
     arch = hf_config.get("model_type")
     if arch == "llama":
         cfg = _llama_model_cfg(hf_config)
+        source = _Source(hf_state)
+        tensors = _llama_from_hf(source, cfg)
+    elif arch == "mixtral":
+        cfg = _llama_model_cfg(hf_config, MIXTRAL_DEFAULTS, "Mixtral")
+        seq = seq_length or cfg["max_position_embeddings"]
+        cfg["moe"] = moe_config(hf_config, seq)
         source = _Source(hf_state)
         tensors = _llama_from_hf(source, cfg)
     elif arch == "gpt2":
@@ -34,7 +47,7 @@ def from_hf(
         source = _Source({_strip_gpt2(k): v for k, v in hf_state.items()})
         tensors = _gpt2_from_hf(source, cfg)
     else:
-        raise ValueError(f"cannot import model_type={arch!r} (llama or gpt2)")
+        raise ValueError(f"cannot import model_type={arch!r} (llama, mixtral or gpt2)")
     source.check_all_used(cfg["tie_embeddings"])
     cfg["seq_length"] = seq_length or cfg["max_position_embeddings"]
     padded = pad_vocab(cfg["vocab_size"], VOCAB_MULTIPLE)
@@ -52,7 +65,7 @@ def _model_cfg(arch: str, hf: dict, **values) -> dict:
     return base
 
 
-def _llama_model_cfg(hf: dict) -> dict:
+def _llama_model_cfg(hf: dict, defaults: dict = LLAMA_DEFAULTS, name: str = "Llama") -> dict:
     heads, hidden = hf["num_attention_heads"], hf["hidden_size"]
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
@@ -64,15 +77,16 @@ def _llama_model_cfg(hf: dict) -> dict:
     if hf.get("head_dim") not in (None, hidden // heads):
         problems.append(f"head_dim={hf['head_dim']} != hidden_size / num_attention_heads")
     if problems:
-        raise ValueError("this Llama model cannot be represented: " + "; ".join(problems))
+        raise ValueError(f"this {name} model cannot be represented: " + "; ".join(problems))
     return _model_cfg(
         "llama", hf,
         num_layers=hf["num_hidden_layers"], hidden_size=hidden, num_attention_heads=heads,
         num_query_groups=hf.get("num_key_value_heads") or heads,
         ffn_hidden_size=hf["intermediate_size"],
-        max_position_embeddings=hf.get("max_position_embeddings", 2048),
-        norm_eps=hf.get("rms_norm_eps", 1e-6), rope_theta=float(rope.get("rope_theta",
-                                                                     hf.get("rope_theta", 1e4))),
+        max_position_embeddings=hf.get("max_position_embeddings",
+                                       defaults["max_position_embeddings"]),
+        norm_eps=hf.get("rms_norm_eps", defaults["rms_norm_eps"]),
+        rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", defaults["rope_theta"]))),
         attention_dropout=hf.get("attention_dropout", 0.0),
         bias=bool(hf.get("attention_bias") or hf.get("mlp_bias")),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
@@ -117,6 +131,9 @@ class _Source:
         self.used.add(name)
         return self.state[name]
 
+    def has(self, name: str) -> bool:
+        return name in self.state
+
     def take_or_zeros(self, name: str, n: int) -> torch.Tensor:
         return self.take(name) if name in self.state else torch.zeros(n)
 
@@ -129,8 +146,10 @@ class _Source:
 
 
 def _llama_from_hf(s: _Source, cfg: dict) -> dict:
+    """Llama's tensors, or Mixtral's when ``cfg`` has a ``moe`` group with experts."""
     h, f, bias = cfg["hidden_size"], cfg["ffn_hidden_size"], cfg["bias"]
     d = h // cfg["num_attention_heads"]
+    experts = (cfg.get("moe") or {}).get("num_experts")  # Mixtral: every block
     out = {"embedding.word.weight": s.take("model.embed_tokens.weight")}
     for i in range(cfg["num_layers"]):
         src, dst = f"model.layers.{i}.", f"layers.{i}."
@@ -139,10 +158,13 @@ def _llama_from_hf(s: _Source, cfg: dict) -> dict:
         out[dst + "mlp_norm.weight"] = s.take(src + "post_attention_layernorm.weight")
         out[dst + "attn.qkv.weight"] = torch.cat([s.take(f"{attn}{p}_proj.weight") for p in "qkv"])
         out[dst + "attn.proj.weight"] = s.take(attn + "o_proj.weight")
-        out[dst + "mlp.fc1.weight"] = torch.cat(
-            [s.take(mlp + "gate_proj.weight"), s.take(mlp + "up_proj.weight")]
-        )
-        out[dst + "mlp.fc2.weight"] = s.take(mlp + "down_proj.weight")
+        if experts:
+            out.update(moe_from_hf(s, i, experts))
+        else:
+            out[dst + "mlp.fc1.weight"] = torch.cat(
+                [s.take(mlp + "gate_proj.weight"), s.take(mlp + "up_proj.weight")]
+            )
+            out[dst + "mlp.fc2.weight"] = s.take(mlp + "down_proj.weight")
         if bias:
             rows = [cfg["num_attention_heads"] * d] + [cfg["num_query_groups"] * d] * 2
             qkv = [s.take_or_zeros(f"{attn}{p}_proj.bias", n) for p, n in zip("qkv", rows)]

@@ -1,7 +1,8 @@
-"""megatronish global tensors -> a Hugging Face Llama / GPT-2 config and state dict (pure).
+"""megatronish global tensors -> a Hugging Face Llama / GPT-2 / Mixtral config and state dict.
 
-See :mod:`megatronish.hf.common` for the name mapping. Exports drop the embedding (and head) rows
-beyond the real vocabulary and write zeros for biases megatronish does not have.
+See :mod:`megatronish.hf.common` (and :mod:`megatronish.hf.mixtral`) for the name mapping.
+Exports drop the embedding (and head) rows beyond the real vocabulary and write zeros for biases
+megatronish does not have (pure).
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from megatronish.hf.common import DEFAULT_SPECIAL_TOKENS, model_spec, own_copy
+from megatronish.hf.mixtral import mixtral_config, moe_to_hf
 from megatronish.model.spec import ModelSpec
 
 
@@ -40,7 +42,10 @@ def to_hf(
         raise ValueError(
             f"the embedding has {padded} rows but vocab {vocab} pads to {spec.padded_vocab_size}"
         )
-    if spec.arch == "llama":
+    if spec.moe is not None:  # Mixtral, or a ValueError saying why not
+        config = mixtral_config(spec, vocab, _common_config(spec, vocab))
+        state = _llama_to_hf(tensors, spec, vocab)
+    elif spec.arch == "llama":
         config, state = _llama_config(spec, vocab), _llama_to_hf(tensors, spec, vocab)
     elif spec.arch == "gpt2":
         config, state = _gpt2_config(spec, vocab), _gpt2_to_hf(tensors, spec, vocab)
@@ -119,16 +124,22 @@ def _llama_to_hf(t: dict, spec: ModelSpec, vocab: int) -> dict:
         src, dst = f"layers.{i}.", f"model.layers.{i}."
         out[dst + "input_layernorm.weight"] = t[src + "attn_norm.weight"]
         out[dst + "post_attention_layernorm.weight"] = t[src + "mlp_norm.weight"]
+        moe = spec.is_moe_layer(i)
+        if moe:
+            out.update(moe_to_hf(t, i, spec.moe.num_experts, spec.moe.ffn_hidden_size))
         for kind in kinds:
             q, k, v = t[f"{src}attn.qkv.{kind}"].split(qkv_rows)
-            gate, up = t[f"{src}mlp.fc1.{kind}"].split([f, f])
             out.update({
                 f"{dst}self_attn.q_proj.{kind}": q, f"{dst}self_attn.k_proj.{kind}": k,
                 f"{dst}self_attn.v_proj.{kind}": v,
                 f"{dst}self_attn.o_proj.{kind}": t[f"{src}attn.proj.{kind}"],
-                f"{dst}mlp.gate_proj.{kind}": gate, f"{dst}mlp.up_proj.{kind}": up,
-                f"{dst}mlp.down_proj.{kind}": t[f"{src}mlp.fc2.{kind}"],
             })  # fmt: skip
+            if not moe:
+                gate, up = t[f"{src}mlp.fc1.{kind}"].split([f, f])
+                out.update({
+                    f"{dst}mlp.gate_proj.{kind}": gate, f"{dst}mlp.up_proj.{kind}": up,
+                    f"{dst}mlp.down_proj.{kind}": t[f"{src}mlp.fc2.{kind}"],
+                })  # fmt: skip
     out["model.norm.weight"] = t["head.norm.weight"]
     if not spec.tie_embeddings:
         out["lm_head.weight"] = t["head.weight"][:vocab]

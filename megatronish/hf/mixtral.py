@@ -1,0 +1,153 @@
+"""Mixtral (``MixtralForCausalLM``): a llama whose every MLP is a top-k mixture of experts.
+
+Attention, norms, embedding and head map as for Llama (:mod:`megatronish.hf.common`); block i's
+MLP maps like this (``E`` experts of ``f`` hidden units, global tensors):
+
+=============================  ============================================================
+megatronish                    Mixtral checkpoint (``model.layers.i.block_sparse_moe.``)
+=============================  ============================================================
+layers.i.mlp.router [E, h]     gate.weight
+layers.i.mlp.experts.fc1       experts.j.w1.weight (gate, rows [0, f) of fc1[j]) and
+[E, 2f, h]                     experts.j.w3.weight (up, rows [f, 2f))
+layers.i.mlp.experts.fc2       experts.j.w2.weight (down) = fc2[j]
+[E, h, f]
+=============================  ============================================================
+
+Exports write these per-expert names: they are what Mixtral checkpoints on the Hub hold, what
+``save_pretrained`` writes (transformers 5 fuses them into ``mlp.experts.gate_up_proj`` /
+``down_proj`` when loading) and what older readers understand. Imports also take the fused
+names of a transformers 5 ``state_dict()``, whose layout is exactly ``fc1`` / ``fc2``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatronish.model.spec import ModelSpec
+
+MOE_BLOCKS = ("block_sparse_moe.", "mlp.")  # checkpoint names, then transformers 5 module names
+
+
+def mixtral_config(spec: ModelSpec, vocab: int, common: dict) -> dict:
+    """The ``config.json`` entries of the Mixtral equal to ``spec``; ``ValueError`` when Mixtral
+    cannot hold the model (``common``: the entries every export shares)."""
+    moe = spec.moe
+    problems = []
+    if not spec.is_llama:
+        problems.append(
+            f"model.arch={spec.arch!r}: Mixtral blocks are llama blocks (RMSNorm, RoPE, SwiGLU)"
+        )
+    if moe.layer_freq != 1:
+        problems.append(
+            f"model.moe.layer_freq={moe.layer_freq} leaves some blocks dense, but every Mixtral "
+            "block is a mixture of experts"
+        )
+    if moe.shared_experts:
+        problems.append(
+            f"model.moe.shared_experts={moe.shared_experts}: Mixtral has no always-on experts"
+        )
+    if not moe.renormalize:
+        problems.append(
+            "model.moe.router.renormalize=false: Mixtral always rescales the top-k router "
+            "weights to sum to 1"
+        )
+    if spec.bias:
+        problems.append("model.bias=true: Mixtral's linear layers have no biases")
+    if problems:
+        raise ValueError("cannot export as MixtralForCausalLM: " + "; ".join(problems))
+    # capacity_factor and the z-loss only shape training: Mixtral runs dropless, and the z-loss
+    # coefficient has no place in its config.
+    return {
+        "architectures": ["MixtralForCausalLM"],
+        "model_type": "mixtral",
+        **common,
+        "hidden_size": spec.hidden_size,
+        "intermediate_size": moe.ffn_hidden_size,
+        "num_hidden_layers": spec.num_layers,
+        "num_attention_heads": spec.num_heads,
+        "num_key_value_heads": spec.num_kv_heads,
+        "head_dim": spec.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": spec.max_position_embeddings,
+        "rms_norm_eps": spec.norm_eps,
+        "rope_theta": spec.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": spec.rope_theta},
+        "attention_dropout": spec.attention_dropout,
+        "sliding_window": None,
+        "num_local_experts": moe.num_experts,
+        "num_experts_per_tok": moe.top_k,
+        # The same number, not the same loss: see moe_config below.
+        "router_aux_loss_coef": moe.aux_loss_coef,
+        "router_jitter_noise": 0.0,
+        "output_router_logits": False,
+    }
+
+
+def moe_config(hf: dict, seq_length: int) -> dict:
+    """The ``model.moe`` group of a Mixtral ``config.json``; ``ValueError`` for what megatronish
+    does not implement. ``seq_length``: the sequence the imported model will train on."""
+    window = hf.get("sliding_window")
+    if window is not None and window < seq_length:
+        raise ValueError(
+            f"this Mixtral model cannot be represented: sliding_window={window} is shorter than "
+            f"the sequence ({seq_length} tokens) and megatronish attends to every earlier token; "
+            f"import with a sequence length of at most {window}"
+        )
+    if hf.get("attention_bias") or hf.get("mlp_bias"):
+        raise ValueError(
+            "this Mixtral model cannot be represented: attention_bias / mlp_bias are not "
+            "Mixtral's, and megatronish's experts have no biases"
+        )
+    # router_jitter_noise multiplies the router's input by noise in training only; the model's
+    # function is the same without it, so it is dropped.
+    return {
+        "num_experts": hf["num_local_experts"],
+        "top_k": hf["num_experts_per_tok"],
+        "layer_freq": 1,
+        "ffn_hidden_size": hf["intermediate_size"],
+        "shared_experts": 0,
+        "capacity_factor": None,
+        # The coefficient is carried over as is, but the losses differ: transformers' is taken
+        # once over every layer's tokens and counts all k slots (k at perfect balance),
+        # megatronish's (Megatron-LM's) is per layer, divided by k and summed (the number of
+        # MoE layers at balance).
+        "router": {
+            "renormalize": True,
+            "aux_loss_coef": float(hf.get("router_aux_loss_coef", 0.001)),
+            "z_loss_coef": 0.0,
+        },
+    }
+
+
+def moe_to_hf(t: dict, layer: int, num_experts: int, f: int) -> dict:
+    """Block ``layer``'s router and experts under Mixtral checkpoint names."""
+    src, dst = f"layers.{layer}.mlp.", f"model.layers.{layer}.block_sparse_moe."
+    out = {dst + "gate.weight": t[src + "router"]}
+    fc1, fc2 = t[src + "experts.fc1"], t[src + "experts.fc2"]
+    for j in range(num_experts):
+        gate, up = fc1[j].split([f, f])
+        out[f"{dst}experts.{j}.w1.weight"] = gate
+        out[f"{dst}experts.{j}.w3.weight"] = up
+        out[f"{dst}experts.{j}.w2.weight"] = fc2[j]
+    return out
+
+
+def moe_from_hf(s, layer: int, num_experts: int) -> dict:
+    """Block ``layer``'s ``router``, ``experts.fc1`` and ``experts.fc2`` from the HF source
+    ``s`` (a ``from_hf._Source``), in checkpoint or fused naming."""
+    prefix = f"model.layers.{layer}."
+    block = next((prefix + b for b in MOE_BLOCKS if s.has(prefix + b + "gate.weight")), None)
+    if block is None:
+        raise ValueError(f"the HF state dict has no router {prefix}block_sparse_moe.gate.weight")
+    dst = f"layers.{layer}.mlp."
+    out = {dst + "router": s.take(block + "gate.weight")}
+    if s.has(block + "experts.gate_up_proj"):
+        out[dst + "experts.fc1"] = s.take(block + "experts.gate_up_proj")
+        out[dst + "experts.fc2"] = s.take(block + "experts.down_proj")
+        return out
+    experts = [f"{block}experts.{j}." for j in range(num_experts)]
+    out[dst + "experts.fc1"] = torch.stack(
+        [torch.cat([s.take(e + "w1.weight"), s.take(e + "w3.weight")]) for e in experts]
+    )
+    out[dst + "experts.fc2"] = torch.stack([s.take(e + "w2.weight") for e in experts])
+    return out

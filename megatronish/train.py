@@ -63,7 +63,8 @@ def dry_run_report(cfg, world_size: int) -> str:
     values = {
         "world_size": world_size,
         "layout": f"tp={cfg.parallel.tp} cp={cfg.parallel.cp} pp={cfg.parallel.pp} "
-        f"vpp={cfg.parallel.vpp} dp={d.dp}",
+        f"vpp={cfg.parallel.vpp} dp={d.dp}"
+        + (f" ep={cfg.parallel.ep}" if cfg.parallel.ep > 1 else ""),
         "microbatches_per_step": d.num_microbatches,
         "tokens_per_step": d.tokens_per_step,
         "vocab_size": spec.vocab_size,
@@ -77,7 +78,7 @@ def dry_run_report(cfg, world_size: int) -> str:
     lines += [f"  {k}: {v}" for k, v in values.items()]
     if world_size <= 64:  # larger maps are printed at start-up by rank 0
         p = cfg.parallel
-        lines += ["", rank_map_table(p.tp, d.dp, p.pp, p.cp)]
+        lines += ["", rank_map_table(p.tp, d.dp, p.pp, p.cp, p.ep)]
     return "\n".join(lines)
 
 

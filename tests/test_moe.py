@@ -3,6 +3,7 @@ the auxiliary losses in the gradient, and expert parallelism composed with every
 equal to one process (fp32, gloo)."""
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -12,7 +13,9 @@ import torch.nn.functional as F
 from megatronish.config.validate import config_errors
 from megatronish.distributed.comm import ParallelGroup
 from megatronish.distributed.rank_math import Coords, coords_to_rank, expert_coords, group_ranks
+from megatronish.generate.decode import new_cache
 from megatronish.model.blocks import moe_layer
+from megatronish.model.gpt import GPTChunk
 from megatronish.model.init import init_parameters
 from megatronish.model.spec import ModelSpec, MoESpec
 from megatronish.moe.dispatch import combine, dispatch, expert_major
@@ -24,9 +27,9 @@ from megatronish.moe.routing import (
     z_loss,
 )
 from megatronish.tensor_parallel.context import TPContext
-from megatronish.testing.compare import assert_parity
+from megatronish.testing.compare import assert_parity, max_relative_loss_gap
 from megatronish.testing.multiproc import run_world
-from megatronish.testing.runs import build_trainer, train_layout
+from megatronish.testing.runs import build_trainer, losses_of, train_layout
 from megatronish.testing.runs import test_config as tiny_config
 
 MOE = ["model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.router.z_loss_coef=0.001"]
@@ -323,3 +326,33 @@ def test_bad_moe_configs_name_the_value_and_the_fix(overrides, world, fragment):
     errors = config_errors(cfg, world)
     assert any(fragment in e for e in errors), errors
     assert not config_errors(tiny_config([*MOE, "parallel.ep=2"], 1), 2)
+
+
+# -- bf16 on the wire, decoding -------------------------------------------------------------
+def test_bf16_moves_half_the_token_bytes_and_tracks_the_bf16_run():
+    """Rows cross the all-to-all in bf16 (half fp32's bytes; the int64 counts stay), and ep=2
+    in bf16 tracks one bf16 process within bf16 round-off."""
+    args = ["trainer.micro_batch_size=4", *MOE]
+    bf16 = ["trainer.precision=bf16"]
+    fp32_run = run_world(train_layout, 2, [*args, "parallel.ep=2"], 2)
+    bf16_run = run_world(train_layout, 2, [*args, *bf16, "parallel.ep=2"], 2)
+    one = [train_layout(0, 1, [*args, *bf16], 2)]
+    full, half = fp32_run[0].stats["ep/all_to_all"], bf16_run[0].stats["ep/all_to_all"]
+    assert full["calls"] == half["calls"]
+    counts = 8 * 4 * full["calls"] // 5  # per block and microbatch: 1 counts + 4 row exchanges
+    assert 2 * half["bytes"] - full["bytes"] == counts
+    gap = max_relative_loss_gap(losses_of(one), losses_of(bf16_run))
+    assert gap < 5e-3 and max_relative_loss_gap(losses_of(fp32_run), losses_of(bf16_run)) > 1e-5
+
+
+def test_kv_cache_decoding_equals_a_full_forward():
+    spec = replace(spec_of(), num_layers=2)
+    model = GPTChunk(spec, TPContext(), range(2), first=True, last=True).eval()
+    init_parameters(model, 3, 0, 1)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        full = model.head.logits(model(ids)).transpose(0, 1)
+        cache = new_cache(model, 2, 8)
+        parts = [model.decode(ids[:, :3], cache)]
+        parts += [model.decode(ids[:, i : i + 1], cache) for i in range(3, 8)]
+    assert (torch.cat(parts, dim=1) - full).abs().max() < 1e-5

@@ -88,3 +88,11 @@ def test_rank_map_table_lists_every_rank():
     assert "tp=2 dp=2 pp=2" in table
     assert len(table.splitlines()) == 2 + 8
     assert table.splitlines()[-1].split("|") == ["    7 ", "  1 ", "  1 ", "  1"]
+
+
+def test_rank_map_table_shows_expert_coordinates():
+    table = rank_map_table(1, 4, 1, 1, ep=2)
+    assert "ep=2" in table and " rank | tp | dp | pp | ep | edp" in table
+    # dp ranks 0..3 -> (ep, edp) = (0,0), (1,0), (0,1), (1,1): ep fastest within dp
+    assert [line.split("|")[-2:] for line in table.splitlines()[2:]] == [
+        ["  0 ", "  0"], ["  1 ", "  0"], ["  0 ", "  1"], ["  1 ", "  1"]]  # fmt: skip

@@ -106,14 +106,21 @@ def group_of(rank: int, groups: list[list[int]]) -> list[int]:
     raise ValueError(f"rank {rank} is in none of the groups {groups}")
 
 
-def rank_map_table(tp: int, dp: int, pp: int, cp: int = 1) -> str:
-    """A printable table: one line per rank with its tp / (cp /) dp / pp coordinates."""
+def rank_map_table(tp: int, dp: int, pp: int, cp: int = 1, ep: int = 1) -> str:
+    """A printable table: one line per rank with its tp / (cp /) dp / pp coordinates, and its
+    ep / edp coordinates when experts are split (``ep > 1``)."""
     order = "tp fastest, then cp, then dp, then pp" if cp > 1 else "tp fastest, then dp, then pp"
     shape = f"tp={tp} cp={cp} dp={dp} pp={pp}" if cp > 1 else f"tp={tp} dp={dp} pp={pp}"
-    lines = [f"rank map ({shape}; {order})"]
-    lines.append(" rank | tp | cp | dp | pp" if cp > 1 else " rank | tp | dp | pp")
+    names = ["tp", "cp", "dp", "pp"] if cp > 1 else ["tp", "dp", "pp"]
+    if ep > 1:
+        shape += f" ep={ep}"
+        order += "; ep carved out of dp x cp"
+        names += ["ep", "edp"]
+    lines = [f"rank map ({shape}; {order})", " rank | " + " | ".join(names)]
     for rank in range(tp * cp * dp * pp):
         c = rank_to_coords(rank, tp, dp, pp, cp)
         cells = [c.tp, c.cp, c.dp, c.pp] if cp > 1 else [c.tp, c.dp, c.pp]
+        if ep > 1:
+            cells += list(expert_coords(c, cp, ep))
         lines.append(f" {rank:4d} | " + " | ".join(f"{v:2d}" for v in cells))
     return "\n".join(lines)

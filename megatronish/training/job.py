@@ -120,7 +120,7 @@ def build_job(cfg, launch: LaunchEnv) -> Job:
 
 def _build_on(cfg, launch: LaunchEnv, topo: Topology, derived: Derived) -> Job:
     if topo.rank == 0:
-        print(rank_map_table(topo.tp, topo.dp, topo.pp, topo.cp), flush=True)
+        print(rank_map_table(topo.tp, topo.dp, topo.pp, topo.cp, topo.ep), flush=True)
 
     train_data, valid_data, tokenizer = build_data(cfg, topo, launch)
     if topo.rank == 0 and hasattr(train_data, "describe"):  # a blend: what each dataset gives

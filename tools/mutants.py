@@ -6,7 +6,7 @@ applied there, its tests run (``pytest -x``, the copy first on the import path),
 is restored. The table says which test failed first, or SURVIVED. The exit code is 1 if any
 mutant survived or no longer applies (its source line changed: update the mutant).
 
-    python tools/mutants.py                 # all 28, about 4 minutes on 2 cores
+    python tools/mutants.py                 # all 32, about 5 minutes on 2 cores
     python tools/mutants.py --only loss-scale rng-restore
     python tools/mutants.py --list
 """
@@ -263,6 +263,35 @@ MUTANTS = [
             ),
         ),
         ("tests/test_prefetch.py",),
+    ),
+    Mutant(
+        "expert-grad-group",
+        "expert grads reduced over dp x cp (other ranks' experts) instead of edp",
+        "megatronish/optim/zero.py",
+        (("b.group = edp if b.expert else dp", "b.group = dp"),),
+        ("tests/test_moe.py::test_expert_parallel_matches_one_process",),
+    ),
+    Mutant(
+        "moe-aux-cp-scale",
+        "cp ranks' parts of the balancing loss not scaled for the mean over cp",
+        "megatronish/moe/layer.py",
+        (("(self.loss_scale * cp.size)", "self.loss_scale"),),
+        ("tests/test_moe.py::test_expert_parallel_matches_one_process[ep4-cp2-dp2]",),
+    ),
+    Mutant(
+        "moe-aux-loss-scale",
+        "balancing and z losses not scaled like the microbatch's loss",
+        "megatronish/moe/layer.py",
+        (("(self.loss_scale * cp.size)", "cp.size"),),
+        ("tests/test_moe.py::test_balancing_and_z_losses_are_in_the_gradient",),
+    ),
+    Mutant(
+        "moe-combine-order",
+        "expert outputs sent back in expert order, not regrouped by source",
+        "megatronish/moe/dispatch.py",
+        (("outputs.index_select(0, back)", "outputs.index_select(0, record.regroup)"),),
+        ("tests/test_moe.py::test_dispatch_delivers_every_token_to_its_expert_and_combine"
+         "_restores_order",),
     ),
 ]
 

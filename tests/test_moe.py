@@ -356,3 +356,47 @@ def test_kv_cache_decoding_equals_a_full_forward():
         parts = [model.decode(ids[:, :3], cache)]
         parts += [model.decode(ids[:, i : i + 1], cache) for i in range(3, 8)]
     assert (torch.cat(parts, dim=1) - full).abs().max() < 1e-5
+
+
+# -- experts that get no tokens, evaluation -------------------------------------------------
+def _starved(rank, world):
+    """ep=2 x dp=2 under ZeRO 2: the ranks holding experts 2-3 get no token (every router row is
+    the same, so every token ties and picks experts 0 and 1); the step completes and experts 2-3
+    have exactly zero grads."""
+    trainer = build_trainer(rank, world, ["trainer.micro_batch_size=2", *MOE, "parallel.ep=2",
+                                          "parallel.zero_stage=2"], 1)  # fmt: skip
+    with torch.no_grad():
+        for chunk in trainer.chunks:
+            for name, p in chunk.named_parameters():
+                if name.endswith("mlp.router"):
+                    p[1:] = p[0].clone()
+    result = trainer.train_step()
+    loads = trainer._moe_metrics()
+    grads = {}
+    for b in trainer.zero.buckets:
+        if b.expert:
+            grads[tuple(n for n, _ in b.params)] = float(b.grad_shard.abs().max())
+    return result.loss, loads, trainer.topo.coords.dp, grads
+
+
+def test_experts_without_tokens_train_without_hanging():
+    results = run_world(_starved, 4, timeout=120)
+    for loss, loads, dp_rank, grads in results:
+        assert loss != loss or math.isfinite(loss)
+        assert loads["moe/tokens_per_expert_max"] == 2 * loads["moe/tokens_per_expert_mean"]
+        if dp_rank % 2 == 1:  # ep rank 1 holds experts 2 and 3
+            assert grads and all(g == 0.0 for g in grads.values())
+
+
+def test_evaluation_with_expert_parallelism_matches_one_process():
+    args = ["trainer.micro_batch_size=4", *MOE, "trainer.eval_interval=2", "trainer.eval_iters=2"]
+
+    def valid(rank, world, layout):
+        trainer = build_trainer(rank, world, [*args, *layout], 2)
+        trainer.fit()
+        return trainer._evaluate(trainer.train_data)  # the harness has no validation set
+
+    one = valid(0, 1, [])
+    two = run_world(valid, 2, ["parallel.ep=2"])
+    for v in two:
+        assert math.isclose(v, one, rel_tol=1e-5), (v, one)

@@ -288,7 +288,7 @@ def test_balancing_loss_changes_training():
 def _metrics(rank, world, layout):
     trainer = build_trainer(rank, world, ["trainer.micro_batch_size=4", *MOE, *layout], 1)
     trainer.train_step()
-    return trainer._moe_metrics()
+    return trainer.moe_metrics()
 
 
 @pytest.mark.parametrize("capacity", [None, 0.5])
@@ -371,7 +371,7 @@ def _starved(rank, world):
                 if name.endswith("mlp.router"):
                     p[1:] = p[0].clone()
     result = trainer.train_step()
-    loads = trainer._moe_metrics()
+    loads = trainer.moe_metrics()
     grads = {}
     for b in trainer.zero.buckets:
         if b.expert:

@@ -340,7 +340,7 @@ class Trainer:
         self.timers.reset()
         return timer_metrics(max_min)
 
-    def _moe_metrics(self) -> dict[str, float]:
+    def moe_metrics(self) -> dict[str, float]:
         """Routing metrics of the last step (collective; empty for a dense model)."""
         if self.spec.moe is None:
             return {}
@@ -366,7 +366,7 @@ class Trainer:
                 "step_time_s": step_time,
                 "peak_memory": peak_memory_bytes(self.topo.device),
                 "skipped_steps": self.state.skipped_steps,
-                **self._moe_metrics(),
+                **self.moe_metrics(),
                 **timers,
             }
         )

@@ -10,7 +10,7 @@ import json
 
 from common import DOCS, machine_info
 
-ORDER = ("single", "tp", "pp", "zero", "checkpoint", "memory", "advisor", "cp", "data")
+ORDER = ("single", "tp", "pp", "zero", "checkpoint", "memory", "advisor", "cp", "data", "moe")
 PAGE = DOCS / "benchmarks.md"
 COMBINED = DOCS / "benchmarks.json"
 

@@ -1,0 +1,281 @@
+"""Mixture of experts on CPU: a tiny llama MoE with megatronish at ep=1 and ep=2 against a plain
+PyTorch MoE of the same shape and routing; tokens/s and the all-to-all share of the ep=2 step.
+Run alone: ``.venv/bin/python tools/bench/moe.py [--quick]``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass
+
+import common
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from common import MIB, batch, build_run, cli, config, median, paired_ratio, slowest, table
+from torch import nn
+
+from megatronish.moe import dispatch
+from megatronish.testing.multiproc import run_world
+from megatronish.testing.reference_gpt import RefConfig, ReferenceGPT
+
+MOE = ["model.moe.num_experts=8", "model.moe.top_k=2", "model.moe.ffn_hidden_size=256",
+       "trainer.micro_batch_size=4", "trainer.global_batch_size=8"]  # fmt: skip
+PLAIN, EP1, EP2 = "plain PyTorch MoE", "megatronish ep=1", "megatronish ep=2"
+VARIANTS = (PLAIN, EP1, EP2)
+RANKS = {PLAIN: 1, EP1: 1, EP2: 2}
+WARMUP = 1  # untimed steps of each variant after the first (measured) one
+
+
+class PlainMoE(nn.Module):
+    """A straightforward top-k mixture of SwiGLU experts: route every token, then loop over the
+    experts, gathering each one's tokens (``index_select``) and adding its weighted output back
+    (``index_add_``). Keeps the balancing and z losses of the last forward and the step's
+    assignments per expert."""
+
+    def __init__(self, hidden: int, ffn: int, experts: int, top_k: int, aux: float, z: float):
+        super().__init__()
+        self.top_k, self.aux_coef, self.z_coef = top_k, aux, z
+        self.router = nn.Parameter(torch.empty(experts, hidden))
+        self.fc1 = nn.Parameter(torch.empty(experts, 2 * ffn, hidden))  # gate | up
+        self.fc2 = nn.Parameter(torch.empty(experts, hidden, ffn))
+        self.aux_loss = torch.zeros(())
+        self.counts = torch.zeros(experts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.reshape(-1, x.shape[-1])
+        num_tokens, num_experts, k = tokens.shape[0], self.router.shape[0], self.top_k
+        logits = F.linear(tokens.float(), self.router.float())
+        probs = logits.softmax(dim=-1)
+        # A stable descending sort rather than topk: ties go to the lower expert index.
+        ordered, order = probs.sort(dim=-1, descending=True, stable=True)
+        weights, experts = ordered[:, :k], order[:, :k]
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        out = torch.zeros_like(tokens)
+        for e in range(num_experts):
+            token, slot = torch.where(experts == e)
+            if token.numel() == 0:
+                continue
+            gate, up = F.linear(tokens.index_select(0, token), self.fc1[e]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.fc2[e])
+            out.index_add_(0, token, y * weights[token, slot].unsqueeze(-1))
+        counts = torch.bincount(experts.reshape(-1), minlength=num_experts)
+        scale = self.aux_coef * num_experts / (k * num_tokens * num_tokens)
+        self.aux_loss = scale * (probs.sum(dim=0) * counts).sum()
+        self.aux_loss = self.aux_loss + self.z_coef * logits.logsumexp(-1).square().mean()
+        self.counts = self.counts + counts
+        return out.view_as(x)
+
+
+# megatronish's global names -> the plain model's (a block's part after ``layers.i.``).
+NAMES = {"embedding.word.weight": "tok_embeddings.weight", "head.norm.weight": "norm.weight",
+         "head.weight": "output.weight", "attn_norm.weight": "attention_norm.weight",
+         "attn.qkv.weight": "attention.wqkv.weight", "attn.proj.weight": "attention.wo.weight",
+         "mlp_norm.weight": "ffn_norm.weight", "mlp.router": "feed_forward.router",
+         "mlp.experts.fc1": "feed_forward.fc1", "mlp.experts.fc2": "feed_forward.fc2"}  # fmt: skip
+
+
+def plain_name(name: str) -> str:
+    if not name.startswith("layers."):
+        return NAMES[name]
+    _, index, rest = name.split(".", 2)
+    return f"layers.{index}.{NAMES[rest]}"
+
+
+def plain_model(spec, weights: dict[str, torch.Tensor]) -> ReferenceGPT:
+    """The reference GPT with a :class:`PlainMoE` as every block's MLP, holding ``weights``
+    (megatronish's global names; every tensor must match)."""
+    m = spec.moe
+    supported = m.layer_freq == 1 and not m.shared_experts and m.capacity_factor is None
+    assert spec.is_llama and m.renormalize and supported, "the plain MoE covers this case only"
+    model = ReferenceGPT(RefConfig.from_spec(spec))
+    for block in model.layers:
+        block.feed_forward = PlainMoE(spec.hidden_size, m.ffn_hidden_size, m.num_experts,
+                                      m.top_k, m.aux_loss_coef, m.z_loss_coef)  # fmt: skip
+    model.load_state_dict({plain_name(n): w.detach().clone() for n, w in weights.items()})
+    return model
+
+
+@dataclass
+class PlainRun:
+    """One step as the Trainer takes it: the global batch's microbatches forward and backward
+    (language-model loss + balancing and z losses, each over the microbatch count), clipping,
+    ``torch.optim.AdamW``; returns the mean language-model loss."""
+
+    model: ReferenceGPT
+    optimizer: torch.optim.Optimizer
+    data: object
+    global_batch: int
+    micro_batch: int
+    grad_clip: float
+    step_index: int = 0
+
+    def moe_layers(self) -> list[PlainMoE]:
+        return [block.feed_forward for block in self.model.layers]
+
+    def step(self) -> float:
+        moes, n = self.moe_layers(), self.global_batch // self.micro_batch
+        for m in moes:
+            m.counts = torch.zeros_like(m.counts)
+        inputs, targets = batch(self.data, self.step_index * self.global_batch, self.global_batch)
+        self.optimizer.zero_grad(set_to_none=True)
+        losses = []
+        for x, y in zip(inputs.split(self.micro_batch), targets.split(self.micro_batch)):
+            loss = self.model(x, y)
+            ((loss + sum(m.aux_loss for m in moes)) / n).backward()
+            losses.append(loss.item())
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+        self.optimizer.step()
+        self.step_index += 1
+        return sum(losses) / n
+
+    def metrics(self) -> dict[str, float]:
+        """The last step's assignments per expert (max and mean over blocks and experts)."""
+        counts = torch.stack([m.counts for m in self.moe_layers()]).double()
+        return {"moe/tokens_per_expert_max": counts.max().item(),
+                "moe/tokens_per_expert_mean": counts.mean().item()}  # fmt: skip
+
+
+def plain_run(mish) -> PlainRun:
+    """A :class:`PlainRun` from megatronish's one-process run ``mish`` (its initial weights, its
+    AdamW settings; no decay on norms and routers, as there)."""
+    (chunk,) = mish.chunks
+    model = plain_model(mish.spec, dict(chunk.named_parameters()))
+    params = list(model.named_parameters())
+    decay = [p for n, p in params if p.dim() >= 2 and not n.endswith("router")]
+    rest = [p for _, p in params if all(p is not q for q in decay)]
+    o, t = mish.cfg.optimizer, mish.cfg.trainer
+    groups = [{"params": decay, "weight_decay": o.weight_decay},
+              {"params": rest, "weight_decay": 0.0}]  # fmt: skip
+    opt = torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, fused=True)
+    return PlainRun(model, opt, mish.data, t.global_batch_size, t.micro_batch_size, o.grad_clip)
+
+
+class AllToAllTimer:
+    """Wraps ``megatronish.moe.dispatch.all_to_all`` (a measurement harness in this process
+    only): ``seconds`` accumulates the time spent inside it."""
+
+    def __init__(self):
+        self.seconds = 0.0
+        self.inner = dispatch.all_to_all
+        dispatch.all_to_all = self
+
+    def __call__(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return self.inner(*args, **kwargs)
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+
+def _nan() -> float:
+    return math.nan
+
+
+def _rank(rank: int, world: int, repeats: int, budget_s: float) -> dict:
+    """Rank 0 holds all three variants, rank 1 its half of ep=2 (and waits at the barrier while
+    rank 0 times the one-process variants)."""
+    timer = AllToAllTimer()
+    ep2 = build_run([*MOE, "parallel.ep=2"], rank, world)
+    steps = {PLAIN: _nan, EP1: _nan, EP2: ep2.step}
+    metrics = {EP2: ep2.trainer.moe_metrics}  # collective: every rank
+    if rank == 0:  # world=1 runs: no collectives, the other rank plays no part
+        ep1 = build_run(MOE)
+        plain = plain_run(ep1)
+        steps.update({PLAIN: plain.step, EP1: ep1.step})
+        metrics.update({PLAIN: plain.metrics, EP1: ep1.trainer.moe_metrics})
+    record = {n: [] for n in VARIANTS}  # (wall, CPU, all-to-all) seconds of each step
+
+    def recorded(name: str):
+        def one() -> float:
+            timer.seconds, t0, cpu0 = 0.0, time.perf_counter(), time.process_time()
+            loss = steps[name]()
+            record[name].append((time.perf_counter() - t0, time.process_time() - cpu0,
+                                 timer.seconds))  # fmt: skip
+            return loss
+
+        return one
+
+    steppers = {n: recorded(n) for n in VARIANTS}
+    dist.barrier()
+    first = {n: {"loss": steppers[n](), **(metrics[n]() if n in metrics else {})}
+             for n in VARIANTS}  # fmt: skip
+    ep2.trainer.topo.stats.reset()
+    out = common.timed_world(steppers, repeats, 1, warmup=WARMUP, budget_s=budget_s)
+    counted = len(record[EP2]) - 1
+    comm = {k: {m: v / counted for m, v in c.items()}
+            for k, c in ep2.trainer.topo.stats.summary().items()}  # fmt: skip
+    # The first and warm-up steps are not timed (rank 1 waits in them while rank 0 steps the
+    # one-process variants); CommStats counts from the warm-up steps on.
+    timed = {n: rs[1 + WARMUP :] for n, rs in record.items()}
+    out.update(first=first, last={n: fn() for n, fn in metrics.items()}, record=timed,
+               comm=comm)  # fmt: skip
+    dist.barrier()  # ranks leave together (a rank exiting early can hang gloo shutdown)
+    return out
+
+
+def run(quick: bool = False) -> dict:
+    load_before = os.getloadavg()[0]
+    repeats, budget = (3, 8.0) if quick else (41, 75.0)
+    ranks = run_world(_rank, 2, repeats, budget, timeout=600, collective_timeout=300)
+    times = slowest(ranks)
+    med = {n: median(ts) for n, ts in times.items()}
+    cfg = config(MOE)
+    tokens = cfg.trainer.global_batch_size * cfg.model.seq_length
+    paired = {n: paired_ratio(times[PLAIN], times[n]) for n in VARIANTS}
+    ep2_vs_ep1 = paired_ratio(times[EP1], times[EP2])
+    # Per rank (median over steps): CPU seconds, all-to-all seconds and their share of the step.
+    cpu = {n: [median([c for _, c, _ in r["record"][n]]) for r in ranks[: RANKS[n]]]
+           for n in VARIANTS}  # fmt: skip
+    a2a_s = [median([a for _, _, a in r["record"][EP2]]) for r in ranks]
+    share = [median([a / w for w, _, a in r["record"][EP2]]) for r in ranks]
+    first, last, losses = ranks[0]["first"], ranks[0]["last"], ranks[0]["losses"]
+    comm = ranks[0]["comm"]
+    rows = [[n, RANKS[n], med[n] * 1e3, tokens / med[n], paired[n] if n != PLAIN else None,
+             [c * 1e3 for c in cpu[n]], [a * 1e3 for a in a2a_s] if n == EP2 else None,
+             share if n == EP2 else None]
+            for n in VARIANTS]  # fmt: skip
+    key = "moe/tokens_per_expert_"
+    sanity = [[n, first[n]["loss"], first[n][key + "max"], first[n][key + "mean"],
+               len(losses[n]) + 1, losses[n][-1], last[n][key + "max"],
+               last[n][key + "mean"]] for n in VARIANTS]  # fmt: skip
+    comm_rows = [[k, c["calls"], c["bytes"] / MIB] for k, c in comm.items()]
+    return {
+        "title": "Mixture of experts: megatronish ep=1 and ep=2 vs a plain PyTorch MoE",
+        "config": {"model": MOE, "repeats": repeats, "budget_s": budget, "warmup": WARMUP + 1,
+                   "steps_per_repeat": 1, "tokens_per_step": tokens},
+        "results": {"step_times_s": times, "median_step_s": med, "paired_vs_plain": paired,
+                    "ep2_vs_ep1": ep2_vs_ep1, "a2a_s_per_rank": a2a_s, "a2a_share_per_rank": share,
+                    "cpu_s_per_rank": cpu, "comm_per_step": comm, "first": first,
+                    "last": last, "losses": losses,
+                    "per_step_wall_cpu_a2a_s": [r["record"] for r in ranks]},
+        "tables": [
+            table(f"Throughput, {tokens} tokens per step (median over repeats)",
+                  ["variant", "ranks", "step ms|,.0f", "tokens/s|,.0f",
+                   "tokens/s / plain's, median of per-repeat ratios|.2fx",
+                   "CPU ms per step, rank 0 / 1|,.0f",
+                   "all-to-all ms per step, rank 0 / 1|.1f",
+                   "all-to-all share of the step, rank 0 / 1|.1%"], rows),
+            table("Sanity: same weights and batches give the same losses and routing",
+                  ["variant", "step 1 loss|.6f", "step 1 tokens per expert, max|.0f",
+                   "mean|.0f", "steps", "last loss|.6f", "last step tokens per expert, max|.0f",
+                   "mean|.0f"], sanity),
+            table("Communication per ep=2 step and rank (CommStats, steps after the first)",
+                  ["group/op", "calls|.0f", "MiB|.3f"], comm_rows),
+        ],
+        "facts": {
+            "megatronish ep=1 tokens/s / plain's (median of per-repeat ratios)|.2fx": paired[EP1],
+            "megatronish ep=2 tokens/s / ep=1's (median of per-repeat ratios)|.2fx": ep2_vs_ep1,
+            "step 1 loss, ep=1 minus plain|.1e": first[EP1]["loss"] - first[PLAIN]["loss"],
+            "step 1 loss, ep=2 minus ep=1|.1e": first[EP2]["loss"] - first[EP1]["loss"],
+            "repeats run": len(times[EP1]),
+            "1-minute load average, the larger of start and end|.1f": max(
+                load_before, os.getloadavg()[0]),
+        },
+    }  # fmt: skip
+
+
+if __name__ == "__main__":
+    cli(run, __doc__)

@@ -269,6 +269,13 @@ def test_expert_parallel_matches_one_process(name):
     assert_parity(reference(mbs, model), got)
 
 
+def test_ep4_pp2_vpp2_zero2_on_eight_ranks():
+    layout = ["parallel.ep=4", "parallel.pp=2", "parallel.vpp=2", "parallel.zero_stage=2"]
+    got = run_world(train_layout, 8, ["trainer.micro_batch_size=1", *MOE, *layout], STEPS,
+                    timeout=300)  # fmt: skip
+    assert_parity(reference(1), got)
+
+
 def test_ep_tp_pp_sp_zero1_on_eight_ranks():
     layout = ["parallel.ep=2", "parallel.tp=2", "parallel.pp=2", "parallel.sp=true",
               "parallel.zero_stage=1"]  # fmt: skip

@@ -53,7 +53,7 @@ SHUTDOWN_WAIT_S = 30.0  # the longest wait for process-group threads to end at e
 def dry_run_report(cfg, world_size: int) -> str:
     """The resolved config and every derived value, as printed by ``trainer.dry_run=true``."""
     from megatronish.data.tokenizer import tokenizer_vocab_size
-    from megatronish.model.flops import count_parameters, flops_per_token
+    from megatronish.model.flops import active_parameters, count_parameters, flops_per_token
     from megatronish.model.spec import ModelSpec
 
     d = derive(cfg, world_size)
@@ -73,6 +73,7 @@ def dry_run_report(cfg, world_size: int) -> str:
         "num_query_groups": spec.num_kv_heads,
         "layers_per_chunk": list(d.layers_per_chunk),
         "parameters": f"{count_parameters(spec):,}",
+        **({"active_parameters": f"{active_parameters(spec):,}"} if spec.moe else {}),
         "model_flops_per_step": f"{flops_per_token(spec) * d.tokens_per_step:.3e}",
     }
     lines += [f"  {k}: {v}" for k, v in values.items()]

@@ -23,6 +23,9 @@ formulas for comparison. Recompute: ``selective`` drops the attention core's sav
 logsumexp and any ``s x s`` tensors), ``full`` keeps one ``s_r b h`` input per checkpointed group
 and rebuilds the group's activations during its backward.
 
+Mixture-of-experts blocks keep their routing and experts' tensors in place of the dense MLP's
+(:func:`megatronish.plan.moe.mlp_bytes`).
+
 In-flight microbatches come from walking the rank's pipeline schedule (a forward adds its chunk's
 activations, the matching backward frees them), which gives Megatron's interleaving factor
 ``1 + (p - 1) / (p v)`` on the first stage for free.
@@ -36,6 +39,7 @@ from dataclasses import dataclass
 from megatronish.model.linear_cross_entropy import chunk_tokens
 from megatronish.model.spec import ModelSpec
 from megatronish.pipeline.schedule import schedule_ops
+from megatronish.plan import moe
 from megatronish.plan.layout import Layout
 
 INT64 = 8
@@ -101,6 +105,21 @@ def layer_bytes(spec: ModelSpec, layout: Layout, core: bool = True) -> int:
     return norms + attn + mlp + dropout
 
 
+def block_bytes(spec: ModelSpec, layout: Layout, moe_block: bool, core: bool = True) -> int:
+    """:func:`layer_bytes` of a dense block, or of a mixture-of-experts one (its MLP and the
+    MLP's input replaced by what the router, dispatch and experts keep)."""
+    dense = layer_bytes(spec, layout, core)
+    if not moe_block:
+        return dense
+    x, e = layer_shape(spec, layout), layout.activation_bytes
+    mlp = x.s * x.b * x.f * e * (4 if spec.is_llama else 2) + x.s * x.b * x.h * e
+    return dense - mlp + moe.mlp_bytes(spec, layout)
+
+
+def _blocks(spec: ModelSpec, layout: Layout, flags: tuple[bool, ...], core: bool = True) -> int:
+    return sum(block_bytes(spec, layout, f, core) for f in flags)
+
+
 def embedding_bytes(spec: ModelSpec, layout: Layout) -> int:
     """The first chunk's token ids (and masks under tp / dropout)."""
     x = layer_shape(spec, layout)
@@ -142,7 +161,11 @@ def backward_workspace(spec: ModelSpec, layout: Layout) -> int:
     MLP's first projection output, the largest intermediate grad."""
     x, e = layer_shape(spec, layout), layout.activation_bytes
     width = 2 * x.f if spec.is_llama else x.f
-    return x.s * x.b * x.h * e + x.s * x.b * width * e
+    dense = x.s * x.b * x.h * e + x.s * x.b * width * e
+    if spec.moe is None:
+        return dense
+    kinds = {spec.is_moe_layer(i) for i in range(spec.num_layers)}
+    return max(moe.backward_workspace(spec, layout) if k else dense for k in kinds)
 
 
 def p2p_workspace(spec: ModelSpec, layout: Layout) -> int:
@@ -165,20 +188,21 @@ def sp_workspace(spec: ModelSpec, layout: Layout) -> int:
     return 2 * x.s * x.b * x.h * layout.activation_bytes
 
 
-def chunk_bytes(spec: ModelSpec, layout: Layout, layers: int, first: bool, last: bool) -> int:
-    """Bytes one microbatch's forward of a chunk keeps until its backward."""
-    x = layer_shape(spec, layout)
-    full = layer_bytes(spec, layout, core=layout.recompute != "selective")
+def chunk_bytes(
+    spec: ModelSpec, layout: Layout, layers: int, first: bool, last: bool, flags: tuple = ()
+) -> int:
+    """Bytes one microbatch's forward of a chunk keeps until its backward (``flags``: which of
+    its blocks are mixtures of experts; empty: none)."""
+    x, flags = layer_shape(spec, layout), flags or (False,) * layers
     group_input = x.s_r * x.b * x.h * layout.activation_bytes
     if layout.recompute == "full":
         n = layout.recompute_num_layers
         if layout.recompute_method == "uniform":
             body = math.ceil(layers / n) * group_input
         else:
-            kept = max(layers - n, 0)
-            body = min(n, layers) * group_input + kept * full
+            body = min(n, layers) * group_input + _blocks(spec, layout, flags[n:])
     else:
-        body = layers * full
+        body = _blocks(spec, layout, flags, core=layout.recompute != "selective")
     return (
         body
         + (embedding_bytes(spec, layout) if first else 0)
@@ -186,20 +210,25 @@ def chunk_bytes(spec: ModelSpec, layout: Layout, layers: int, first: bool, last:
     )
 
 
-def recompute_workspace(spec: ModelSpec, layout: Layout, layers: int, last: bool) -> int:
+def recompute_workspace(
+    spec: ModelSpec, layout: Layout, layers: int, last: bool, flags: tuple = ()
+) -> int:
     """Net bytes a chunk's backward adds while it rebuilds its first checkpointed group (full
     recompute): that group's activations, less what the chunk's backward freed before it (the
-    head's tensors, and under ``block`` the layers kept after the checkpointed ones)."""
+    head's tensors, and under ``block`` the layers kept after the checkpointed ones); with
+    mixture-of-experts blocks (``flags``), the largest group's."""
     freed = head_bytes(spec, layout) if last else 0
     if layout.recompute != "full":
         return -freed
-    n = min(layout.recompute_num_layers, layers)
-    group = 1 if layout.recompute_method == "block" else n
-    if layout.recompute_method == "block":
-        freed += (layers - n) * layer_bytes(spec, layout)
+    n, flags = min(layout.recompute_num_layers, layers), flags or (False,) * layers
+    runs = [flags[i : i + n] for i in range(0, layers, max(n, 1))]  # the checkpointed groups
+    if layout.recompute_method == "block":  # one layer at a time, the rest kept
+        runs = [flags[i : i + 1] for i in range(n)]
+        freed += _blocks(spec, layout, flags[n:])
+    rebuilt = max((_blocks(spec, layout, r) for r in runs), default=0)
     x = layer_shape(spec, layout)
     group_input = x.s_r * x.b * x.h * layout.activation_bytes  # already kept by the checkpoint
-    return group * layer_bytes(spec, layout) - group_input - freed
+    return rebuilt - group_input - freed
 
 
 def peak_in_flight(pp: int, vpp: int, microbatches: int, pp_rank: int, sizes: dict) -> float:
@@ -221,8 +250,12 @@ def peak_in_flight(pp: int, vpp: int, microbatches: int, pp_rank: int, sizes: di
 def kept_per_layer(spec: ModelSpec, layout: Layout) -> float:
     """Bytes a layer keeps per microbatch under the recompute policy (full recompute: its
     share of a checkpointed group's input)."""
+    core = layout.recompute != "selective"
+    if layout.recompute != "full" and spec.moe is not None:  # the mean over the model's blocks
+        flags = [spec.is_moe_layer(i) for i in range(spec.num_layers)]
+        return _blocks(spec, layout, tuple(flags), core) / spec.num_layers
     if layout.recompute != "full":
-        return layer_bytes(spec, layout, core=layout.recompute != "selective")
+        return layer_bytes(spec, layout, core=core)
     x = layer_shape(spec, layout)
     group_input = x.s_r * x.b * x.h * layout.activation_bytes
     n = layout.recompute_num_layers
@@ -242,8 +275,10 @@ def activation_plan(spec: ModelSpec, layout: Layout, pp_rank: int) -> Activation
     """Peak activation memory of a rank of pipeline stage ``pp_rank`` during a step."""
     layers = layout.chunk_layers(spec.num_layers)
     n_chunks = len(layers)
+    flags = moe.chunk_flags(spec, layout) if spec.moe is not None else [()] * n_chunks
     sizes = {
-        c: chunk_bytes(spec, layout, layers[c], c == 0, c == n_chunks - 1) for c in range(n_chunks)
+        c: chunk_bytes(spec, layout, layers[c], c == 0, c == n_chunks - 1, flags[c])
+        for c in range(n_chunks)
     }
     mine = [pp_rank + v * layout.pp for v in range(layout.vpp)]
     peak = peak_in_flight(layout.pp, layout.vpp, layout.num_microbatches, pp_rank, sizes)
@@ -252,7 +287,7 @@ def activation_plan(spec: ModelSpec, layout: Layout, pp_rank: int) -> Activation
     holds_loss = n_chunks - 1 in mine
     at_loss = loss_workspace(spec, layout) if holds_loss else 0
     in_backward = backward_workspace(spec, layout) + max(
-        recompute_workspace(spec, layout, layers[c], c == n_chunks - 1) for c in mine
+        recompute_workspace(spec, layout, layers[c], c == n_chunks - 1, flags[c]) for c in mine
     )
     in_backward += sp_workspace(spec, layout)
     work = max(at_loss, in_backward, 0) + p2p_workspace(spec, layout)

@@ -6,10 +6,11 @@
 drops those whose peak plus the runtime's own bytes exceeds the device, and ranks the rest by
 :func:`~megatronish.plan.step_time.step_time`. Layouts are planned in order of a lower bound of
 their step time (:func:`~megatronish.plan.step_time.lower_bound`, which needs no memory plan);
-once the fastest layouts of ``top + 1`` (tp, cp, pp) combinations that fit are known, a layout whose
-bound is slower than all of them cannot enter the table and is not planned. The table lists the
-fastest layout of each (tp, cp, pp) combination (the others differ only in vpp, ZeRO stage, sp,
-recompute or micro batch); :func:`reason` says in words why a row beats the next.
+once the fastest layouts of ``top + 1`` (tp, cp, pp, ep) combinations that fit are known, a layout
+whose bound is slower than all of them cannot enter the table and is not planned. The table lists
+the fastest layout of each (tp, cp, pp, ep) combination (ep is 1 for a dense model; the others
+differ only in vpp, ZeRO stage, sp, recompute or micro batch); :func:`reason` says in words why a
+row beats the next.
 """
 
 from __future__ import annotations
@@ -48,9 +49,9 @@ class Ranked:
         return self.plan.layout
 
     @property
-    def shape(self) -> tuple[int, int, int]:
-        """(tp, cp, pp): the table lists the fastest layout of each."""
-        return self.layout.tp, self.layout.cp, self.layout.pp
+    def shape(self) -> tuple[int, int, int, int]:
+        """(tp, cp, pp, ep): the table lists the fastest layout of each."""
+        return self.layout.tp, self.layout.cp, self.layout.pp, self.layout.ep
 
 
 @dataclass(frozen=True)
@@ -64,7 +65,7 @@ class Advice:
     least_peak: int = 0  # the smallest planned peak of a layout that does not fit
 
     def best_of_each_shape(self) -> list[Ranked]:
-        """The fastest layout of every (tp, cp, pp), fastest first."""
+        """The fastest layout of every (tp, cp, pp, ep), fastest first."""
         seen, out = set(), []
         for r in self.ranked:
             if r.shape not in seen:
@@ -83,8 +84,8 @@ def advise(
     top: int = 10,
 ) -> Advice:
     """Rank the layouts of ``cfg``'s job on ``world_size`` ranks that fit ``device_bytes`` per
-    rank; planning stops once the fastest layouts of ``top + 1`` (tp, cp, pp) shapes are known
-    (the last listed one needs a runner-up)."""
+    rank; planning stops once the fastest layouts of ``top + 1`` (tp, cp, pp, ep) shapes are
+    known (the last listed one needs a runner-up)."""
     layouts = valid_layouts(cfg, world_size, spec.vocab_size)
     bounds = sorted((lower_bound(spec, lay, hw), i) for i, lay in enumerate(layouts))
     planner = Planner(spec)
@@ -134,6 +135,8 @@ def _term_phrase(term: str, win: Ranked, lose: Ranked, hw: Hardware) -> str:
         return "no pipeline transfers" if w.pp == 1 else "fewer exposed pipeline transfers"
     if term == "dp":
         return "no dp communication" if w.dp == 1 else "less exposed dp communication"
+    if term == "ep":
+        return "no all-to-all" if w.ep == 1 else "less all-to-all time"
     if term == "recompute":
         return "no recompute" if w.recompute == "none" else f"less recompute ({w.recompute})"
     if w.pp == 1:

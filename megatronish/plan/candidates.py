@@ -1,7 +1,8 @@
 """Every parallel layout of a job on N ranks that the trainer accepts (pure, no processes).
 
-A candidate varies tp, cp, pp, vpp, sp, ZeRO stage, recompute and micro batch size; dp follows from
-the world size. The model, the global batch, the precision and the bucket size stay as
+A candidate varies tp, cp, pp, vpp, sp, ZeRO stage, recompute and micro batch size, and for a
+mixture-of-experts model ep (divisors of dp x cp that divide the experts); dp follows from the
+world size. The model, the global batch, the precision and the bucket size stay as
 configured. Whether a candidate is valid is decided by
 :func:`megatronish.config.validate.config_errors` itself, on a copy of the config holding the
 candidate's values, so the list holds exactly the layouts ``python -m megatronish.train`` would
@@ -48,7 +49,7 @@ def _with_layout(view: SimpleNamespace, layout: Layout) -> SimpleNamespace:
     """``view`` with the layout's parallel and trainer values (dp derived, even layer split)."""
     p = SimpleNamespace(**vars(view.parallel))
     p.tp, p.pp, p.vpp, p.dp, p.sp = layout.tp, layout.pp, layout.vpp, None, layout.sp
-    p.cp = layout.cp
+    p.cp, p.ep = layout.cp, layout.ep
     p.zero_stage, p.pipeline_layer_split = layout.zero_stage, None
     t = SimpleNamespace(**vars(view.trainer))
     t.micro_batch_size, t.recompute = layout.micro_batch_size, layout.recompute
@@ -65,8 +66,15 @@ def layout_errors(
     return config_errors(_with_layout(view, layout), layout.world_size, vocab_size)
 
 
-def _shapes(base: Layout, world_size: int, num_layers: int) -> Iterator[Layout]:
-    """tp, cp, pp, vpp, sp and micro batch combinations (ZeRO 0, no recompute) before
+def expert_parallel_sizes(num_experts: int, dp_cp: int) -> list[int]:
+    """The ep candidates: divisors of dp x cp that divide ``num_experts`` (1 when dense)."""
+    return [e for e in divisors(dp_cp) if num_experts % e == 0] if num_experts else [1]
+
+
+def _shapes(
+    base: Layout, world_size: int, num_layers: int, num_experts: int = 0
+) -> Iterator[Layout]:
+    """tp, cp, pp, vpp, sp, micro batch and ep combinations (ZeRO 0, no recompute) before
     validation: tp, cp and pp divide the world, vpp goes up to one layer per chunk."""
     sizes = sorted({*MICRO_BATCH_SIZES, base.micro_batch_size})
     for tp in divisors(world_size):
@@ -76,16 +84,17 @@ def _shapes(base: Layout, world_size: int, num_layers: int) -> Iterator[Layout]:
                 for vpp in [1] if pp == 1 else range(1, num_layers // pp + 1):
                     for mbs in (b for b in sizes if b * dp <= base.global_batch_size):
                         for sp in (False, True) if tp > 1 else (False,):
-                            yield base.with_(tp=tp, cp=cp, pp=pp, vpp=vpp, dp=dp, sp=sp,
-                                             micro_batch_size=mbs)  # fmt: skip
+                            for ep in expert_parallel_sizes(num_experts, dp * cp):
+                                yield base.with_(tp=tp, cp=cp, pp=pp, vpp=vpp, dp=dp, sp=sp,
+                                                 micro_batch_size=mbs, ep=ep)  # fmt: skip
 
 
 def valid_layouts(cfg, world_size: int, vocab_size: int | None = None) -> list[Layout]:
     """Every layout of ``cfg``'s model and batch on ``world_size`` ranks that passes
     ``config_errors`` (``cfg`` is a composed config; its own parallel values are ignored).
 
-    The rules run once per shape (tp, pp, vpp, sp, micro batch): none of them depends on the
-    ZeRO stage or the recompute policy, which take every value they allow.
+    The rules run once per shape (tp, pp, vpp, sp, micro batch, ep): none of them depends on
+    the ZeRO stage or the recompute policy, which take every value they allow.
     """
     from megatronish.plan.layout import layout_from_config
 
@@ -95,7 +104,8 @@ def valid_layouts(cfg, world_size: int, vocab_size: int | None = None) -> list[L
         layers_per_chunk=(),
     )  # fmt: skip
     out = []
-    for shape in _shapes(base, world_size, cfg.model.num_layers):
+    experts = cfg.model.moe.num_experts if "moe" in cfg.model else 0
+    for shape in _shapes(base, world_size, cfg.model.num_layers, experts):
         if layout_errors(view, shape, vocab_size):
             continue
         for zero in ZERO_STAGES if shape.dp_cp > 1 else (0,):
@@ -108,6 +118,8 @@ def _base_config(cfg):
     """``cfg`` as a one-rank job (the layout fields the candidates replace)."""
     base = copy.deepcopy(cfg)
     base.parallel.tp = base.parallel.cp = base.parallel.pp = base.parallel.vpp = 1
+    if "ep" in base.parallel:
+        base.parallel.ep = 1
     base.parallel.dp = None
     base.parallel.sp = False
     base.parallel.pipeline_layer_split = None

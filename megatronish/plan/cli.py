@@ -16,6 +16,9 @@ every rank of the layout will hold and do. Planner options (not part of the trai
   file (``advise_out=configs/parallel/advised.yaml``); ``docs/performance.md`` ("Choosing a
   layout") explains it.
 
+For a mixture-of-experts model the plan also prints active and total parameters, the experts
+each rank holds (and their share of its states) and the all-to-all volume (docs/planning.md).
+
 Exit codes: 0 fits (or no memory given), 1 does not fit, 2 invalid config or option.
 
 The advisor's options (besides ``device=NAME``, ``device_memory_gb`` and ``peak_tflops``):

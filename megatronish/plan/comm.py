@@ -4,13 +4,16 @@ Bytes follow :class:`~megatronish.distributed.comm.CommStats`: the size of the t
 the collective (all-reduce: the tensor; all-gather: the gathered output; reduce-scatter: the full
 input; send / recv: the message), not the bytes on the wire, which depend on the algorithm
 (a ring all-reduce moves ``2 (n - 1) / n`` of the tensor per rank). Scalars (loss, grad norm,
-timers) are left out.
+timers, routing statistics) are left out. Mixture-of-experts blocks: see
+:mod:`~megatronish.plan.moe`; their expert buckets are reduced over the expert-data-parallel
+group (``edp``), which is dp's own group without expert parallelism.
 """
 
 from __future__ import annotations
 
 from megatronish.model.spec import ModelSpec
 from megatronish.optim.buckets import Bucket
+from megatronish.plan import moe
 from megatronish.plan.layout import Layout
 from megatronish.plan.states import FP32, meta_chunks
 from megatronish.plan.zero3_gather import ChunkUnits, gathers_per_microbatch
@@ -63,6 +66,10 @@ def tp_volume(
     if last:  # the vocabulary-parallel cross entropy: max, target logit, sum of exp
         calls, nbytes = out.get("tp/all_reduce", (0, 0))
         out["tp/all_reduce"] = (calls + 3 * m, nbytes + 3 * m * s * b * 4)
+    if spec.moe is not None:
+        out = moe.add_volumes(
+            out, moe.tp_extra_volume(spec, layout, moe.rank_blocks(spec, layout, pp_rank))
+        )
     return out
 
 
@@ -80,6 +87,7 @@ def cp_volume(spec: ModelSpec, layout: Layout, pp_rank: int) -> dict[str, tuple[
     return {
         "cp/all_gather": (gathers, gathers * kv_bytes),
         "cp/reduce_scatter": (m * n_layers, m * n_layers * kv_bytes),
+        **moe.cp_counts_volume(spec, layout, moe.rank_blocks(spec, layout, pp_rank)),
     }
 
 
@@ -104,6 +112,23 @@ def dp_volume(
         return {}
     group = "dp_cp" if layout.cp > 1 else "dp"
     flat = [b for bs in buckets for b in bs]
+    if layout.ep == 1:  # experts, if any, are reduced over dp x cp too
+        return _reduce_volume(layout, group, flat, units, None)
+    experts = moe.expert_group(layout)
+    dense = _reduce_volume(layout, group, [b for b in flat if not b.expert], units, False)
+    if experts is None:  # each expert on one rank of the dp x cp group: nothing to reduce
+        return dense
+    mine = [b for b in flat if b.expert]
+    return moe.add_volumes(dense, _reduce_volume(layout, experts, mine, units, True))
+
+
+def _reduce_volume(
+    layout: Layout, group: str, flat: list[Bucket], units: list[ChunkUnits] | None, experts
+) -> dict[str, tuple[int, int]]:
+    """:func:`dp_volume` of the buckets ``flat`` reduced over ``group`` (``experts``: which
+    buckets of the zero-3 units they are; None: all)."""
+    if not flat:
+        return {}
     n, numel = len(flat), sum(b.numel for b in flat)
     if layout.zero_stage == 0:
         return {f"{group}/all_reduce": (n, numel * layout.grad_reduce_bytes)}
@@ -114,7 +139,7 @@ def dp_volume(
     if layout.zero_stage == 3 and not layout.zero3_keep_gathered:
         if units is None:
             raise ValueError("zero 3 needs the chunks' units to count its gathers")
-        per_mb = [gathers_per_microbatch(cu) for cu in units]
+        per_mb = [gathers_per_microbatch(cu, experts) for cu in units]
         calls = layout.num_microbatches * sum(c for c, _ in per_mb)
         gathered = layout.num_microbatches * sum(e for _, e in per_mb)
     out[f"{group}/all_gather"] = (calls, gathered * layout.activation_bytes)

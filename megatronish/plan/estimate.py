@@ -23,10 +23,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from megatronish.model.flops import count_parameters, flops_per_token, matmul_params
+from megatronish.model.flops import (
+    active_parameters,
+    count_parameters,
+    flops_per_token,
+    matmul_params,
+)
 from megatronish.model.spec import ModelSpec
 from megatronish.pipeline.schedule import analytic_bubble
-from megatronish.plan import comm
+from megatronish.plan import comm, moe
 from megatronish.plan.activations import ActivationPlan, activation_plan
 from megatronish.plan.layout import Layout
 from megatronish.plan.states import (
@@ -73,12 +78,13 @@ class StagePlan:
 class Plan:
     spec: ModelSpec
     layout: Layout
-    parameters: int
+    parameters: int  # every parameter (all experts)
     tokens_per_step: int
-    model_flops_per_step: float  # 6N + 12Lsh per token (metrics.flops_per_token)
+    model_flops_per_step: float  # 6N + 12Lsh per token (N: active weights; flops_per_token)
     hardware_flops_per_step: float  # + the forward work repeated by recompute
     bubble: float  # (pp - 1) / (vpp m); 0 without a pipeline
     stages: list[StagePlan] = field(default_factory=list)
+    active_parameters: int = 0  # the parameters a token uses (top-k experts); dense: all
 
     @property
     def peak_bytes(self) -> int:
@@ -111,8 +117,8 @@ def recompute_flops_per_token(spec: ModelSpec, layout: Layout) -> float:
 
 def optimizer_workspace(spec: ModelSpec, layout: Layout, states: StateBytes) -> int:
     """AdamW's ``sqrt(v)`` temporary of the largest owned bucket slice."""
-    owned = states.largest_bucket_numel // (1 if layout.zero_stage == 0 else layout.dp_cp)
-    return owned * FP32
+    zero = layout.zero_stage
+    return (states.largest_bucket_numel if zero == 0 else states.largest_shard_numel) * FP32
 
 
 def representative_stages(pp: int) -> list[int]:
@@ -130,11 +136,12 @@ class Planner:
             k: {} for k in ("states", "buckets", "units", "activations", "tp", "volumes")
         }
         self._parameters = count_parameters(spec)
+        self._active = active_parameters(spec)
         self._flops_per_token = flops_per_token(spec)
 
     def _chunks(self, layout: Layout, pp_rank: int) -> list:
         key = (layout.tp, layout.pp, layout.vpp, layout.sp,
-               layout.chunk_layers(self.spec.num_layers), pp_rank)  # fmt: skip
+               layout.chunk_layers(self.spec.num_layers), pp_rank, layout.ep)  # fmt: skip
         if key not in self._meta:
             self._meta[key] = meta_chunks(self.spec, layout, pp_rank)
         return self._meta[key]
@@ -148,12 +155,14 @@ class Planner:
     def _stage(self, layout: Layout, pp_rank: int) -> StagePlan:
         spec = self.spec
         shape = (layout.tp, layout.cp, layout.pp, layout.vpp, layout.sp, layout.layers_per_chunk,
-                 layout.precision, pp_rank)  # fmt: skip
+                 layout.precision, pp_rank, layout.ep)  # fmt: skip
         m, mbs = layout.num_microbatches, layout.micro_batch_size
         rc = (layout.recompute, layout.recompute_method, layout.recompute_num_layers)
         zero3_rc = rc if layout.zero_stage == 3 else None  # its gathered peak follows recompute
+        # zero 2/3: the full grads alive at the activation peak depend on full recompute
+        full = layout.zero_stage >= 2 and layout.recompute == "full"
         layout_states = (layout.dp_cp, layout.zero_stage, layout.bucket_size_mb,
-                         layout.zero3_keep_gathered, zero3_rc)  # fmt: skip
+                         layout.zero3_keep_gathered, zero3_rc, full)  # fmt: skip
         chunks = self._chunks(layout, pp_rank)
         st = self._cached(
             "states",
@@ -186,10 +195,11 @@ class Planner:
         volume.update(
             self._cached(
                 "volumes",
-                (shape, mbs, m),
+                (shape, mbs, m, rc),
                 lambda: {
                     **comm.pp_volume(spec, layout, pp_rank),
                     **comm.embedding_volume(spec, layout, pp_rank),
+                    **moe.ep_volume(spec, layout, moe.rank_blocks(spec, layout, pp_rank)),
                 },
             )
         )
@@ -231,6 +241,7 @@ class Planner:
             hardware_flops_per_step=hardware * tokens,
             bubble=bubble,
             stages=stages,
+            active_parameters=self._active,
         )
 
 

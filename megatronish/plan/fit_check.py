@@ -30,6 +30,9 @@ def _changes(cfg, world: int) -> list[tuple[str, dict]]:
         out.append((f"parallel.tp={2 * p.tp}", {"parallel.tp": 2 * p.tp, "parallel.dp": None}))
         out.append((f"parallel.cp={2 * p.cp}", {"parallel.cp": 2 * p.cp, "parallel.dp": None}))
         out.append((f"parallel.pp={2 * p.pp}", {"parallel.pp": 2 * p.pp, "parallel.dp": None}))
+    experts, ep = cfg.model.moe.num_experts, p.get("ep", 1)
+    if experts and (dp * p.cp) % (2 * ep) == 0 and experts % (2 * ep) == 0:
+        out.append((f"parallel.ep={2 * ep}", {"parallel.ep": 2 * ep}))
     if p.tp > 1 and not p.sp:
         out.append(("parallel.sp=true", {"parallel.sp": True}))
     if dp * p.cp > 1:
@@ -97,8 +100,8 @@ def memory_fit_error(
         lines += [f"  {o}   ({(peak + runtime) / GiB:.1f} GiB)" for o, peak in options]
     else:
         lines.append(
-            "No combination of up to three changes (tp, cp, pp, sp, zero stage, recompute, micro "
-            "batch) fits on this many ranks: use more devices or a smaller model."
+            "No combination of up to three changes (tp, cp, pp, ep, sp, zero stage, recompute, "
+            "micro batch) fits on this many ranks: use more devices or a smaller model."
         )
     lines.append(
         "`python -m megatronish.plan` with the same overrides prints the full plan; "

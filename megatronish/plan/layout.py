@@ -30,6 +30,7 @@ class Layout:
     # grads and Adam moments)
     grad_reduce_dtype: str = "fp32"  # fp32 | bf16: the dp grad reduction
     cp: int = 1  # context parallel: each sequence split over cp ranks
+    ep: int = 1  # expert parallel: experts split over ep ranks carved out of dp x cp
 
     @property
     def world_size(self) -> int:
@@ -39,6 +40,11 @@ class Layout:
     def dp_cp(self) -> int:
         """Ranks holding the same params: grads are reduced and ZeRO shards spread over them."""
         return self.dp * self.cp
+
+    @property
+    def edp(self) -> int:
+        """Ranks holding the same experts (expert grads reduced, their ZeRO shards spread)."""
+        return self.dp_cp // self.ep
 
     @property
     def num_microbatches(self) -> int:
@@ -69,7 +75,10 @@ class Layout:
         parts = [f"tp={self.tp}"] + ([f"cp={self.cp}"] if self.cp > 1 else []) + [f"pp={self.pp}"]
         if self.vpp > 1:
             parts.append(f"vpp={self.vpp}")
-        parts += [f"dp={self.dp}", f"zero={self.zero_stage}"]
+        parts.append(f"dp={self.dp}")
+        if self.ep > 1:
+            parts.append(f"ep={self.ep}")
+        parts.append(f"zero={self.zero_stage}")
         if self.sequence_parallel:
             parts.append("sp")
         if self.recompute != "none":
@@ -95,7 +104,7 @@ def layout_from_config(cfg, world_size: int) -> Layout:
         recompute_num_layers=t.recompute_num_layers,
         layers_per_chunk=tuple(p.pipeline_layer_split or ()),
         bucket_size_mb=p.bucket_size_mb, zero3_keep_gathered=p.zero3_keep_gathered,
-        precision=t.precision, grad_reduce_dtype=p.grad_reduce_dtype,
+        precision=t.precision, grad_reduce_dtype=p.grad_reduce_dtype, ep=getattr(p, "ep", 1),
     )  # fmt: skip
 
 

@@ -48,6 +48,7 @@ def plan_report(
         f"model: {spec.arch}, {plan.parameters:,} parameters ({spec.num_layers} layers, hidden "
         f"{spec.hidden_size}, {spec.num_heads} heads / {spec.num_kv_heads} kv, ffn "
         f"{spec.ffn_hidden_size}, vocab {spec.padded_vocab_size}, seq {spec.seq_length})",
+        *_moe_lines(plan),
         f"layout: {lay.describe()} on {lay.world_size} ranks, {lay.num_microbatches} microbatches "
         f"of {lay.micro_batch_size} per step, {lay.precision}",
         f"tokens per step: {plan.tokens_per_step:,}",
@@ -66,6 +67,9 @@ def plan_report(
             f"{s.optimizer / GiB:9.2f} | {states} | {a.peak / GiB:.2f} ({a.in_flight:.2f} "
             f"microbatches) | {st.peak / GiB:.2f}"
         )
+    if spec.moe is not None:
+        held = ", ".join(f"stage {st.pp_rank} {st.states.experts / GiB:.2f}" for st in plan.stages)
+        lines.append(f"of the states, experts' params, grads and optimizer (GiB): {held}")
     lines += ["", "communication per step per rank (tensor bytes handed to the collective):"]
     for st in plan.stages:
         parts = [f"{k} {_si(b)}B in {c}" for k, (c, b) in sorted(st.comm.items())]
@@ -91,6 +95,23 @@ def plan_report(
     return "\n".join(lines)
 
 
+def _moe_lines(plan: Plan) -> list[str]:
+    """Active and total parameters, and how the experts are split (mixture of experts only)."""
+    spec, lay = plan.spec, plan.layout
+    moe = spec.moe
+    if moe is None:
+        return []
+    blocks = moe.num_moe_layers(spec.num_layers)
+    shared = f" + {moe.shared_experts} shared" if moe.shared_experts else ""
+    return [
+        f"mixture of experts: {plan.active_parameters:,} active of {plan.parameters:,} total "
+        f"parameters per token; {blocks} of {spec.num_layers} blocks with {moe.num_experts} "
+        f"experts{shared} (top-{moe.top_k}, expert ffn {moe.ffn_hidden_size}); "
+        f"{moe.num_experts // lay.ep} experts per rank (ep={lay.ep}), replicated over "
+        f"edp={lay.edp} ranks"
+    ]
+
+
 # -- the advisor's table
 
 
@@ -110,15 +131,21 @@ def hardware_line(hw: Hardware, world_size: int, device_bytes: int, runtime_byte
     )
 
 
+def _terms(moe: bool) -> tuple[str, ...]:
+    """The step-time terms the table shows (the all-to-all only for a mixture of experts)."""
+    return TERMS if moe else tuple(k for k in TERMS if k != "ep")
+
+
 def _row(i: int, r: Ranked, nxt: Ranked | None, hw: Hardware) -> list[str]:
     lay, t = r.layout, r.time
     mfu = r.plan.model_flops_per_step / (t.total * hw.peak_flops * lay.world_size)
-    terms = [f"{t.terms()[k]:.3f}" for k in TERMS]
+    terms = [f"{t.terms()[k]:.3f}" for k in _terms(r.plan.spec.moe is not None)]
     return [str(i), lay.describe(), f"{t.total:.3f}", f"{mfu:.1%}",
             f"{r.plan.peak_bytes / GiB:.1f}", *terms, reason(r, nxt, hw)]  # fmt: skip
 
 
-COLUMNS = ["#", "layout", "step s", "MFU", "peak GiB", *(f"{k} s" for k in TERMS), "why"]
+def columns(moe: bool = False) -> list[str]:
+    return ["#", "layout", "step s", "MFU", "peak GiB", *(f"{k} s" for k in _terms(moe)), "why"]
 
 
 def markdown(columns: list[str], rows: list[list[str]]) -> str:
@@ -138,7 +165,11 @@ def advice_table(advice: Advice, hw: Hardware, top: int) -> str:
         _row(i + 1, r, best[i + 1] if i + 1 < len(best) else None, hw)
         for i, r in enumerate(best[:top])
     ]
-    return markdown(COLUMNS, rows)
+    return markdown(columns(_is_moe(advice)), rows)
+
+
+def _is_moe(advice: Advice) -> bool:
+    return any(r.plan.spec.moe is not None for r in advice.ranked)
 
 
 def advice_report(
@@ -147,11 +178,12 @@ def advice_report(
     """What ``python -m megatronish.plan ... advise=true`` prints."""
     best = advice.best_of_each_shape()
     skipped = advice.valid - advice.planned
+    shape = "tp/cp/pp/ep" if _is_moe(advice) else "tp/cp/pp"
     lines = [
         hardware_line(hw, world_size, device_bytes, runtime),
         f"{advice.valid} valid layouts; {advice.planned} planned ({skipped} could not reach the "
         f"top {top}), {advice.too_big} of them do not fit, {len(advice.ranked)} do.",
-        f"Fastest layout of each tp/cp/pp ({min(top, len(best))} of {len(best)} shown); the "
+        f"Fastest layout of each {shape} ({min(top, len(best))} of {len(best)} shown); the "
         "terms add up to the step; 'why' compares a row with the next:",
         "",
         advice_table(advice, hw, top),
@@ -166,11 +198,13 @@ def advice_report(
 LAYOUT_KEYS = ("parallel", "trainer.micro_batch_size", "trainer.recompute", "world_size")
 
 
-def parallel_values(layout: Layout) -> dict[str, object]:
-    return {
+def parallel_values(layout: Layout, ep: bool = False) -> dict[str, object]:
+    """The ``parallel`` keys of ``layout`` (``ep``: also ``ep``, which it has when > 1)."""
+    out = {
         "tp": layout.tp, "cp": layout.cp, "pp": layout.pp, "vpp": layout.vpp, "dp": None,
         "sp": layout.sequence_parallel, "zero_stage": layout.zero_stage,
     }  # fmt: skip
+    return {**out, "ep": layout.ep} if ep or layout.ep > 1 else out
 
 
 def trainer_overrides(layout: Layout) -> list[str]:
@@ -226,11 +260,21 @@ def run_overrides(overrides: list[str], layout: Layout, name: str | None) -> lis
         except Exception:  # noqa: BLE001 - e.g. an experiment that overrides the group itself
             cfg = None
         if cfg is not None and all(
-            cfg.parallel[k] == v for k, v in parallel_values(layout).items()
+            cfg.parallel.get(k, 1) == v for k, v in parallel_values(layout, ep=True).items()
         ):
             return candidate
     explicit = [f"parallel.{k}={_yaml(v)}" for k, v in parallel_values(layout).items()]
+    if layout.ep == 1 and _ep_of([*kept, *explicit]) != 1:  # e.g. an experiment's own ep
+        explicit.append("parallel.ep=1")
     return [*kept, *explicit]
+
+
+def _ep_of(overrides: list[str]) -> int:
+    """``parallel.ep`` of the config ``overrides`` compose (1 when they do not compose)."""
+    try:
+        return compose.load_config(overrides).parallel.get("ep", 1)
+    except Exception:  # noqa: BLE001 - the command is still the best we can write
+        return 1
 
 
 def write_parallel_file(path: Path, layout: Layout, overrides: list[str], summary: str) -> str:

@@ -4,6 +4,8 @@ The rank's chunks are built on the meta device (no memory) and grouped into the 
 :class:`~megatronish.optim.zero.ZeroDataParallel` would, so padding, tied copies and replicated
 norms are counted exactly as the trainer allocates them. Grads and both Adam moments are fp32;
 under bf16 the model's params are bf16 and the optimizer keeps fp32 main params of its shard.
+Experts (mixture-of-experts blocks) are split over ep, and their buckets are sharded over the
+expert-data-parallel ranks (``dp * cp / ep``) instead of dp x cp.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from megatronish.model.spec import ModelSpec
 from megatronish.optim.buckets import Bucket, plan_chunk_buckets
 from megatronish.optim.grad_reduce import MAX_IN_FLIGHT
 from megatronish.plan.layout import Layout
-from megatronish.plan.zero3_gather import chunk_units, rank_peak_gathered
+from megatronish.plan.zero3_gather import chunk_units, expert_dp, rank_peak_gathered
 from megatronish.tensor_parallel.context import TPContext
 from megatronish.tensor_parallel.sharding import param_info
 
@@ -39,6 +41,8 @@ class StateBytes:
     params_step: int  # zero 3: most full params gathered at once (units, prefetch included)
     grads_step: int  # zero 2/3: most full grad buffers alive at once (in a backward)
     grads_at_peak: int = 0  # zero 2/3: those alive when activations peak (see state_bytes)
+    largest_shard_numel: int = 0  # the largest bucket's slice a rank owns under zero >= 1
+    experts: int = 0  # of ``total``: the experts' params, grads and Adam moments
 
     @property
     def total(self) -> int:
@@ -52,7 +56,11 @@ class StateBytes:
 
 def meta_chunks(spec: ModelSpec, layout: Layout, pp_rank: int) -> list[GPTChunk]:
     """Pipeline rank ``pp_rank``'s chunks on the meta device (tp rank 0's shards)."""
-    tp = TPContext(group=ParallelGroup("tp", tuple(range(layout.tp)), 0), sp=layout.sp)
+    tp = TPContext(
+        group=ParallelGroup("tp", tuple(range(layout.tp)), 0),
+        sp=layout.sp,
+        ep=ParallelGroup("ep", tuple(range(layout.ep)), 0),
+    )
     ranges = chunk_layer_ranges(layout.chunk_layers(spec.num_layers))
     last = len(ranges) - 1
     return [
@@ -75,7 +83,7 @@ def chunk_buckets(chunk: GPTChunk, layout: Layout) -> list[Bucket]:
     """One chunk's buckets (on meta), as the trainer groups them."""
     return plan_chunk_buckets(
         chunk, int(layout.bucket_size_mb * 2**20), layout.dp_cp, 0, tied_rule(chunk, layout),
-        torch.device("meta"), per_unit=layout.zero_stage >= 2,
+        torch.device("meta"), per_unit=layout.zero_stage >= 2, **expert_dp(layout),
     )  # fmt: skip
 
 
@@ -100,12 +108,10 @@ def state_bytes(
     per_chunk = [[b.numel for b in bs] for bs in buckets]
     numel = sum(sum(n) for n in per_chunk)
     param_numel = sum(p.numel() for c in chunks for p in c.parameters())
-    dp, zero = layout.dp_cp, layout.zero_stage  # ZeRO shards over dp x cp
-    shard = numel // dp
-    owned = numel if zero == 0 else shard
+    zero = layout.zero_stage  # ZeRO shards over dp x cp (experts: over dp x cp / ep)
     model = layout.activation_bytes  # the model's params: fp32, or bf16 beside fp32 main params
-    params = (shard if zero == 3 else numel) * model + (owned * FP32 if model != FP32 else 0)
-    grads = {0: numel, 1: numel, 2: shard, 3: shard}[zero] * FP32
+    params, grads, optimizer = _held(buckets, zero, model)
+    experts = sum(_held([[b for bs in buckets for b in bs if b.expert]], zero, model))
     grads_step = step_grad_numel(buckets) * FP32 if zero >= 2 else 0
     # Activations peak at the end of a forward, when only the late buckets (reduced at the end
     # of the step) hold full grads; under full recompute they peak in backward, beside the rest.
@@ -121,8 +127,21 @@ def state_bytes(
         largest_bucket_numel=max(max(n) for n in per_chunk),
         params=params,
         grads=grads,
-        optimizer=2 * owned * FP32,
+        optimizer=optimizer,
         params_step=params_step,
         grads_step=grads_step,
         grads_at_peak=grads_at_peak,
+        largest_shard_numel=max(b.numel // b.dp for bs in buckets for b in bs),
+        experts=experts,
     )
+
+
+def _held(buckets: list[list[Bucket]], zero: int, model: int) -> tuple[int, int, int]:
+    """Bytes of params, grads and Adam moments of ``buckets`` between steps (a rank's shard of
+    each bucket: ``numel / dp`` of the ranks it is sharded over)."""
+    numel = sum(b.numel for bs in buckets for b in bs)
+    shard = sum(b.numel // b.dp for bs in buckets for b in bs)
+    owned = numel if zero == 0 else shard
+    params = (shard if zero == 3 else numel) * model + (owned * FP32 if model != FP32 else 0)
+    grads = {0: numel, 1: numel, 2: shard, 3: shard}[zero] * FP32
+    return params, grads, 2 * owned * FP32

@@ -8,7 +8,8 @@ The model (symbols: ``N`` ranks, ``t`` tp, ``p`` pp, ``v`` vpp, ``d`` dp, ``m`` 
   cp; the load-balanced split gives every cp rank the same causal attention work), at
   ``peak * efficiency``. Hardware FLOPs: recompute's repeated forward work is added (its part
   is reported as ``recompute``). The busiest stage sets the pace; with even layers it is the
-  last one, which also computes the head.
+  last one, which also computes the head. Mixture-of-experts blocks count their active weights
+  (router, top-k and shared experts), as the model FLOPs do.
 - **Bubble.** 1F1B idles ``(p - 1) / (v m)`` of the busiest stage's work
   (:func:`~megatronish.pipeline.schedule.analytic_bubble`).
 - **Communication** uses the planner's per-stage volumes (calls, tensor bytes) of
@@ -20,7 +21,10 @@ The model (symbols: ``N`` ranks, ``t`` tp, ``p`` pp, ``v`` vpp, ``d`` dp, ``m`` 
   ranks; a group within ``g`` consecutive ranks runs at the
   intra-node bandwidth (NVLink), a larger one at the inter-node bandwidth (the NIC per GPU).
 - **Overlap.** tp collectives sit between the matmuls that need them: never hidden; nor are
-  cp's K/V all-gathers (forward) and reduce-scatters (backward), one of each per layer. ZeRO 3
+  cp's K/V all-gathers (forward) and reduce-scatters (backward), one of each per layer, nor
+  expert parallelism's all-to-alls (the ``ep`` term: a rank sends ``(n - 1) / n`` of each
+  tensor; an ep group spans ``t ep`` ranks). Expert grads are reduced and gathered over the
+  expert-data-parallel group (``t c d`` span) with the dp ones and overlap as they do. ZeRO 3
   prefetches: a unit's (block's) gather runs while the unit before it computes, so only the
   first unit of each forward and backward waits: exposed = ``max(gathers / units per chunk,
   gathers - compute)``. ZeRO 1/2's gather of the updated params runs during the next step's
@@ -40,23 +44,24 @@ The model (symbols: ``N`` ranks, ``t`` tp, ``p`` pp, ``v`` vpp, ``d`` dp, ``m`` 
   used by the other stages' ranks as long as a stage has at least ``cores`` ranks, so the
   bubble costs only the cores it leaves idle.
 
-The step time is ``busiest stage (compute + recompute + tp + cp + ZeRO 3 gathers) * (1 + bubble)
-+ exposed pp + the largest exposed end-of-step dp work``. Not modelled: the optimizer update,
-data loading, kernel launch overheads, and stragglers.
+The step time is ``busiest stage (compute + recompute + tp + cp + ep + ZeRO 3 gathers) * (1 +
+bubble) + exposed pp + the largest exposed end-of-step dp work``. Not modelled: the optimizer
+update, data loading, kernel launch overheads, stragglers, and uneven routing (every expert is
+assumed to get its share of the tokens).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from megatronish.model.flops import matmul_params
+from megatronish.model.flops import layer_matmul_params, matmul_params
 from megatronish.model.spec import ModelSpec
 from megatronish.pipeline.schedule import analytic_bubble
-from megatronish.plan import comm
+from megatronish.plan import comm, moe
 from megatronish.plan.estimate import Plan, recompute_flops_per_token
 from megatronish.plan.layout import Layout
 
-TERMS = ("compute", "recompute", "bubble", "tp", "cp", "pp", "dp")
+TERMS = ("compute", "recompute", "bubble", "tp", "cp", "pp", "dp", "ep")
 
 
 @dataclass(frozen=True)
@@ -83,6 +88,7 @@ class StepTime:
     cp: float  # the K/V all-gathers and their grads' reduce-scatters (between computes)
     pp: float
     dp: float  # exposed dp communication: reductions, ZeRO gathers, tied embedding
+    ep: float = 0.0  # expert parallelism's all-to-alls (between computes)
 
     @property
     def total(self) -> float:
@@ -96,7 +102,7 @@ def ring_factor(op: str, n: int) -> float:
     """Bytes each rank sends per tensor byte: ring all-reduce, all-gather / reduce-scatter, p2p."""
     if op == "all_reduce":
         return 2 * (n - 1) / n
-    if op in ("all_gather", "reduce_scatter"):
+    if op in ("all_gather", "reduce_scatter", "all_to_all"):
         return (n - 1) / n
     return 1.0
 
@@ -111,6 +117,10 @@ def group_size_and_span(group: str, layout: Layout) -> tuple[int, int]:
         return layout.dp, layout.tp * layout.cp * layout.dp
     if group == "dp_cp":
         return layout.dp_cp, layout.tp * layout.dp_cp
+    if group == "ep":  # consecutive members of a dp x cp group
+        return layout.ep, layout.tp * layout.ep
+    if group == "edp":  # every ep-th member of a dp x cp group
+        return layout.edp, layout.tp * layout.dp_cp
     return 2, layout.world_size  # pp neighbours and the embedding group: across the pipeline
 
 
@@ -135,6 +145,10 @@ def stage_flops_per_token(spec: ModelSpec, layout: Layout, pp_rank: int) -> tupl
     per_chunk = layout.chunk_layers(L)
     layers = sum(per_chunk[c] for c in chunks)
     model = layers * per_layer + (6.0 * head if len(per_chunk) - 1 in chunks else 0.0)
+    if spec.moe is not None:  # blocks differ: the stage's own (active) weights
+        ids = [i for c in chunks for i in range(sum(per_chunk[:c]), sum(per_chunk[: c + 1]))]
+        own = sum(6.0 * layer_matmul_params(spec, i) + 12.0 * s * h for i in ids)
+        model = own + (6.0 * head if len(per_chunk) - 1 in chunks else 0.0)
     return model, recompute_flops_per_token(spec, layout) * layers / L
 
 
@@ -160,10 +174,11 @@ class _Stage:
     cp: float
     zero3: float
     end: float  # exposed after the last backward: dp reduction, ZeRO 1/2 gather, embedding
+    ep: float = 0.0
 
     @property
     def busy(self) -> float:
-        return self.compute + self.recompute + self.tp + self.cp + self.zero3
+        return self.compute + self.recompute + self.tp + self.cp + self.zero3 + self.ep
 
 
 def _stage_time(
@@ -178,7 +193,10 @@ def _stage_time(
     times = {k: comm_time(layout, hw, k, c, b) * slow for k, (c, b) in volume.items()}
     tp = sum(t for k, t in times.items() if k.startswith("tp/"))
     cp = sum(t for k, t in times.items() if k.startswith("cp/"))
+    ep = sum(t for k, t in times.items() if k.startswith("ep/"))
     dp = "dp_cp" if layout.cp > 1 else "dp"  # the group grads are reduced over
+    if any(k.startswith("edp/") for k in volume):  # expert grads: with the dense ones
+        times, volume = _with_experts(times, volume, dp)
     gather = times.get(f"{dp}/all_gather", 0.0)
     zero3, end = 0.0, times.get("embedding/all_reduce", 0.0)
     backward_all = 2 * compute / 3 + recompute
@@ -208,7 +226,18 @@ def _stage_time(
             end += max(computes * one, reduce - backward_all)
         else:
             end += max(one, reduce - backward_all / layout.num_microbatches)
-    return _Stage(compute, recompute, tp, cp, zero3, end)
+    return _Stage(compute, recompute, tp, cp, zero3, end, ep)
+
+
+def _with_experts(times: dict, volume: dict, dp: str) -> tuple[dict, dict]:
+    """``times`` and ``volume`` with the expert-data-parallel group's entries added to dp's."""
+    times, volume = dict(times), dict(volume)
+    for key in [k for k in volume if k.startswith("edp/")]:
+        op = f"{dp}/{key.partition('/')[2]}"
+        times[op] = times.get(op, 0.0) + times.pop(key)
+        (calls, nbytes), (more, extra) = volume.get(op, (0, 0)), volume.pop(key)
+        volume[op] = (calls + more, nbytes + extra)
+    return times, volume
 
 
 def _pp_time(layout: Layout, volumes: list[dict], hw: Hardware) -> float:
@@ -235,6 +264,7 @@ def _combine(layout: Layout, bubble: float, stages: list[_Stage], pp: float, hw)
         cp=busiest.cp,
         pp=pp,
         dp=busiest.zero3 + max(s.end for s in stages),
+        ep=busiest.ep,
     )
 
 
@@ -249,7 +279,7 @@ def lower_bound(spec: ModelSpec, layout: Layout, hw: Hardware) -> float:
     """A step time :func:`step_time` never goes below, known without planning memory: compute,
     the bubble, the pipeline transfers and the tp communication the layout would have without
     sequence parallelism (one all-reduce moves what an all-gather and a reduce-scatter do, in
-    fewer calls); no dp communication."""
+    fewer calls), expert parallelism's all-to-alls; no dp communication."""
     bubble = 0.0
     if layout.pp > 1:
         bubble = analytic_bubble(layout.pp, layout.vpp, layout.num_microbatches)
@@ -257,7 +287,8 @@ def lower_bound(spec: ModelSpec, layout: Layout, hw: Hardware) -> float:
     volumes, stages = [], []
     for r in sorted({0, layout.pp - 1}):
         volume = {**comm.tp_volume(spec, plain, r), **comm.cp_volume(spec, layout, r),
-                  **comm.pp_volume(spec, layout, r)}  # fmt: skip
+                  **comm.pp_volume(spec, layout, r),
+                  **moe.ep_volume(spec, layout, moe.rank_blocks(spec, layout, r))}  # fmt: skip
         volumes.append(volume)
         stages.append(_stage_time(spec, layout, r, volume, hw))
     return _combine(layout, bubble, stages, _pp_time(layout, volumes, hw), hw).total

@@ -28,10 +28,17 @@ class ChunkUnits:
     visits: tuple[int, ...]  # the unit of each module visit, in forward order
     loss_unit: int | None  # the unit that holds the loss (last chunk only)
     segments: tuple[tuple[int, int, bool], ...]  # recompute runs over visits (start, end, ckpt)
+    experts: tuple[tuple[bool, ...], ...] = ()  # which of each unit's buckets hold experts
 
     @property
     def sizes(self) -> list[int]:
         return [sum(b) for b in self.buckets]
+
+
+def expert_dp(layout: Layout) -> dict:
+    """The buckets' ``expert_dp`` argument: experts sharded over ``dp * cp / ep`` ranks (the
+    default, dp x cp, without expert parallelism)."""
+    return {"expert_dp": (layout.edp, 0)} if layout.ep > 1 else {}
 
 
 def chunk_units(chunk, layout: Layout, is_tied) -> ChunkUnits:
@@ -39,12 +46,14 @@ def chunk_units(chunk, layout: Layout, is_tied) -> ChunkUnits:
     units, visits = chunk_visits(chunk, 0)
     buckets = plan_chunk_buckets(
         chunk, int(layout.bucket_size_mb * 2**20), layout.dp_cp, 0, is_tied, torch.device("meta"),
-        per_unit=True,
+        per_unit=True, **expert_dp(layout),
     )  # fmt: skip
     unit_of = {id(p): k for k, u in enumerate(units) for p in u.params}
     per_unit: list[list[int]] = [[] for _ in units]
+    expert: list[list[bool]] = [[] for _ in units]
     for b in buckets:
         per_unit[unit_of[id(b.params[0][1])]].append(b.numel)
+        expert[unit_of[id(b.params[0][1])]].append(b.expert)
     index = {id(u): k for k, u in enumerate(units)}
     loss = [k for k, u in enumerate(units) if u.holds_loss]
     first_block = 1 if getattr(chunk, "embedding", None) is not None else 0
@@ -57,6 +66,7 @@ def chunk_units(chunk, layout: Layout, is_tied) -> ChunkUnits:
         visits=tuple(index[id(v.unit)] for v in visits),
         loss_unit=loss[0] if loss else None,
         segments=tuple((first_block + a, first_block + b, c) for a, b, c in runs),
+        experts=tuple(tuple(e) for e in expert) if any(map(any, expert)) else (),
     )
 
 
@@ -99,12 +109,15 @@ def rank_peak_gathered(chunks: list[ChunkUnits], keep_gathered: bool = False) ->
     return max(peak_gathered(c) + (held_loss if c.loss_unit is None else 0) for c in chunks)
 
 
-def gathers_per_microbatch(cu: ChunkUnits) -> tuple[int, int]:
+def gathers_per_microbatch(cu: ChunkUnits, experts: bool | None = None) -> tuple[int, int]:
     """``(all-gather calls, elements)`` of one microbatch's forward and backward: every unit
-    once each way, the loss's unit once (it stays gathered in between)."""
+    once each way, the loss's unit once (it stays gathered in between). ``experts``: only the
+    expert buckets (True) or only the others (False); None: all."""
     calls = numel = 0
     for k, buckets in enumerate(cu.buckets):
         times = 1 if k == cu.loss_unit else 2
-        calls += times * len(buckets)
-        numel += times * sum(buckets)
+        flags = cu.experts[k] if cu.experts else (False,) * len(buckets)
+        mine = [n for n, e in zip(buckets, flags) if experts is None or e == experts]
+        calls += times * len(mine)
+        numel += times * sum(mine)
     return calls, numel

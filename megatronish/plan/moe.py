@@ -1,0 +1,185 @@
+"""The mixture-of-experts blocks of a plan: what they keep for backward and what they send.
+
+Symbols: ``T`` tokens a block routes per microbatch on a rank (its cp rank's ``s / cp * b``,
+gathered over tp under sequence parallelism, so the same on every tp rank), ``T_r`` the rank's
+own share (``T / tp`` under sp), ``k`` top-k, ``E`` experts, ``N = T k`` rows dispatched
+(dropless; with a capacity factor at most ``E * capacity``), ``h`` hidden, ``f'`` an expert's
+hidden units per tp rank, ``e`` bytes per activation.
+
+Communication per block and microbatch (CommStats' bytes, :mod:`megatronish.moe.dispatch`):
+
+- ep > 1: forward an all-to-all of the counts (``8 E``), of the dispatched rows (``N h e``) and
+  of the experts' outputs (the rows received); backward the two row exchanges again. A rank
+  receives ``N`` rows on average over its ep group (the exact number follows the routing), so
+  the plan's ``4 N h e + 8 E`` is the ep group's mean, and ep times it the group's sum, exactly.
+- tp > 1 (sp): the block gathers the tokens and reduce-scatters the output as a dense MLP does,
+  and also gathers the router's top-k weights (fp32) and expert ids (int64) in forward and
+  reduce-scatters the weights' grads in backward (``T k`` each).
+- cp > 1: an all-reduce of the counts (``8 E``) over cp, for the balancing loss.
+
+Full recompute reruns a checkpointed block's forward collectives; a group that ends in a
+mixture-of-experts block reruns all of them (its balancing and z losses keep the last saved
+tensors), while a dense block's final reduce-scatter is skipped.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from megatronish.model.build import chunk_layer_ranges
+from megatronish.model.recompute import recompute_segments
+from megatronish.model.spec import ModelSpec
+from megatronish.plan.layout import Layout
+
+FP32, INT64 = 4, 8
+
+
+def chunk_flags(spec: ModelSpec, layout: Layout) -> list[tuple[bool, ...]]:
+    """Per global chunk, whether each of its blocks is a mixture of experts."""
+    ranges = chunk_layer_ranges(layout.chunk_layers(spec.num_layers))
+    return [tuple(spec.is_moe_layer(i) for i in r) for r in ranges]
+
+
+def routed_tokens(spec: ModelSpec, layout: Layout) -> int:
+    """``T``: tokens one block routes per microbatch on a rank (this cp rank's, all tp's)."""
+    return spec.seq_length // layout.cp * layout.micro_batch_size
+
+
+def dispatched_rows(spec: ModelSpec, layout: Layout) -> int:
+    """``N``: rows a rank sends to the experts per block and microbatch (on average, the rows it
+    receives): ``T k``, or at most every expert's capacity when tokens may be dropped."""
+    moe, tokens = spec.moe, routed_tokens(spec, layout)
+    rows = tokens * moe.top_k
+    if moe.capacity_factor is None:
+        return rows
+    capacity = math.ceil(tokens * moe.top_k / moe.num_experts * moe.capacity_factor)
+    return min(rows, moe.num_experts * capacity)
+
+
+# -- activations ------------------------------------------------------------------------------
+
+
+def mlp_bytes(spec: ModelSpec, layout: Layout) -> int:
+    """Bytes a mixture-of-experts MLP keeps for backward per microbatch, in place of the dense
+    MLP's (its input saved by the first linear and its intermediates):
+
+    the router's fp32 input ``T_r h`` (and its weight's fp32 copy under bf16), logits, softmax
+    and sort (values and int64 indices) ``T_r E`` each, the logsumexp of the z-loss; the
+    dispatch indices (``2 N`` int64, twice more under ep), the rows each expert computes
+    ``N h``, SwiGLU's ``4 N f'`` (GELU ``2 N f'``), the rows coming back ``N h`` and the slots
+    weighted in combine ``T k h`` with their weights; shared experts as a dense MLP of
+    ``shared * f`` units."""
+    moe, e, h, t = spec.moe, layout.activation_bytes, spec.hidden_size, layout.tp
+    tokens, rows = routed_tokens(spec, layout), dispatched_rows(spec, layout)
+    own = tokens // t if layout.sequence_parallel else tokens  # T_r
+    width = 4 if spec.is_llama else 2
+    router = own * spec.hidden_size * FP32 + (moe.num_experts * h * FP32 if e < FP32 else 0)
+    sort_values = moe.renormalize or t == 1
+    routing = own * moe.num_experts * (FP32 + FP32 + INT64 + (FP32 if sort_values else 0))
+    routing += own * FP32 * (2 if moe.renormalize else 1)  # logsumexp, the top-k sum
+    index = rows * INT64 * (4 if layout.ep > 1 else 2)
+    experts = rows * h * e + rows * (moe.ffn_hidden_size // t) * width * e
+    combine = rows * h * e + tokens * moe.top_k * (h * e + e)  # returned rows, slots, weights
+    shared = 0
+    if moe.shared_experts:
+        f = moe.shared_experts * moe.ffn_hidden_size // t
+        gathered = layout.sequence_parallel or e < FP32  # else the router's input itself
+        shared = (tokens * h * e if gathered else 0) + tokens * f * width * e
+    return router + routing + index + experts + combine + shared
+
+
+def backward_workspace(spec: ModelSpec, layout: Layout) -> int:
+    """Temporaries of a mixture-of-experts block's backward: the incoming grad of the whole
+    microbatch's tokens, and the slots' grad beside the product that gives the weights' grad."""
+    e, h = layout.activation_bytes, spec.hidden_size
+    rows = routed_tokens(spec, layout) * spec.moe.top_k
+    return routed_tokens(spec, layout) * h * e + 2 * rows * h * e
+
+
+# -- communication ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RankBlocks:
+    """A rank's mixture-of-experts blocks, and what full recompute reruns of them."""
+
+    moe: int = 0  # mixture-of-experts blocks on the rank (all its chunks)
+    redo: int = 0  # of them, the ones full recompute reruns
+    moe_ending_groups: int = 0  # checkpointed groups whose last block is a mixture of experts
+
+
+def rank_blocks(spec: ModelSpec, layout: Layout, pp_rank: int) -> RankBlocks:
+    """The mixture-of-experts blocks of the chunks of pipeline rank ``pp_rank``."""
+    if spec.moe is None:
+        return RankBlocks()
+    flags = chunk_flags(spec, layout)
+    moe = redo = ending = 0
+    for c in (pp_rank + v * layout.pp for v in range(layout.vpp)):
+        blocks = flags[c]
+        moe += sum(blocks)
+        segments = recompute_segments(len(blocks), layout.recompute, layout.recompute_method,
+                                      layout.recompute_num_layers)  # fmt: skip
+        for start, end, checkpointed in segments:
+            if checkpointed:
+                redo += sum(blocks[start:end])
+                ending += blocks[end - 1]
+    return RankBlocks(moe, redo, ending)
+
+
+def ep_volume(spec: ModelSpec, layout: Layout, blocks: RankBlocks) -> dict[str, tuple[int, int]]:
+    """``{"ep/all_to_all": (calls, bytes)}`` of one step (the ep group's mean per rank)."""
+    if layout.ep == 1 or not blocks.moe:
+        return {}
+    m, counts = layout.num_microbatches, spec.moe.num_experts * INT64
+    rows = dispatched_rows(spec, layout) * spec.hidden_size * layout.activation_bytes
+    forwards = blocks.moe + blocks.redo
+    calls = m * (3 * forwards + 2 * blocks.moe)
+    return {"ep/all_to_all": (calls, m * (forwards * (counts + 2 * rows) + blocks.moe * 2 * rows))}
+
+
+def cp_counts_volume(
+    spec: ModelSpec, layout: Layout, blocks: RankBlocks
+) -> dict[str, tuple[int, int]]:
+    """``{"cp/all_reduce": ...}``: each forward of a block sums its expert counts over cp."""
+    if layout.cp == 1 or not blocks.moe:
+        return {}
+    calls = layout.num_microbatches * (blocks.moe + blocks.redo)
+    return {"cp/all_reduce": (calls, calls * spec.moe.num_experts * INT64)}
+
+
+def tp_extra_volume(
+    spec: ModelSpec, layout: Layout, blocks: RankBlocks
+) -> dict[str, tuple[int, int]]:
+    """What mixture-of-experts blocks add to a dense model's sequence-parallel collectives:
+    the routing's gathers (and the weights' grads), the shared experts' MLP, and the final
+    reduce-scatter of groups ending in a block that full recompute reruns to its end."""
+    if not layout.sequence_parallel or not blocks.moe:
+        return {}
+    moe, m = spec.moe, layout.num_microbatches
+    act = routed_tokens(spec, layout) * spec.hidden_size * layout.activation_bytes
+    slots = routed_tokens(spec, layout) * moe.top_k
+    forwards = blocks.moe + blocks.redo
+    shared = (2 * blocks.moe + blocks.redo) if moe.shared_experts else 0
+    gathers = (m * (2 * forwards + shared), m * (forwards * slots * (FP32 + INT64) + shared * act))
+    scatters = m * (blocks.moe + shared + blocks.moe_ending_groups)
+    scatter_bytes = m * (blocks.moe * slots * FP32 + (shared + blocks.moe_ending_groups) * act)
+    return {"tp/all_gather": gathers, "tp/reduce_scatter": (scatters, scatter_bytes)}
+
+
+def add_volumes(*volumes: dict[str, tuple[int, int]]) -> dict[str, tuple[int, int]]:
+    """The sum of ``{"group/op": (calls, bytes)}`` tables."""
+    out: dict[str, tuple[int, int]] = {}
+    for volume in volumes:
+        for key, (calls, nbytes) in volume.items():
+            c, b = out.get(key, (0, 0))
+            out[key] = (c + calls, b + nbytes)
+    return out
+
+
+def expert_group(layout: Layout) -> str | None:
+    """The CommStats name of the group that reduces expert grads: dp's own group without
+    expert parallelism, ``edp`` with it, None when a single rank holds each expert."""
+    if layout.ep == 1:
+        return "dp_cp" if layout.cp > 1 else "dp"
+    return "edp" if layout.edp > 1 else None

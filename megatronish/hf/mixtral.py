@@ -28,9 +28,10 @@ from megatronish.model.spec import ModelSpec
 MOE_BLOCKS = ("block_sparse_moe.", "mlp.")  # checkpoint names, then transformers 5 module names
 
 
-def mixtral_config(spec: ModelSpec, vocab: int, common: dict) -> dict:
+def mixtral_config(spec: ModelSpec, llama: dict) -> dict:
     """The ``config.json`` entries of the Mixtral equal to ``spec``; ``ValueError`` when Mixtral
-    cannot hold the model (``common``: the entries every export shares)."""
+    cannot hold the model (``llama``: the Llama config of the same attention, norms and
+    embeddings, which Mixtral shares)."""
     moe = spec.moe
     problems = []
     if not spec.is_llama:
@@ -57,22 +58,12 @@ def mixtral_config(spec: ModelSpec, vocab: int, common: dict) -> dict:
         raise ValueError("cannot export as MixtralForCausalLM: " + "; ".join(problems))
     # capacity_factor and the z-loss only shape training: Mixtral runs dropless, and the z-loss
     # coefficient has no place in its config.
+    llama = {k: v for k, v in llama.items() if k not in ("attention_bias", "mlp_bias")}
     return {
+        **llama,
         "architectures": ["MixtralForCausalLM"],
         "model_type": "mixtral",
-        **common,
-        "hidden_size": spec.hidden_size,
         "intermediate_size": moe.ffn_hidden_size,
-        "num_hidden_layers": spec.num_layers,
-        "num_attention_heads": spec.num_heads,
-        "num_key_value_heads": spec.num_kv_heads,
-        "head_dim": spec.head_dim,
-        "hidden_act": "silu",
-        "max_position_embeddings": spec.max_position_embeddings,
-        "rms_norm_eps": spec.norm_eps,
-        "rope_theta": spec.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": spec.rope_theta},
-        "attention_dropout": spec.attention_dropout,
         "sliding_window": None,
         "num_local_experts": moe.num_experts,
         "num_experts_per_tok": moe.top_k,

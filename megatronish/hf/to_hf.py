@@ -43,7 +43,7 @@ def to_hf(
             f"the embedding has {padded} rows but vocab {vocab} pads to {spec.padded_vocab_size}"
         )
     if spec.moe is not None:  # Mixtral, or a ValueError saying why not
-        config = mixtral_config(spec, vocab, _common_config(spec, vocab))
+        config = mixtral_config(spec, _llama_config(spec, vocab))
         state = _llama_to_hf(tensors, spec, vocab)
     elif spec.arch == "llama":
         config, state = _llama_config(spec, vocab), _llama_to_hf(tensors, spec, vocab)

@@ -67,7 +67,7 @@ class MoELayer(nn.Module):
         self.spec, self.moe, self.tp = spec, moe, tp
         self.router = mark_param(
             nn.Parameter(torch.empty(moe.num_experts, spec.hidden_size, device=device)),
-            std=spec.init_std, sequence_parallel=tp.sequence_parallel, weight_decay=False,
+            std=spec.init_std, sequence_parallel=tp.sequence_parallel,
         )  # fmt: skip
         local = moe.num_experts // ep.size
         self.experts = GroupedExperts(spec, tp.size, local, ep.rank * local, device)

@@ -140,11 +140,11 @@ class PlainRun:
 
 def plain_run(mish) -> PlainRun:
     """A :class:`PlainRun` from megatronish's one-process run ``mish`` (its initial weights, its
-    AdamW settings; no decay on norms and routers, as there)."""
+    AdamW settings: decay on matrices, routers included, none on norms, as there)."""
     (chunk,) = mish.chunks
     model = plain_model(mish.spec, dict(chunk.named_parameters()))
     params = list(model.named_parameters())
-    decay = [p for n, p in params if p.dim() >= 2 and not n.endswith("router")]
+    decay = [p for _, p in params if p.dim() >= 2]
     rest = [p for _, p in params if all(p is not q for q in decay)]
     o, t = mish.cfg.optimizer, mish.cfg.trainer
     groups = [{"params": decay, "weight_decay": o.weight_decay},

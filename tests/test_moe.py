@@ -367,16 +367,18 @@ def test_kv_cache_decoding_equals_a_full_forward():
 
 # -- experts that get no tokens, evaluation -------------------------------------------------
 def _starved(rank, world):
-    """ep=2 x dp=2 under ZeRO 2: the ranks holding experts 2-3 get no token (every router row is
-    the same, so every token ties and picks experts 0 and 1); the step completes and experts 2-3
-    have exactly zero grads."""
+    """ep=2 x dp=2 under ZeRO 2: the ranks holding experts 2-3 get no token (this forked rank's
+    router sends every token to experts 0 and 1); the step completes and experts 2-3 have exactly
+    zero grads."""
+    import megatronish.moe.layer as layer
+
+    def first_two(logits, top_k, renormalize=True):
+        probs, weights, _ = route(logits, top_k, renormalize)
+        return probs, weights, torch.tensor([0, 1]).expand(logits.shape[0], 2)
+
+    layer.route = first_two  # this process only: the ranks are forked
     trainer = build_trainer(rank, world, ["trainer.micro_batch_size=2", *MOE, "parallel.ep=2",
                                           "parallel.zero_stage=2"], 1)  # fmt: skip
-    with torch.no_grad():
-        for chunk in trainer.chunks:
-            for name, p in chunk.named_parameters():
-                if name.endswith("mlp.router"):
-                    p[1:] = p[0].clone()
     result = trainer.train_step()
     loads = trainer.moe_metrics()
     grads = {}

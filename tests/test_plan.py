@@ -9,10 +9,10 @@ from megatronish.plan.cli import main as plan_main
 from megatronish.plan.cli import split_options
 from megatronish.plan.estimate import make_plan
 from megatronish.plan.layout import layout_from_config, spec_of
-from megatronish.testing.memory import least_activations, measure_step, run_profiled_world
+from megatronish.testing.memory import activations_by_stage, measure_layout
 from megatronish.testing.multiproc import run_world
-from megatronish.testing.runs import build_trainer, train_layout
 from megatronish.testing.runs import test_config as tiny_config
+from megatronish.testing.runs import train_layout
 
 # Activations dominate at this size (seq 64, micro batch 4), as they do in real runs.
 SHAPE = ["model.seq_length=64", "trainer.micro_batch_size=4", "trainer.global_batch_size=16"]
@@ -39,41 +39,18 @@ LAYOUTS = [
 ]
 
 
-def measure_rank(rank, world, overrides):
-    trainer = build_trainer(rank, world, overrides, steps=8)
-    trainer.train_step()  # buffers and moments exist from here on
-    # gloo's worker threads free the buffers of finished collectives later in some steps than
-    # in others (more so on a loaded machine); that only ever adds, so the smallest of six
-    # complete steps is what the program itself keeps (the lower median over a stage's ranks
-    # guards against one rank's incomplete profile).
-    runs = [measure_step(trainer) for _ in range(6)]
-    # ZeRO 3's gathered params and ZeRO 2/3's per-bucket full grads are part of the step's peak
-    for m in runs:
-        if m.activations is not None:
-            m.activations += m.gathered_params
-    return trainer.topo.coords.pp, runs[-1], least_activations(runs)
-
-
 @pytest.mark.parametrize("world,extra", LAYOUTS, ids=[" ".join(x) or "single" for _, x in LAYOUTS])
 def test_planned_memory_matches_measured(world, extra):
     overrides = SHAPE + extra
-    results = (
-        run_profiled_world(measure_rank, world, overrides)
-        if world > 1
-        else [measure_rank(0, 1, overrides)]
-    )
+    results = measure_layout(world, overrides)
     cfg = tiny_config(overrides, 5)
     plan = make_plan(spec_of(cfg), layout_from_config(cfg, world))
-    by_stage: dict[int, list[int]] = {}  # the ranks of a stage keep the same tensors
-    for pp_rank, measured, activations in results:
+    for pp_rank, measured, _ in results:
         stage = plan.stages[pp_rank]
         for kind in ("params", "grads", "optimizer"):
             planned, got = getattr(stage.states, kind), getattr(measured, kind)
             assert planned == pytest.approx(got, rel=0.02), (pp_rank, kind)
-        by_stage.setdefault(pp_rank, []).append(activations)
-    least = {
-        pp_rank: sorted(values)[(len(values) - 1) // 2] for pp_rank, values in by_stage.items()
-    }
+    least = activations_by_stage(results)
     for pp_rank, measured in least.items():
         stage = plan.stages[pp_rank]
         planned = stage.step_extra

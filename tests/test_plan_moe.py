@@ -23,10 +23,10 @@ from megatronish.plan.layout import layout_from_config, spec_of
 from megatronish.plan.moe import rank_blocks
 from megatronish.plan.step_time import Hardware, lower_bound, step_time
 from megatronish.tensor_parallel.context import TPContext
-from megatronish.testing.memory import least_activations, measure_step, run_profiled_world
+from megatronish.testing.memory import activations_by_stage, measure_layout
 from megatronish.testing.multiproc import run_world
-from megatronish.testing.runs import build_trainer, train_layout
 from megatronish.testing.runs import test_config as tiny_config
+from megatronish.testing.runs import train_layout
 
 # Four experts of 32 hidden units, top-2, in every block of the tiny test model.
 MOE = ["model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.ffn_hidden_size=32"]
@@ -172,17 +172,6 @@ MEMORY_LAYOUTS = [
 ]  # fmt: skip
 
 
-def measure_rank(rank, world, overrides):
-    """As tests/test_plan.py: states after a step, the least activation peak of six steps."""
-    trainer = build_trainer(rank, world, overrides, steps=8)
-    trainer.train_step()
-    runs = [measure_step(trainer) for _ in range(6)]
-    for m in runs:
-        if m.activations is not None:
-            m.activations += m.gathered_params
-    return trainer.topo.coords.pp, runs[-1], least_activations(runs)
-
-
 @pytest.mark.parametrize(
     "world,extra", MEMORY_LAYOUTS, ids=[" ".join(x) for _, x in MEMORY_LAYOUTS]
 )
@@ -191,21 +180,14 @@ def test_planned_moe_memory_matches_measured(world, extra):
     the 15% tests/test_plan.py allows dense models (the lower median of a stage's ranks: the
     rows an expert computes follow the routing)."""
     overrides = [*SHAPE, *MOE, *extra]
-    results = (
-        run_profiled_world(measure_rank, world, overrides)
-        if world > 1
-        else [measure_rank(0, 1, overrides)]
-    )
+    results = measure_layout(world, overrides)
     cfg = tiny_config(overrides, 5)
     plan = make_plan(spec_of(cfg), layout_from_config(cfg, world))
-    by_stage: dict[int, list[int]] = {}
-    for pp_rank, measured, activations in results:
+    for pp_rank, measured, _ in results:
         stage = plan.stages[pp_rank]
         for kind in ("params", "grads", "optimizer"):
             assert getattr(stage.states, kind) == getattr(measured, kind), (pp_rank, kind)
-        by_stage.setdefault(pp_rank, []).append(activations)
-    for pp_rank, values in by_stage.items():
-        measured = sorted(values)[(len(values) - 1) // 2]
+    for pp_rank, measured in activations_by_stage(results).items():
         ratio = plan.stages[pp_rank].step_extra / measured
         assert 0.85 <= ratio <= 1.15, (pp_rank, ratio)
 

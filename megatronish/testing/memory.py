@@ -128,3 +128,37 @@ def run_profiled_world(fn, world_size: int, *args, **kwargs) -> list:
         if not any(SEGFAULT in error for error in e.errors.values()):
             raise
     return run_world(fn, world_size, *args, **kwargs)
+
+
+def _measure_layout_rank(rank: int, world: int, overrides: list[str]):
+    """States after a step and the least activation peak of six more (ZeRO 3's gathered params
+    and ZeRO 2/3's per-bucket full grads counted as part of the step's peak)."""
+    from megatronish.testing.runs import build_trainer
+
+    trainer = build_trainer(rank, world, overrides, steps=8)
+    trainer.train_step()  # buffers and moments exist from here on
+    # gloo's worker threads free the buffers of finished collectives later in some steps than
+    # in others (more so on a loaded machine); that only ever adds, so the smallest of six
+    # complete steps is what the program itself keeps.
+    runs = [measure_step(trainer) for _ in range(6)]
+    for m in runs:
+        if m.activations is not None:
+            m.activations += m.gathered_params
+    return trainer.topo.coords.pp, runs[-1], least_activations(runs)
+
+
+def measure_layout(world: int, overrides: list[str]) -> list[tuple[int, MeasuredMemory, int]]:
+    """``(pp rank, states, least activation peak)`` of every rank of the tiny test model trained
+    in ``overrides``' layout on ``world`` ranks."""
+    if world == 1:
+        return [_measure_layout_rank(0, 1, overrides)]
+    return run_profiled_world(_measure_layout_rank, world, overrides)
+
+
+def activations_by_stage(results: list[tuple[int, MeasuredMemory, int]]) -> dict[int, int]:
+    """Per pipeline stage, the lower median of its ranks' activation peaks (the ranks of a
+    stage keep the same tensors; the median guards against one rank's incomplete profile)."""
+    by_stage: dict[int, list[int]] = {}
+    for pp_rank, _, activations in results:
+        by_stage.setdefault(pp_rank, []).append(activations)
+    return {pp: sorted(values)[(len(values) - 1) // 2] for pp, values in by_stage.items()}

@@ -15,10 +15,10 @@ def moe_layers(chunks: list[nn.Module]) -> list[MoELayer]:
     return [m for c in chunks for m in c.modules() if isinstance(m, MoELayer)]
 
 
-def start_step(chunks: list[nn.Module], loss_scale: float) -> None:
-    """Before a step: the auxiliary losses get the language-model loss's scale per microbatch;
-    the statistics start from zero."""
-    for layer in moe_layers(chunks):
+def start_step(layers: list[MoELayer], loss_scale: float) -> None:
+    """Before a step: the auxiliary losses of ``layers`` (:func:`moe_layers`) get the
+    language-model loss's scale per microbatch; the statistics start from zero."""
+    for layer in layers:
         layer.loss_scale = loss_scale
         layer.stats.zero_()
 

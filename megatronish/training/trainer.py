@@ -119,6 +119,7 @@ class Trainer:
             cfg.trainer.global_batch_size, enabled=cfg.data.prefetch,
         )  # fmt: skip
         self.flops_per_step = flops_per_token(spec) * derived.tokens_per_step
+        self.moe_layers = moe.moe_layers(chunks)  # found once, not walked every step
 
     def pipeline_shape(self) -> PipelineShape:
         """The activation every stage sends: ``[s/cp (/tp with sp), micro batch, hidden]``."""
@@ -176,7 +177,7 @@ class Trainer:
             more = self.state.step + 1 < self.cfg.trainer.max_steps
             batches = self._to_device(self.prefetcher.get(self.state.consumed_samples, more))
         self.zero.start_step(len(batches))
-        moe.start_step(self.chunks, loss_scale=1.0 / len(batches))
+        moe.start_step(self.moe_layers, loss_scale=1.0 / len(batches))
         losses = self.forward_backward(
             self.chunks, batches, loss_scale=1.0 / len(batches), param_hooks=self.zero
         )

@@ -8,7 +8,7 @@ export HF_DATASETS_OFFLINE ?= 1
 export WANDB_MODE ?= offline
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install train test bench mutants gpu-check lint format clean
+.PHONY: install train test test-fast test-kernels bench mutants mutants-check gpu-check lint format clean
 
 install: $(STAMP)
 
@@ -22,15 +22,38 @@ train: $(STAMP)
 	$(PY) -m megatronish.train $(ARGS)
 	$(if $(SAMPLE),$(PY) -m megatronish.generate $(ARGS) $(SAMPLE))
 
+# Two pytest-xdist workers (a file's tests run on one of them, sharing its module caches); most
+# tests are one single-threaded process, so the second core would otherwise idle. More workers
+# than cores would starve the multi-rank worlds; TEST_WORKERS=0 runs in this process.
+TEST_WORKERS ?= 2
+XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 test: $(STAMP)
-	WANDB_MODE=disabled $(PY) -m pytest tests $(PYTEST_ARGS)
+	WANDB_MODE=disabled $(PY) -m pytest tests $(XDIST) $(PYTEST_ARGS)
+
+# The inner loop (under 3 minutes): every test that starts no process (pure functions, config,
+# planner, single-process runs); tests that fork worlds or run the entry point are skipped.
+test-fast: $(STAMP)
+	MEGATRONISH_TESTS=fast WANDB_MODE=disabled $(PY) -m pytest tests $(XDIST) $(PYTEST_ARGS)
+
+# The precision-sensitive tests (bf16, MoE routing, context parallel, the reference parity) again
+# on torch's, oneDNN's and MKL's baseline kernels: a test that holds only on the instruction set
+# of the machine it was written on fails here on any machine.
+BASELINE_KERNELS := ATEN_CPU_CAPABILITY=default ONEDNN_MAX_CPU_ISA=SSE41 MKL_ENABLE_INSTRUCTIONS=SSE4_2
+KERNEL_TESTS ?= tests/test_bf16.py tests/test_moe.py tests/test_context_parallel.py \
+	tests/test_reference_parity.py tests/test_linear_cross_entropy.py
+test-kernels: $(STAMP)
+	$(BASELINE_KERNELS) WANDB_MODE=disabled $(PY) -m pytest $(KERNEL_TESTS) $(XDIST) $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(PY) tools/bench/run_all.py $(ARGS)
 
-# Deliberate bugs planted one at a time in a scratch copy: does a test catch each? (~3 min)
+# Deliberate bugs planted one at a time in a scratch copy: does a test catch each? (~5 min)
 mutants: $(STAMP)
 	$(PY) tools/mutants.py $(ARGS)
+
+# Seconds: every mutant still applies exactly once and names tests that exist (run by CI).
+mutants-check: $(STAMP)
+	$(PY) tools/mutants.py --check
 
 # One GPU, under 8 minutes: throughput vs plain PyTorch, flash attention, memory vs the planner,
 # bit-exact resume, recompute policies -> docs/gpu.md. ARGS=--smoke: the same on the CPU, toy size.

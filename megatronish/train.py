@@ -27,7 +27,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from megatronish.checkpoint.format import CheckpointError
-from megatronish.config.cli_errors import composition_error_reason
+from megatronish.config.cli_errors import composition_error_reason, repeated_keys_reason
 from megatronish.config.compose import CONFIG_DIR
 from megatronish.config.derived import derive, pad_vocab
 from megatronish.config.schema import register_configs
@@ -265,6 +265,10 @@ def main() -> None:
     """Compose with Hydra and run; a composition error is one line on stderr and exit 2."""
     register_configs()
     launch = detect_launch()
+    prefix = f"[rank {launch.rank}] " if launch.world_size > 1 else ""
+    if (repeated := repeated_keys_reason(sys.argv[1:])) is not None:
+        print(f"{prefix}invalid config: {repeated}", file=sys.stderr)
+        sys.exit(EXIT_CONFIG)
     started = []
 
     def task(cfg) -> None:
@@ -277,10 +281,10 @@ def main() -> None:
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises composition errors instead of printing
     try:
         hydra.main(config_path=CONFIG_DIR, config_name="train", version_base=None)(task)()
-    except (HydraException, OmegaConfBaseException) as e:
+    except (HydraException, OmegaConfBaseException, ValueError) as e:
+        # ValueError: Hydra's for an override such as trainer=4 (a group needs a name)
         if show_traceback or started:  # a failure of the run, not of composing the config
             raise
-        prefix = f"[rank {launch.rank}] " if launch.world_size > 1 else ""
         print(f"{prefix}invalid config: {composition_error_reason(e)}", file=sys.stderr)
         sys.exit(EXIT_CONFIG)
     finally:

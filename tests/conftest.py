@@ -18,6 +18,33 @@ torch.testing.assert_close(torch.zeros(1), torch.zeros(1))
 torch.set_num_threads(1)
 
 
+# The fast tier (``make test-fast``): tests that start processes (forked gloo worlds, the entry
+# point or torchrun in a subprocess, worker pools) are skipped at their first process start;
+# everything else (pure functions, config, planner, single-process runs) runs. ``make test``
+# runs all of them. The guard is installed in the process that runs the tests (a pytest-xdist
+# worker, not its controller, which starts the workers).
+FAST_TIER = os.environ.get("MEGATRONISH_TESTS") == "fast"
+FAST_TIER_REASON = "fast tier: this test starts processes (make test runs it)"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _fast_tier_skips_process_starts():
+    if not FAST_TIER:
+        yield
+        return
+    import multiprocessing.process
+    import subprocess
+
+    def refuse(*args, **kwargs):
+        pytest.skip(FAST_TIER_REASON)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
+        patch.setattr(subprocess.Popen, "__init__", refuse)
+        patch.setattr(os, "fork", refuse)
+        yield
+
+
 @pytest.fixture(scope="session")
 def stdlib_cache(tmp_path_factory):
     """The small standard-library corpus of ``SMALL_STDLIB_RUN`` and its tokenizer, built once

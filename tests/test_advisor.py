@@ -243,8 +243,8 @@ def test_cli_rejects_bad_advisor_options(capsys):
     assert "add advise=true" in capsys.readouterr().err
     assert plan_main([*GPT_1B, "advise=true", "efficiency=2", "device_memory_gb=80"]) == 2
     assert "efficiency=2.0" in capsys.readouterr().err
-    with pytest.raises(SystemExit, match="top=ten: expected a whole number"):
-        plan_main([*GPT_1B, "advise=true", "top=ten"])
+    assert plan_main([*GPT_1B, "advise=true", "top=ten"]) == 2
+    assert "top=ten: expected a whole number" in capsys.readouterr().err
 
 
 def test_long_sequences_are_advised_context_parallelism():

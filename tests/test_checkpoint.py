@@ -14,15 +14,17 @@ from megatronish.testing.compare import assert_parity
 from megatronish.testing.multiproc import run_world
 from megatronish.testing.runs import build_trainer, losses_of, merge_params, train_layout
 
-# The LR schedule must not depend on where a run stops: decay over 10 steps everywhere.
-SCHED = ["scheduler.decay_steps=10"]
+# Runs save at step STOP and resume to END. The LR schedule must not depend on where a run stops:
+# it decays over END steps everywhere.
+STOP, END = 3, 6
+SCHED = [f"scheduler.decay_steps={END}"]
 THREE_D = ["parallel.tp=2", "parallel.pp=2", "parallel.vpp=2", "parallel.sp=true"]
 _REF = {}
 
 
 def reference():
     if "ref" not in _REF:
-        _REF["ref"] = [train_layout(0, 1, SCHED, 10)]
+        _REF["ref"] = [train_layout(0, 1, SCHED, END)]
     return _REF["ref"]
 
 
@@ -35,8 +37,8 @@ def run(world, layout, steps, load=None, save=None):
 
 def stop_and_resume(tmp_path, first, second):
     (wa, a), (wb, b) = first, second
-    saved = run(wa, a, 5, save=str(tmp_path))
-    resumed = run(wb, b, 10, load=str(tmp_path))
+    saved = run(wa, a, STOP, save=str(tmp_path))
+    resumed = run(wb, b, END, load=str(tmp_path))
     return saved, resumed
 
 
@@ -71,7 +73,7 @@ def test_reshard_on_load_continues_the_run(tmp_path, first, second):
     saved, resumed = stop_and_resume(tmp_path, first, second)
     ref = reference()
     joined = losses_of(saved) + losses_of(resumed)
-    assert len(joined) == 10
+    assert len(joined) == END
     norms = saved[0].grad_norms + resumed[0].grad_norms
     got = [type(ref[0])(losses=joined, grad_norms=norms, params=merge_params(resumed))]
     assert_parity(ref, got)
@@ -87,7 +89,7 @@ def test_exact_resume_single_process_is_bit_identical(tmp_path):
 
 def test_exact_resume_3d_layout_is_bit_identical(tmp_path):
     layout = [*THREE_D, "parallel.zero_stage=1"]
-    straight = run(8, layout, 10)
+    straight = run(8, layout, END)
     saved, resumed = stop_and_resume(tmp_path, (8, layout), (8, layout))
     assert losses_of(saved) + losses_of(resumed) == losses_of(straight)
     a, b = merge_params(straight), merge_params(resumed)

@@ -43,7 +43,8 @@ def test_cache_is_reused_keyed_and_rebuilt_when_damaged(tmp_path, monkeypatch):
     logged = []
     first = cached_blend_indices(WEIGHTS, 1000, str(tmp_path), logged.append)
     files = sorted(os.listdir(tmp_path))
-    assert len(files) == 2 and all(f.endswith(".npy") for f in files) and logged
+    assert [f.rsplit("-", 1)[1] for f in files] == ["crc32.json", "dataset.npy", "sample.npy"]
+    assert logged
 
     def no_rebuild(*args):
         raise AssertionError("rebuilt although cached")
@@ -61,7 +62,7 @@ def test_cache_is_reused_keyed_and_rebuilt_when_damaged(tmp_path, monkeypatch):
     rebuilt = cached_blend_indices(WEIGHTS, 1000, str(tmp_path), logged.append)
     assert "damaged" in logged[0] and all(np.array_equal(a, b) for a, b in zip(first, rebuilt))
     cached_blend_indices([0.2, 0.3, 0.5], 1000, str(tmp_path), logged.append)
-    assert len(os.listdir(tmp_path)) == 4  # other weights: another index
+    assert len(os.listdir(tmp_path)) == 6  # other weights: another index
 
 
 @pytest.fixture(scope="module")
@@ -137,3 +138,73 @@ def test_training_on_a_blend_is_the_same_in_every_layout(corpora, tmp_path, capf
     two = run_world(_train, 2, load_config([*run, f"out_dir={tmp_path / 'two'}"]), init=False)
     losses = next(r for r in two if r[0] == r[0])
     assert np.allclose(one, losses, rtol=1e-5), (one, losses)
+
+
+# -- which documents validation reads ------------------------------------------------------------
+LABELLED_DOCS = {"a": 12, "b": 16, "c": 20}  # documents per dataset
+
+
+def _label(k: int, j: int) -> int:
+    """The token every position of document ``j`` of dataset ``k`` holds."""
+    return 100 + 32 * k + j
+
+
+def _origins(sample) -> set[tuple[int, int]]:
+    """``(dataset, document)`` of every token of a sample."""
+    return {divmod(int(t) - 100, 32) for t in sample}
+
+
+@pytest.fixture(scope="module")
+def labelled(tmp_path_factory, stdlib_cache):
+    """Three datasets whose every token names its dataset and document (:func:`_label`)."""
+    tmp = tmp_path_factory.mktemp("labelled")
+    _, model = ensure_stdlib_corpus(str(stdlib_cache), 512, 0.5)
+    rng = np.random.default_rng(1)
+    prefixes = []
+    for k, (name, docs) in enumerate(LABELLED_DOCS.items()):
+        with IndexedDatasetWriter(str(tmp / name), np.uint16) as w:
+            for j in range(docs):
+                w.add_document(np.full(int(rng.integers(6, 20)), _label(k, j)))
+        prefixes.append(str(tmp / name))
+    return tmp, prefixes, model
+
+
+def test_validation_reads_the_valid_split_or_the_whole_blend_valid_datasets(labelled):
+    """Validation sample g is sample ``s`` of dataset ``d`` for Megatron's index of the
+    validation weights: of the valid split of each ``data.blend`` dataset, or of the whole
+    ``data.blend_valid`` datasets (their own weights); training reads only train splits."""
+    from megatronish.data.gpt_dataset import GPTDataset, split_documents
+    from megatronish.data.indexed import IndexedDataset
+
+    tmp, (a, b, c), model = labelled
+    seq, seed, n_valid, fraction = 8, 7, 40, 0.25
+    cfg = {"blend": [[0.6, a], [0.4, b]], "tokenizer_model": model, "valid_fraction": fraction,
+           "cache_dir": str(tmp / "cache")}  # fmt: skip
+    train, valid, _ = build_datasets(cfg, seq, seed, samples=(60, n_valid), log=lambda m: None)
+    splits = [split_documents(n, seed, fraction) for n in LABELLED_DOCS.values()]
+    for g in range(60):  # training: train splits only
+        assert all(j in splits[k][0] for k, j in _origins(train[g]))
+
+    def expected(prefixes, weights, split, frac):
+        parts = [GPTDataset(IndexedDataset(p), seq, seed, split, frac) for p in prefixes]
+        return [parts[d][s] for d, s in zip(*blend_indices(weights, n_valid))]
+
+    want = expected([a, b], [0.6, 0.4], "valid", fraction)
+    for g in range(n_valid):
+        (k,) = {k for k, _ in _origins(valid[g])}  # one dataset per sample
+        assert all(j in splits[k][1] for _, j in _origins(valid[g])), (g, _origins(valid[g]))
+        assert np.array_equal(valid[g].numpy(), want[g].numpy()), g
+
+    own = build_datasets({**cfg, "blend_valid": [[0.25, b], [0.75, c]]}, seq, seed,
+                         samples=(60, n_valid), log=lambda m: None)[1]  # fmt: skip
+    want = expected([b, c], [0.25, 0.75], "train", 0.0)
+    seen = set()
+    for g in range(n_valid):
+        seen |= _origins(own[g])
+        assert np.array_equal(own[g].numpy(), want[g].numpy()), g
+    assert {k for k, _ in seen} == {1, 2}  # b and c, never a
+    for k in (1, 2):  # whole datasets: documents of both of their own splits are read
+        assert {j for kk, j in seen if kk == k} & set(splits[k][0].tolist())
+        assert {j for kk, j in seen if kk == k} & set(splits[k][1].tolist())
+    counts = np.bincount(blend_indices([0.25, 0.75], n_valid)[0], minlength=2).tolist()
+    assert own.counts() == counts == [10, 30]

@@ -1,8 +1,9 @@
 """tools/train_tokenizer.py, tools/preprocess_data.py, the stdlib corpus and build_datasets."""
 
+import contextlib
+import io
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -15,23 +16,21 @@ from megatronish.data.build import build_datasets
 from megatronish.data.indexed import IndexedDataset, IndexedDatasetWriter
 from megatronish.data.stdlib_corpus import ensure_stdlib_corpus
 from megatronish.data.tokenizer import Tokenizer
+from megatronish.testing.cli import load_tool
 
 REPO = Path(__file__).resolve().parents[1]
 VOCAB = 400
 
 
 def _run_tool(name, *args):
-    env = {**os.environ, "HF_DATASETS_OFFLINE": "1"}
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "tools" / name), *map(str, args)],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc.stdout
+    """Run ``tools/<name>``'s ``main`` in this process (the tools' command lines and their
+    subprocess runs are covered by test_tool_inputs_data.py); returns what it printed."""
+    tool = load_tool(name.removesuffix(".py"))
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = tool.main([*map(str, args), *(["--no-progress"] * (name == "preprocess_data.py"))])
+    assert code in (0, None), err.getvalue()[-3000:]
+    return out.getvalue()
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +98,9 @@ def test_preprocess_txt_glob_without_eod(corpus):
 
 
 def test_build_datasets_indexed_and_config_errors(corpus, tmp_path):
-    prefix = str(corpus.dir / "out" / "a")
+    prefix = str(tmp_path / "a")
+    _run_tool("preprocess_data.py", "--input", corpus.dir / "a.jsonl",
+              "--tokenizer-model", corpus.model, "--output-prefix", prefix)  # fmt: skip
     cfg = SimpleNamespace(source="indexed", prefix=prefix, tokenizer_model=corpus.model)
     train, valid, tok = build_datasets(cfg, seq_length=16, seed=0)
     assert tok.vocab_size == VOCAB and len(valid.documents) == 1

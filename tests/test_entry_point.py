@@ -1,4 +1,5 @@
-"""`python -m megatronish.train` end to end: dry run, bad configs, a real run, torchrun."""
+"""`python -m megatronish.train`: dry run, bad configs, `--cfg job` (its ``main`` in this
+process), and end to end in subprocesses: a real run that resumes, and torchrun."""
 
 import os
 import subprocess
@@ -22,8 +23,32 @@ def run_train(args, tmp_path, launcher=(sys.executable, "-m", "megatronish.train
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
-def test_dry_run_prints_derived_values_and_exits(tmp_path):
-    r = run_train(["+experiment=gpt_1b", "trainer.dry_run=true", "world_size=8"], tmp_path)
+@pytest.fixture
+def train_main(tmp_path, capfd, monkeypatch):
+    """``megatronish.train.main`` with a command line, in this process (what the entry point
+    does before it starts any process group): its exit code, stdout and stderr."""
+    import megatronish.train as entry
+
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS"):
+        monkeypatch.delenv(var, raising=False)
+
+    def run(args):
+        extra = [f"data.cache_dir={tmp_path / 'cache'}", f"out_dir={tmp_path / 'out'}"]
+        monkeypatch.setattr(sys, "argv", ["train", *args, *extra])
+        code = 0
+        try:
+            entry.main()
+        except SystemExit as e:
+            code = e.code
+        out, err = capfd.readouterr()
+        return subprocess.CompletedProcess(args, code, out, err)
+
+    return run
+
+
+def test_dry_run_prints_derived_values_and_exits(train_main):
+    r = train_main(["+experiment=gpt_1b", "trainer.dry_run=true", "world_size=8"])
     assert r.returncode == 0, r.stderr
     for key in ("microbatches_per_step", "tokens_per_step", "padded_vocab_size", "parameters"):
         assert key in r.stdout
@@ -47,22 +72,22 @@ def test_long_context_experiment_dry_runs_and_plans_with_cp(tmp_path, capsys):
     assert "tp=1 cp=4 pp=1 dp=2" in out and "cp/all_gather" in out and "fits" in out
 
 
-def test_cfg_job_prints_the_composed_config(tmp_path):
-    r = run_train(["--cfg", "job", "parallel.tp=2"], tmp_path)
+def test_cfg_job_prints_the_composed_config(train_main):
+    r = train_main(["--cfg", "job", "parallel.tp=2"])
     assert r.returncode == 0 and "tp: 2" in r.stdout
 
 
-def test_invalid_config_exits_2_with_every_reason(tmp_path):
+def test_invalid_config_exits_2_with_every_reason(train_main):
     t0 = time.time()
-    r = run_train(["parallel.tp=3", "trainer.global_batch_size=7"], tmp_path)
+    r = train_main(["parallel.tp=3", "trainer.global_batch_size=7"])
     assert r.returncode == 2
     assert "not divisible by parallel.tp=3" in r.stderr and "global_batch_size=7" in r.stderr
     assert "Traceback" not in r.stderr
     assert time.time() - t0 < 30
 
 
-def test_a_broken_interpolation_is_an_invalid_config_not_a_traceback(tmp_path):
-    r = run_train(["name=${nonexistent.key}", "trainer.dry_run=true"], tmp_path)
+def test_a_broken_interpolation_is_an_invalid_config_not_a_traceback(train_main):
+    r = train_main(["name=${nonexistent.key}", "trainer.dry_run=true"])
     assert r.returncode == 2, r.stderr
     assert "invalid config: Interpolation key 'nonexistent.key' not found" in r.stderr
     assert "Traceback" not in r.stderr

@@ -1,12 +1,12 @@
 """Generation from checkpoints: greedy parity with transformers, the KV cache, sampling, the CLI.
 
 Tiny models are trained a few steps (so their logits are far from uniform) and saved, at tp=1
-and by a 2-rank tp=2 world; each is generated from in one process. Greedy decoding must give
-exactly the tokens ``transformers``' ``generate(do_sample=False)`` gives on the Hugging Face
-export of the same checkpoint.
+and by a 2-rank tp=2 world; each is generated from in one process. Every greedy token must be
+the token ``transformers`` takes greedily on the Hugging Face export of the same checkpoint: its
+argmax, or within round-off of it (two implementations sum in different orders, so a near tie
+may break either way on some CPU).
 """
 
-import importlib.util
 import os
 import shutil
 import subprocess
@@ -26,6 +26,7 @@ from megatronish.generate.sampling import (
     top_p_filter,
 )
 from megatronish.generate.session import load_model
+from megatronish.testing.cli import load_tool
 from megatronish.testing.multiproc import run_world
 from megatronish.testing.runs import train_layout
 
@@ -61,10 +62,7 @@ def prompts() -> torch.Tensor:
 
 
 def export(ckpt: str, out: str) -> str:
-    spec = importlib.util.spec_from_file_location("export_hf", REPO / "tools" / "export_hf.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    module.export(ckpt, out)
+    load_tool("export_hf").export(ckpt, out)
     return out
 
 
@@ -77,12 +75,17 @@ def test_greedy_tokens_equal_transformers_generate(workdir, arch, tp):
     ours = generate(load_model(ckpt).model, prompts(), 27, eos_id=EOS).ids
     hf_dir = export(ckpt, str(workdir / f"hf-{arch}-tp{tp}"))
     hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
-    theirs = hf.generate(
-        prompts(), attention_mask=torch.ones_like(prompts()), do_sample=False,
-        max_new_tokens=27, eos_token_id=EOS, pad_token_id=EOS,
-    )  # fmt: skip
-    print(f"{arch} tp={tp}: {theirs.shape[1] - 5} new tokens per row, rows {theirs.tolist()}")
-    assert theirs.shape == ours.shape and torch.equal(ours, theirs)
+    with torch.no_grad():  # transformers' logits along our continuation
+        logits = hf(ours, attention_mask=torch.ones_like(ours)).logits[:, 4:-1, :VOCAB]
+    chosen = logits.gather(-1, ours[:, 5:, None]).squeeze(-1)
+    top2 = logits.topk(2, dim=-1).values
+    after_eos = (ours[:, 5:] == EOS).long().cumsum(dim=1) - (ours[:, 5:] == EOS).long() > 0
+    short = (top2[..., 0] - chosen).masked_fill(after_eos, 0)  # 0 where ours is HF's argmax
+    print(
+        f"{arch} tp={tp}: rows {ours.tolist()}, largest shortfall {short.max():.1e}, "
+        f"closest top-2 gap {(top2[..., 0] - top2[..., 1]).min():.1e}"
+    )
+    assert short.max() < 1e-4, short
     assert len(set(ours[:, 5:].flatten().tolist())) > 3  # a real continuation, not one token
 
 
@@ -203,14 +206,6 @@ def test_cli_prints_the_prompt_and_its_continuation(run_ckpt):
     assert done.stdout.startswith("def ") and len(done.stdout.rstrip("\n")) > len("def ")
     assert "step 4" in done.stderr and "tokens/s" in done.stderr
 
-    bad = cli(f"checkpoint={run_ckpt}", "prompt=x", "top_p=2")
-    assert bad.returncode == 2 and bad.stdout == ""
-    assert bad.stderr.strip() == "invalid option: top_p=2.0 must be in (0, 1]"
-
-    missing = cli("checkpoint=/nonexistent/ckpt", "prompt=x")
-    assert missing.returncode == 3 and len(missing.stderr.strip().splitlines()) == 1
-    assert "no checkpoint at /nonexistent/ckpt" in missing.stderr
-
 
 def test_cli_options_and_errors(run_ckpt, stdlib_cache, capsys):
     step = os.path.join(run_ckpt, "step_0000004")
@@ -237,11 +232,15 @@ def test_cli_options_and_errors(run_ckpt, stdlib_cache, capsys):
         (["prompt=x", f"checkpoint={step}", "tokenizer_model=/nope.model"], 3, "/nope.model"),
         (["prompt=x", f"checkpoint.dir={run_ckpt}", "device=tpu"], 2, "device=tpu: expected"),
         (["prompt=x", "checkpoint.dir=null"], 2, "checkpoint.dir is null"),
-    ]
+        ([f"checkpoint={run_ckpt}", "prompt=x", "top_p=2"], 2,
+         "invalid option: top_p=2.0 must be in (0, 1]"),
+        (["checkpoint=/nonexistent/ckpt", "prompt=x"], 3, "no checkpoint at /nonexistent/ckpt"),
+    ]  # fmt: skip
     for argv, code, message in cases:
         assert main(argv) == code, argv
-        err = capsys.readouterr().err
+        out, err = capsys.readouterr()
         assert message in err and len(err.strip().splitlines()) == 1, (argv, err)
+        assert out == "", (argv, out)
 
     assert main(["prompt=x", f"checkpoint.dir={run_ckpt}", "max_new_tokens=2"]) == 0  # the run's
     assert "step 4" in capsys.readouterr().err
@@ -268,3 +267,26 @@ def test_the_run_tokenizer_of_indexed_blended_and_stdlib_runs():
     stdlib = run_tokenizer_path({"data": {"cache_dir": "/c", "vocab_size": 512,
                                           "max_corpus_mb": 0.5}})  # fmt: skip
     assert stdlib.startswith("/c/stdlib-py") and stdlib.endswith("-v512-0.5mb/tokenizer.model")
+
+
+def test_padded_and_unused_vocabulary_ids_are_never_generated(workdir):
+    """The head's rows past the real vocabulary (padding to a multiple of 128, or pieces the
+    tokenizer does not have) give the largest logits here: greedy and sampled decoding still
+    draw only ids below ``vocab_size`` (default: the model's real vocabulary)."""
+    model = load_model(checkpoint(workdir, "llama")).model
+    assert model.spec.padded_vocab_size > VOCAB == model.spec.vocab_size
+    real_decode, real = model.decode, {}
+
+    def padding_wins(ids, cache):  # +1e4 on the logits of every id from real["size"] on
+        logits = real_decode(ids, cache)
+        assert logits.shape[-1] == model.spec.padded_vocab_size
+        cut = real["size"]
+        return torch.cat([logits[..., :cut], logits[..., cut:] + 1e4], dim=-1)
+
+    model.decode = padding_wins
+    for size, vocab_size in ((VOCAB, None), (VOCAB, VOCAB), (200, 200)):
+        real["size"] = size
+        for sampling in (Sampling(), Sampling(greedy=False, temperature=2.0)):
+            gen = torch.Generator().manual_seed(5)
+            new = generate(model, prompts(), 20, sampling, None, gen, vocab_size).ids[:, 5:]
+            assert new.shape == (3, 20) and int(new.max()) < size, (size, sampling, new)

@@ -337,17 +337,28 @@ def test_bad_moe_configs_name_the_value_and_the_fix(overrides, world, fragment):
 
 # -- bf16 on the wire, decoding -------------------------------------------------------------
 def test_bf16_moves_half_the_token_bytes_and_tracks_the_bf16_run():
-    """Rows cross the all-to-all in bf16 (half fp32's bytes; the int64 counts stay), and ep=2
-    in bf16 tracks one bf16 process within bf16 round-off."""
+    """Rows cross the all-to-all in bf16 (half fp32's bytes per row; the int64 counts stay),
+    and ep=2 in bf16 tracks one bf16 process within bf16 round-off.
+
+    bf16 router logits round differently from fp32 ones (and differently on different CPUs),
+    so the two runs may send some tokens to other experts' ranks: one rank's bytes follow its
+    routing. The ep group's total does not: every (token, slot) row crosses dispatch and
+    combine once each way, forward and backward, whichever expert it goes to."""
     args = ["trainer.micro_batch_size=4", *MOE]
     bf16 = ["trainer.precision=bf16"]
     fp32_run = run_world(train_layout, 2, [*args, "parallel.ep=2"], 2)
     bf16_run = run_world(train_layout, 2, [*args, *bf16, "parallel.ep=2"], 2)
     one = [train_layout(0, 1, [*args, *bf16], 2)]
-    full, half = fp32_run[0].stats["ep/all_to_all"], bf16_run[0].stats["ep/all_to_all"]
-    assert full["calls"] == half["calls"]
-    counts = 8 * 4 * full["calls"] // 5  # per block and microbatch: 1 counts + 4 row exchanges
-    assert 2 * half["bytes"] - full["bytes"] == counts
+    full = [r.stats["ep/all_to_all"] for r in fp32_run]
+    half = [r.stats["ep/all_to_all"] for r in bf16_run]
+    assert [s["calls"] for s in full] == [s["calls"] for s in half]
+    # Per block and microbatch: 1 exchange of 4 int64 counts + 4 row exchanges, on each rank.
+    counts = sum(8 * 4 * s["calls"] // 5 for s in full)
+    rows_fp32 = sum(s["bytes"] for s in full) - counts
+    rows_bf16 = sum(s["bytes"] for s in half) - counts
+    tokens = 8 * 16 * 2  # global batch x seq x steps
+    assert rows_fp32 == tokens * 2 * 4 * 4 * 64 * 4  # top-2, 4 exchanges, 4 blocks, h, fp32
+    assert 2 * rows_bf16 == rows_fp32
     gap = max_relative_loss_gap(losses_of(one), losses_of(bf16_run))
     assert gap < 5e-3 and max_relative_loss_gap(losses_of(fp32_run), losses_of(bf16_run)) > 1e-5
 
@@ -409,3 +420,37 @@ def test_evaluation_with_expert_parallelism_matches_one_process():
     two = run_world(valid, 2, ["parallel.ep=2"])
     for v in two:
         assert math.isclose(v, one, rel_tol=1e-5), (v, one)
+
+
+def _routing_stats(rank, world, layout):
+    """The step's routing metrics and every block's statistics summed over the ranks."""
+    from megatronish.moe.metrics import moe_layers
+
+    trainer = build_trainer(rank, world, ["trainer.micro_batch_size=4", *MOE, *layout], 1)
+    trainer.train_step()
+    stats = torch.stack([m.stats for m in moe_layers(trainer.chunks)])
+    if world > 1:
+        dist.all_reduce(stats)
+    return trainer.moe_metrics(), stats
+
+
+def test_routing_metrics_under_tp_and_sp_equal_one_process():
+    """Each tp rank routes its own sequence shard: the tokens per expert, the balancing and z
+    losses and the drops of a step are counted once over tp, as one process counts them.
+
+    tp sums partial products in another order than one process does, so a token whose top-2 (or
+    whose place in an expert's capacity) is within round-off of a tie may go elsewhere on some
+    CPU: per-expert counts and drops are compared within a few assignments, the totals exactly
+    (a bug counting each tp copy, or one shard only, doubles or halves them)."""
+    layout = ["model.moe.capacity_factor=0.5"]
+    one, one_stats = _routing_stats(0, 1, layout)
+    assignments = 8 * 16 * 2  # batch x sequence x top-k, per block
+    for m, stats in run_world(_routing_stats, 2, [*layout, "parallel.tp=2", "parallel.sp=true"]):
+        assert m["moe/tokens_per_expert_mean"] == assignments / 4
+        assert stats[:, :-3].sum(dim=1).tolist() == [assignments] * stats.shape[0]
+        assert (stats[:, :-3] - one_stats[:, :-3]).abs().max() <= 2  # assignments per expert
+        assert (stats[:, -1] - one_stats[:, -1]).abs().max() <= 2  # dropped
+        assert torch.allclose(stats[:, -3:-1], one_stats[:, -3:-1], rtol=1e-2, atol=0)
+        for key in one:
+            assert math.isclose(m[key], one[key], rel_tol=2e-2), (key, m[key], one[key])
+    assert one["moe/dropped_tokens"] > 0 and one["moe/aux_loss"] > 0 and one["moe/z_loss"] > 0

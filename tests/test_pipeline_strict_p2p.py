@@ -64,10 +64,14 @@ def delivered_intact(results) -> bool:
 
 
 def assert_hung(error: WorldError, pp: int) -> None:
-    assert set(error.errors) == set(range(pp))  # every rank stuck, none finished
-    first = str(error)
-    assert "CollectiveError" in first and "timed out" in first, first
-    assert "p2p group [" in first and f"on group pp (ranks {list(range(pp))})" in first, first
+    """Every rank stuck in a p2p group, none finished. The rank whose timeout fires first exits;
+    on a loaded machine a peer may see its connection close before its own timeout fires."""
+    assert set(error.errors) == set(range(pp)), error
+    group = f"on group pp (ranks {list(range(pp))})"
+    for why in error.errors.values():
+        assert "CollectiveError" in why and "p2p group [" in why and group in why, why
+        assert "timed out" in why or "a peer rank exited or crashed" in why, why
+    assert any("timed out" in why for why in error.errors.values()), error
 
 
 def test_old_posting_runs_on_plain_gloo():
@@ -83,7 +87,7 @@ def test_old_posting_hangs_under_strict_mode(pp, vpp, m):
                   wait_sends=False, timeout=30)  # fmt: skip
     assert time.monotonic() - start < TIMEOUT_S + 15
     assert_hung(e.value, pp)
-    assert "p2p group [send" in str(e.value)  # rank 0 is stuck in a send
+    assert "p2p group [send" in e.value.errors[0]  # rank 0 is stuck in a send
 
 
 def test_a_gloo_send_waits_for_the_receive_so_the_old_order_waited_op_by_op_hangs():

@@ -5,8 +5,8 @@ import pytest
 from megatronish.config.compose import load_config
 from megatronish.pipeline.schedule import analytic_bubble
 from megatronish.plan.activations import interleaving_factor, peak_in_flight
+from megatronish.plan.cli import OptionError, split_options
 from megatronish.plan.cli import main as plan_main
-from megatronish.plan.cli import split_options
 from megatronish.plan.estimate import make_plan
 from megatronish.plan.layout import layout_from_config, spec_of
 from megatronish.testing.memory import activations_by_stage, measure_layout
@@ -166,5 +166,5 @@ def test_cli_prints_the_plan_and_says_whether_it_fits(capsys):
 def test_plan_options_are_split_from_overrides():
     overrides, options = split_options(["a.b=1", "device_memory_gb=80", "step_time_s=2.5"])
     assert overrides == ["a.b=1"] and options == {"device_memory_gb": 80.0, "step_time_s": 2.5}
-    with pytest.raises(SystemExit, match="device_memory_gb=80"):
+    with pytest.raises(OptionError, match="device_memory_gb=80"):  # main: exit 2, one line
         split_options(["device_memory_gb=lots"])

@@ -6,12 +6,12 @@ import pytest
 
 from megatronish.testing.compare import assert_parity, max_relative_loss_gap
 from megatronish.testing.multiproc import run_world
-from megatronish.testing.runs import losses_of, train_layout
+from megatronish.testing.runs import PARITY_STEPS, losses_of, train_layout
 
 
 @pytest.fixture(scope="module")
 def reference():
-    return [train_layout(0, 1, [], 10)]
+    return [train_layout(0, 1, [], PARITY_STEPS)]
 
 
 def test_short_run_lowers_the_loss():
@@ -21,17 +21,17 @@ def test_short_run_lowers_the_loss():
 
 
 def test_training_is_deterministic(reference):
-    again = [train_layout(0, 1, [], 10)]
+    again = [train_layout(0, 1, [], PARITY_STEPS)]
     assert losses_of(again) == losses_of(reference)
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_data_parallel_matches_one_process(reference, world):
-    assert_parity(reference, run_world(train_layout, world, [], 10))
+    assert_parity(reference, run_world(train_layout, world, [], PARITY_STEPS))
 
 
 def test_gradient_accumulation_matches_one_big_microbatch(reference):
-    big = [train_layout(0, 1, ["trainer.micro_batch_size=8"], 10)]
+    big = [train_layout(0, 1, ["trainer.micro_batch_size=8"], PARITY_STEPS)]
     assert max_relative_loss_gap(losses_of(reference), losses_of(big)) < 1e-5
 
 

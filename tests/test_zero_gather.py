@@ -289,3 +289,46 @@ def test_native_collectives_train_the_same(stage):
     native = run_world(_native_losses, 2, stage)
     decomposed = run_world(_losses, 2, [f"parallel.zero_stage={stage}"], False)
     assert native == decomposed
+
+
+# -- zero 3: backward prefetch -----------------------------------------------------------------
+def _backward_gathers(rank, world, overrides):
+    """For every unit a backward needs: was its all-gather already started when the unit was
+    needed, and during which visit's backward (the visit index in forward order)?"""
+    trainer = build_trainer(rank, world, ["parallel.zero_stage=3", *overrides], 2)
+    g = trainer.zero.gatherer
+    real = {n: getattr(g, n) for n in ("before_backward", "start_gather", "after_compute")}
+    now = {"visit": None, "first": True}  # the backward visit running; first of its compute?
+    started, needed = {}, []
+
+    def start_gather(unit):
+        if not unit.gathered:  # an all-gather starts here
+            started[id(unit)] = now["visit"]
+        real["start_gather"](unit)
+
+    def before_backward(visits, i):
+        unit = visits[i].unit
+        needed.append((unit.chunk, i, now["first"], unit.gathered, started.get(id(unit))))
+        now["visit"], now["first"] = i, False
+        real["before_backward"](visits, i)
+
+    def after_compute(chunk_index, kind):
+        real["after_compute"](chunk_index, kind)
+        now["visit"], now["first"] = None, True  # the next compute begins
+
+    g.start_gather, g.after_compute = start_gather, after_compute
+    g.before_backward = before_backward
+    for _ in range(2):
+        trainer.train_step()
+    return needed
+
+
+def test_zero3_backward_prefetches_the_next_unit_while_the_current_one_runs():
+    """In backward each unit's all-gather starts when the backward of the unit after it (in
+    forward order) begins, so it overlaps that compute; only the first unit of a chunk's
+    backward (the loss's, kept from its forward) is not prefetched that way."""
+    for needed in run_world(_backward_gathers, 2, []):
+        later = [n for n in needed if not n[2]]
+        assert len(needed) == 2 * 2 * 6 and len(later) == 2 * 2 * 5  # steps x mbs x visits
+        for chunk, i, _, gathering, started_at in later:
+            assert gathering and started_at == i + 1, (chunk, i, gathering, started_at)

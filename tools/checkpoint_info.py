@@ -8,6 +8,10 @@ first and last layer and summarise the rest; --all lists every tensor.
 --verify reads every shard and checks its shape and CRC32; each bad shard is reported with its
 file, and the exit code is 1. (RNG files carry no checksum and are not verified.)
 
+Exit codes: 0 described (and verified), 1 --verify found bad shards, 2 a bad argument,
+3 no readable checkpoint at CKPT (missing, a ``latest`` that names no step, damaged metadata):
+one line on stderr.
+
 Example:
     python tools/checkpoint_info.py outputs/tiny/checkpoints --verify
 """
@@ -24,18 +28,34 @@ from pathlib import Path
 MIB = 1 << 20
 KIND_ORDER = ("model", "exp_avg", "exp_avg_sq")
 LAYER = re.compile(r"layers\.(\d+)\.")
+EXIT_VERIFY = 1
+EXIT_DATA = 3
+
+
+def _importable() -> None:
+    """Let the tool run from a checkout without ``pip install -e .``."""
+    try:
+        import megatronish  # noqa: F401
+    except ImportError:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options."""
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    _importable()
+    from megatronish.config.cli_errors import OneLineArgumentParser
+
+    p = OneLineArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("ckpt", metavar="CKPT", help="checkpoint.dir or a step_XXXXXXX directory")
     p.add_argument(
         "--verify", action="store_true", help="check every shard's CRC32 (exit 1 if bad)"
     )
     p.add_argument("--all", action="store_true", help="list every tensor (default: summarise)")
     p.add_argument("--max-rows", type=int, default=60, help="rows before summarising (60)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.max_rows < 1:
+        p.error(f"--max-rows {args.max_rows} must be >= 1 (or pass --all)")
+    return args
 
 
 def _itemsize(dtype: str) -> int:
@@ -182,18 +202,9 @@ def describe(step_dir: str, meta, show_all: bool, max_rows: int) -> str:
     return "\n".join(lines)
 
 
-def _importable() -> None:
-    """Let the tool run from a checkout without ``pip install -e .``."""
-    try:
-        import megatronish  # noqa: F401
-    except ImportError:
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-
 def main(argv: list[str] | None = None) -> int:
     """Print the report (and verify); returns the exit code."""
     args = parse_args(argv)
-    _importable()
     from megatronish.checkpoint.format import CheckpointError, read_metadata, resolve_step_dir
 
     try:
@@ -201,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
         meta = read_metadata(step_dir)
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_DATA
     print(describe(step_dir, meta, args.all, args.max_rows))
     if not args.verify:
         return 0
@@ -211,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nverify: FAILED, {len(problems)} problem(s) in {shards} shards:", file=sys.stderr)
         for p in problems:
             print(f"  {p}", file=sys.stderr)
-        return 1
+        return EXIT_VERIFY
     print(f"\nverify: OK, {shards} shards match their CRC32")
     return 0
 

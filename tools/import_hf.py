@@ -12,6 +12,11 @@ continues from it with fresh Adam state in any layout:
 
 The vocabulary is padded with zero rows to a multiple of 128; the training data must use the HF
 model's tokenizer ids (model.vocab_size is set to the HF vocabulary).
+
+Exit codes: 0 written, 2 a bad argument (--seq-length below 1 or beyond the model's positions,
+a CKPT_DIR that holds checkpoints without --force or cannot be written), 3 bad or missing input
+(no HF_DIR, config.json or safetensors; a truncated or unreadable file; a model megatronish
+cannot represent) or a write that failed. Each error is one line on stderr.
 """
 
 from __future__ import annotations
@@ -23,10 +28,32 @@ import shutil
 import sys
 from pathlib import Path
 
+EXIT_ARGS = 2
+EXIT_DATA = 3
+
+
+class ArgumentError(ValueError):
+    """An argument that cannot be used (exit 2)."""
+
+
+class InputError(ValueError):
+    """The HF model directory is missing, unreadable or not a model megatronish can hold."""
+
+
+def _importable() -> None:
+    """Let the tool run from a checkout without ``pip install -e .``."""
+    try:
+        import megatronish  # noqa: F401
+    except ImportError:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options."""
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    _importable()
+    from megatronish.config.cli_errors import OneLineArgumentParser
+
+    p = OneLineArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("hf_dir", metavar="HF_DIR", help="local HF model directory")
     p.add_argument("ckpt_dir", metavar="CKPT_DIR", help="checkpoint directory to create")
     p.add_argument(
@@ -36,31 +63,62 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--force", action="store_true", help="replace the checkpoints already in CKPT_DIR"
     )
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.seq_length is not None and args.seq_length < 1:
+        p.error(f"--seq-length {args.seq_length} must be >= 1 (tokens per sample)")
+    return args
 
 
-def read_hf_dir(hf_dir: str) -> tuple[dict, dict]:
-    """``(config, state dict)`` of a local HF model directory (safetensors only)."""
-    from safetensors.torch import load_file
+def read_json(path: str, what: str) -> dict:
+    """A JSON object file; :class:`InputError` naming it when it is missing or not one."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except FileNotFoundError:
+        raise InputError(f"{path} does not exist; {what}") from None
+    except (OSError, ValueError) as e:
+        raise InputError(f"{path} is not readable JSON ({e}); re-download or fix it") from None
+    if not isinstance(value, dict):
+        raise InputError(f"{path} holds a {type(value).__name__}, not a JSON object; {what}")
+    return value
 
-    with open(os.path.join(hf_dir, "config.json")) as f:
-        config = json.load(f)
+
+def _shard_files(hf_dir: str) -> list[str]:
     single = os.path.join(hf_dir, "model.safetensors")
     index = single + ".index.json"
     if os.path.isfile(single):
-        files = [single]
-    elif os.path.isfile(index):
-        with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
-        files = [os.path.join(hf_dir, name) for name in sorted(set(weight_map.values()))]
-    else:
-        raise FileNotFoundError(
-            f"{hf_dir} has no model.safetensors (or model.safetensors.index.json); pickled "
-            "weights are not read: convert them to safetensors first"
-        )
+        return [single]
+    if os.path.isfile(index):
+        weight_map = read_json(index, "it maps tensors to files").get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise InputError(f"{index} has no weight_map of tensor names to files; fix it")
+        return [os.path.join(hf_dir, str(name)) for name in sorted(set(weight_map.values()))]
+    raise InputError(
+        f"{hf_dir} has no model.safetensors (or model.safetensors.index.json); pickled "
+        "weights are not read: convert them to safetensors first"
+    )
+
+
+def read_hf_dir(hf_dir: str) -> tuple[dict, dict]:
+    """``(config, state dict)`` of a local HF model directory (safetensors only); raises
+    :class:`InputError` naming what is missing or unreadable."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    if not os.path.isdir(hf_dir):
+        raise InputError(f"HF_DIR {hf_dir} is not a directory; give a local HF model directory")
+    config = read_json(os.path.join(hf_dir, "config.json"), "an HF model directory has one")
     state = {}
-    for path in files:
-        state.update(load_file(path))
+    for path in _shard_files(hf_dir):
+        try:
+            state.update(load_file(path))
+        except FileNotFoundError:
+            raise InputError(f"{path} does not exist; the index names it: copy it there") from None
+        except (SafetensorError, OSError, ValueError) as e:
+            raise InputError(
+                f"{path} is not a readable safetensors file ({e}); it may be truncated: "
+                "re-download it"
+            ) from None
     return config, state
 
 
@@ -79,7 +137,11 @@ def write_checkpoint(ckpt_dir: str, model_cfg: dict, tensors: dict, source: str,
         group[key] = t
         index.append({"name": key, "key": key, "offsets": [[0, n] for n in t.shape],
                       "shape": list(t.shape), "dtype": "float32", "file": "model"})  # fmt: skip
-    write_rank_files(tmp_dir, 0, {"model": group}, index)
+    try:
+        write_rank_files(tmp_dir, 0, {"model": group}, index)
+    except BaseException:  # a full disk: nothing half-written stays behind
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise
     header = {
         "step": 0,
         "consumed_samples": 0,
@@ -117,44 +179,72 @@ def special_tokens_of(hf_config: dict) -> dict:
     return {k: hf_config[k] for k in keys if hf_config.get(k) is not None}
 
 
+def check_ckpt_dir(ckpt_dir: str, force: bool) -> list[str]:
+    """The checkpoints already in ``ckpt_dir`` (to replace with ``force``); raises
+    :class:`ArgumentError` when it holds some without ``force`` or cannot be written."""
+    from megatronish.config.cli_errors import output_dir_error
+
+    found = existing_checkpoints(ckpt_dir)
+    if found and not force:
+        raise ArgumentError(f"{ckpt_dir} already holds {found}; pass --force to replace them")
+    if (why := output_dir_error(ckpt_dir, "CKPT_DIR")) is not None:
+        raise ArgumentError(why)
+    return found
+
+
+def convert(config: dict, state: dict, seq_length: int | None) -> tuple[dict, dict]:
+    """:func:`~megatronish.hf.from_hf.from_hf`, with its errors as :class:`InputError` (the
+    model) or :class:`ArgumentError` (``seq_length``)."""
+    from megatronish.hf.from_hf import from_hf
+
+    positions = config.get("max_position_embeddings", config.get("n_positions"))
+    if seq_length is not None and isinstance(positions, int) and seq_length > positions:
+        raise ArgumentError(
+            f"--seq-length {seq_length} exceeds the model's {positions} positions "
+            "(max_position_embeddings); use at most that"
+        )
+    try:
+        return from_hf(config, state, seq_length)
+    except KeyError as e:
+        raise InputError(
+            f"config.json has no {e} (model_type {config.get('model_type')!r})"
+        ) from None
+    except (ValueError, TypeError, RuntimeError) as e:
+        raise InputError(f"cannot convert the model: {e}") from None
+
+
 def import_hf(hf_dir: str, ckpt_dir: str, seq_length: int | None = None,
               force: bool = False) -> tuple[dict, str]:  # fmt: skip
     """Convert ``hf_dir`` into ``ckpt_dir``; returns ``(model config, step dir)``."""
-    from megatronish.hf.from_hf import from_hf
-
     ckpt_dir = os.path.expanduser(ckpt_dir)
-    found = existing_checkpoints(ckpt_dir)
-    if found and not force:
-        raise FileExistsError(f"{ckpt_dir} already holds {found}; pass --force to replace them")
+    found = check_ckpt_dir(ckpt_dir, force)
     config, state = read_hf_dir(os.path.expanduser(hf_dir))
-    model_cfg, tensors = from_hf(config, state, seq_length)
-    os.makedirs(ckpt_dir, exist_ok=True)
-    for name in found:
-        path = os.path.join(ckpt_dir, name)
-        shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+    model_cfg, tensors = convert(config, state, seq_length)
     step_dir = write_checkpoint(ckpt_dir, model_cfg, tensors, hf_dir, special_tokens_of(config))
+    for name in found:  # replaced only once the new step is published
+        path = os.path.join(ckpt_dir, name)
+        if path != step_dir and name != "latest":
+            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
     return model_cfg, step_dir
-
-
-def _importable() -> None:
-    """Let the tool run from a checkout without ``pip install -e .``."""
-    try:
-        import megatronish  # noqa: F401
-    except ImportError:
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the import; returns the exit code."""
     args = parse_args(argv)
-    _importable()
     from megatronish.hf.common import override_args
 
     try:
         model_cfg, step_dir = import_hf(args.hf_dir, args.ckpt_dir, args.seq_length, args.force)
-    except (ValueError, KeyError, OSError) as e:
-        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
-        return 1
+    except ArgumentError as e:
+        print(f"invalid argument: {e}", file=sys.stderr)
+        return EXIT_ARGS
+    except InputError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_DATA
+    except OSError as e:  # writing the checkpoint: a full disk, a file size limit
+        print(f"error: writing the checkpoint into {args.ckpt_dir} failed ({e.strerror or e}); "
+              "nothing was published: free space and run it again", file=sys.stderr)  # fmt: skip
+        return EXIT_DATA
     print(f"wrote {step_dir} (weights only, step 0)")
     print("continue pretraining with these model overrides (and data tokenized like the HF model):")
     print(f"  python -m megatronish.train checkpoint.resume={args.ckpt_dir} \\")

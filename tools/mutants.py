@@ -6,9 +6,10 @@ applied there, its tests run (``pytest -x``, the copy first on the import path),
 is restored. The table says which test failed first, or SURVIVED. The exit code is 1 if any
 mutant survived or no longer applies (its source line changed: update the mutant).
 
-    python tools/mutants.py                 # all 32, about 5 minutes on 2 cores
+    python tools/mutants.py                 # all 47, about 5 minutes on 2 cores
     python tools/mutants.py --only loss-scale rng-restore
     python tools/mutants.py --list
+    python tools/mutants.py --check         # edits apply, named tests exist; no test runs (CI)
 """
 
 from __future__ import annotations
@@ -37,6 +38,10 @@ class Mutant:
 
 
 REF = "tests/test_reference_parity.py"
+BLEND = "tests/test_data_blend.py"
+GATHER = "tests/test_zero_gather.py"
+GENERATE = "tests/test_generate.py"
+MOE = "tests/test_moe.py"
 MUTANTS = [
     Mutant(
         "tp-all-reduce",
@@ -82,14 +87,19 @@ MUTANTS = [
         "loss-scale",
         "microbatch losses not scaled by 1/num_microbatches",
         "megatronish/training/trainer.py",
-        (("loss_scale=1.0 / len(batches)", "loss_scale=1.0"),),
+        (
+            (
+                "self.chunks, batches, loss_scale=1.0 / len(batches), param_hooks",
+                "self.chunks, batches, loss_scale=1.0, param_hooks",
+            ),
+        ),
         (REF,),
     ),
     Mutant(
         "zero2-accumulate",
         "ZeRO-2 shard overwritten by each microbatch instead of summed",
         "megatronish/optim/zero.py",
-        (("accumulate=rounds > 0)", "accumulate=False)"),),
+        (("accumulate=rounds > 0, group=b.group)", "accumulate=False, group=b.group)"),),
         ("tests/test_zero.py::test_zero_dp_matches_serial",),
     ),
     Mutant(
@@ -290,8 +300,147 @@ MUTANTS = [
         "expert outputs sent back in expert order, not regrouped by source",
         "megatronish/moe/dispatch.py",
         (("outputs.index_select(0, back)", "outputs.index_select(0, record.regroup)"),),
-        ("tests/test_moe.py::test_dispatch_delivers_every_token_to_its_expert_and_combine"
-         "_restores_order",),
+        (
+            "tests/test_moe.py::test_dispatch_delivers_every_token_to_its_expert_and_combine"
+            "_restores_order",
+        ),
+    ),
+    Mutant(
+        "valid-blend-train-split",
+        "the validation blend reads the training split of each data.blend dataset",
+        "megatronish/data/build.py",
+        (
+            (
+                'datasets("blend", "valid", valid_fraction)',
+                'datasets("blend", "train", valid_fraction)',
+            ),
+        ),
+        (f"{BLEND}::test_validation_reads_the_valid_split_or_the_whole_blend_valid_datasets",),
+    ),
+    Mutant(
+        "valid-blend-weights",
+        "the validation blend of data.blend_valid drawn with the training weights",
+        "megatronish/data/build.py",
+        (("BlendedDataset(valid_parts, valid_weights,", "BlendedDataset(valid_parts, weights,"),),
+        (f"{BLEND}::test_validation_reads_the_valid_split_or_the_whole_blend_valid_datasets",),
+    ),
+    Mutant(
+        "zero3-no-backward-prefetch",
+        "ZeRO-3 backward does not prefetch the next unit (gathered on demand instead)",
+        "megatronish/optim/param_gather.py",
+        (("self.start_gather(visits[i - 1].unit)", "pass"),),
+        (f"{GATHER}::test_zero3_backward_prefetches_the_next_unit_while_the_current_one_runs",),
+    ),
+    Mutant(
+        "zero3-prefetch-wrong-unit",
+        "ZeRO-3 backward prefetches two units ahead (wrapping to the head at the first block)",
+        "megatronish/optim/param_gather.py",
+        (("self.start_gather(visits[i - 1].unit)", "self.start_gather(visits[i - 2].unit)"),),
+        (f"{GATHER}::test_zero3_backward_prefetches_the_next_unit_while_the_current_one_runs",),
+    ),
+    Mutant(
+        "generate-padded-logits",
+        "generation draws from the padded vocabulary's logits",
+        "megatronish/generate/decode.py",
+        (
+            (
+                "logits = model.decode(ids, cache)[:, -1, :vocab]",
+                "logits = model.decode(ids, cache)[:, -1]",
+            ),
+        ),
+        (f"{GENERATE}::test_padded_and_unused_vocabulary_ids_are_never_generated",),
+    ),
+    Mutant(
+        "generate-vocab-size-ignored",
+        "generate ignores the tokenizer's vocab_size (ids it has no piece for can win)",
+        "megatronish/generate/decode.py",
+        (("vocab = vocab_size or model.spec.vocab_size", "vocab = model.spec.vocab_size"),),
+        (f"{GENERATE}::test_padded_and_unused_vocabulary_ids_are_never_generated",),
+    ),
+    Mutant(
+        "expert-piece-offset",
+        "checkpoint pieces of experts written at the local index (offset 0 on every ep rank)",
+        "megatronish/checkpoint/pieces.py",
+        (
+            (
+                "        offsets[0][0] = first\n        offsets[shard.dim]",
+                "        offsets[0][0] = 0\n        offsets[shard.dim]",
+            ),
+        ),
+        ("tests/test_moe_checkpoint.py::test_experts_are_keyed_by_global_index",),
+    ),
+    Mutant(
+        "piece-fused-block",
+        "checkpoint pieces of a fused param (gate|up) all cut from its first block",
+        "megatronish/checkpoint/pieces.py",
+        (("Rect(offsets, shard.dim, local, n, first)", "Rect(offsets, shard.dim, 0, n, first)"),),
+        ("tests/test_moe_checkpoint.py::test_experts_are_keyed_by_global_index",),
+    ),
+    Mutant(
+        "moe-stats-tp-copies",
+        "routing statistics count the tokens gathered over tp (each tp rank's copy)",
+        "megatronish/moe/layer.py",
+        (
+            (
+                "mine = torch.bincount(experts.reshape(-1)",
+                "mine = torch.bincount(all_experts.reshape(-1)",
+            ),
+        ),
+        (f"{MOE}::test_routing_metrics_under_tp_and_sp_equal_one_process",),
+    ),
+    Mutant(
+        "moe-drops-every-tp-rank",
+        "dropped slots counted on every tp rank",
+        "megatronish/moe/layer.py",
+        (("if self.tp.group.rank == 0:  # every tp rank", "if True:  # every tp rank"),),
+        (f"{MOE}::test_routing_metrics_under_tp_and_sp_equal_one_process",),
+    ),
+    Mutant(
+        "moe-metrics-per-rank-mean",
+        "routing losses averaged over every rank (tp and pp too), not over dp replicas",
+        "megatronish/training/trainer.py",
+        (
+            (
+                "self.topo.dp, self.derived.num_microbatches, self.topo.device,",
+                "self.topo.world_size, self.derived.num_microbatches, self.topo.device,",
+            ),
+        ),
+        (f"{MOE}::test_routing_metrics_under_tp_and_sp_equal_one_process",),
+    ),
+    Mutant(
+        "blend-cache-crc",
+        "the blend index cache is read without checking its CRC32",
+        "megatronish/data/blend.py",
+        (
+            (
+                "            if file_crc32(path) != crcs[os.path.basename(path)]:",
+                "            if False:",
+            ),
+        ),
+        (
+            "tests/test_tool_inputs_data.py::test_blend_cache_with_an_edited_in_range_entry_is_rebuilt",
+        ),
+    ),
+    Mutant(
+        "repeated-override",
+        "a key given twice on the command line silently keeps the last",
+        "megatronish/config/cli_errors.py",
+        (("        if len(given) > 1:", "        if len(given) > 2:"),),
+        ("tests/test_tool_inputs_cli.py",),
+    ),
+    Mutant(
+        "latest-not-a-step",
+        "a `latest` that holds no step name is followed",
+        "megatronish/checkpoint/format.py",
+        (("    if step_of(name) is None:\n", "    if not name:\n"),),
+        ("tests/test_tool_inputs_checkpoint.py",),
+    ),
+    Mutant(
+        "preprocess-non-string",
+        "a non-string text value is tokenized",
+        "megatronish/data/preprocess.py",
+        (("        if not isinstance(text, str):", "        if text is None:"),),
+        ("tests/test_tool_inputs_data.py",),
     ),
 ]
 
@@ -346,10 +495,77 @@ def check_imports(root: Path) -> None:
         raise SystemExit(f"the tests would import {out.stdout.strip()}, not the scratch copy")
 
 
+def edit_problems(m: Mutant, root: Path = REPO) -> list[str]:
+    """Why ``m``'s edits would not apply to the files under ``root`` (empty: they would)."""
+    path = root / m.file
+    if not path.is_file():
+        return [f"{m.name}: {m.file} does not exist"]
+    text, problems = path.read_text(), []
+    for old, new in m.edits:
+        if old == new:
+            problems.append(f"{m.name}: the edit of {old!r} changes nothing")
+        elif text.count(old) != 1:
+            problems.append(f"{m.name}: {old!r} occurs {text.count(old)} times in {m.file}")
+        else:
+            text = text.replace(old, new)
+    return problems
+
+
+def collected_ids(files: list[str]) -> tuple[set[str], list[str]]:
+    """``(node ids pytest collects from files, its collection errors)`` (one pytest run)."""
+    if not files:
+        return set(), []
+    env = dict(os.environ, WANDB_MODE="disabled")
+    cmd = [sys.executable, "-m", "pytest", "--collect-only", "-o", "addopts=", "-q",
+           "-p", "no:cacheprovider", "--continue-on-collection-errors", *files]  # fmt: skip
+    r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    ids = {line.strip() for line in r.stdout.splitlines() if "::" in line and " " not in
+           line.split("::", 1)[0]}  # fmt: skip
+    errors = re.findall(r"^ERROR (\S+.*)$", r.stdout, flags=re.M)
+    if r.returncode not in (0, 1) and not ids:
+        errors.append(f"pytest --collect-only exit {r.returncode}: {r.stdout.strip()[-300:]}")
+    return ids, errors
+
+
+def test_id_found(test: str, ids: set[str]) -> bool:
+    """Whether ``test`` (a file, a test function or one parametrized case) names collected
+    tests."""
+    if "::" not in test:
+        return any(i.startswith(test + "::") for i in ids)
+    return test in ids or any(i.startswith(test + "[") for i in ids)
+
+
+def check(mutants: list[Mutant]) -> list[str]:
+    """Every problem that would make a mutant STALE or name a missing test, one line each;
+    no test runs (pytest only collects the named test files)."""
+    problems = []
+    names = [m.name for m in mutants]
+    problems += [f"{n}: the name is used by {names.count(n)} mutants"
+                 for n in sorted(set(names)) if names.count(n) > 1]  # fmt: skip
+    for m in mutants:
+        problems += edit_problems(m)
+        if not m.tests:
+            problems.append(f"{m.name}: names no test")
+    files = sorted({t.split("::")[0] for m in mutants for t in m.tests})
+    missing = [f for f in files if not (REPO / f).is_file()]
+    ids, errors = collected_ids([f for f in files if f not in missing])
+    problems += [f"pytest could not collect: {e}" for e in errors]
+    for m in mutants:
+        for t in m.tests:
+            if t.split("::")[0] in missing:
+                problems.append(f"{m.name}: test file {t.split('::')[0]} does not exist")
+            elif not test_id_found(t, ids):
+                problems.append(f"{m.name}: test {t} is not collected")
+    return problems
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--only", nargs="+", metavar="NAME", help="run these mutants only")
     parser.add_argument("--list", action="store_true", help="list the mutants and exit")
+    parser.add_argument("--check", action="store_true",
+                        help="only check that every edit applies once and every named test "
+                        "exists (no test runs; for CI)")  # fmt: skip
     parser.add_argument("--timeout", type=float, default=300, help="seconds per mutant")
     args = parser.parse_args(argv)
     chosen = [m for m in MUTANTS if not args.only or m.name in args.only]
@@ -360,6 +576,14 @@ def main(argv: list[str] | None = None) -> int:
         for m in chosen:
             print(f"{m.name:24s} {m.what}  [{m.file}]")
         return 0
+    if args.check:
+        problems = check(chosen)
+        for line in problems:
+            print(line)
+        if not problems:
+            tests = len({t for m in chosen for t in m.tests})
+            print(f"{len(chosen)} mutants: every edit applies once, all {tests} tests exist")
+        return 1 if problems else 0
     rows, survived = [], 0
     with tempfile.TemporaryDirectory(prefix="megatronish-mutants-") as tmp:
         root = Path(tmp)

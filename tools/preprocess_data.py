@@ -11,6 +11,13 @@ Examples:
         --output-prefix data/web_text_document --workers 8
     python tools/preprocess_data.py --input 'shards/*.parquet' --tokenizer-model tok/spm.model \\
         --output-prefix data/books --output-per-input   # data/books_<shard>.bin/.idx each
+
+Exit codes: 0 written, 2 a bad argument (an input that matches no file, an unsupported
+extension, a tokenizer model that does not exist, an --output-prefix without a file name or in
+a directory that cannot be written), 3 bad data (an empty or unreadable input, a record without
+a string under --json-key, named by file and row; a tokenizer file that is not a model) or a
+write that failed (disk full, file size limit). Each error is one line on stderr; nothing
+half-written is published under the output names.
 """
 
 from __future__ import annotations
@@ -24,19 +31,24 @@ from pathlib import Path
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 try:
+    from megatronish.config.cli_errors import OneLineArgumentParser
     from megatronish.data import preprocess
     from megatronish.data.indexed import dtype_for_vocab
     from megatronish.data.tokenizer import Tokenizer
 except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from megatronish.config.cli_errors import OneLineArgumentParser
     from megatronish.data import preprocess
     from megatronish.data.indexed import dtype_for_vocab
     from megatronish.data.tokenizer import Tokenizer
 
+EXIT_ARGS = 2
+EXIT_DATA = 3
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options."""
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = OneLineArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--input", nargs="+", required=True, help="files or quoted globs")
     p.add_argument("--json-key", default="text", help="text column of jsonl/parquet/arrow (text)")
     p.add_argument(
@@ -67,15 +79,49 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Entry point."""
-    args = parse_args(argv)
+def _refuse(code: int, message: str) -> int:
+    print(f"{'invalid argument' if code == EXIT_ARGS else 'error'}: {message}", file=sys.stderr)
+    return code
+
+
+def _checked(args: argparse.Namespace) -> tuple[list[str], Tokenizer] | int:
+    """``(input files, tokenizer)``, or the exit code after saying what is wrong (inputs,
+    tokenizer, then outputs: their directories are created only when the rest is usable)."""
     try:
         files = preprocess.resolve_inputs(args.input)
-        preprocess.output_prefixes(files, args.output_prefix, args.output_per_input)
+        prefixes = preprocess.output_prefixes(files, args.output_prefix, args.output_per_input)
+    except preprocess.InputError as e:
+        return _refuse(EXIT_DATA, str(e))
+    except ValueError as e:
+        return _refuse(EXIT_ARGS, str(e))
+    try:
         tok = Tokenizer(os.path.expanduser(args.tokenizer_model))
-    except (ValueError, OSError, RuntimeError) as e:
-        raise SystemExit(str(e)) from None
+    except FileNotFoundError as e:  # --tokenizer-model names no file
+        return _refuse(EXIT_ARGS, f"--tokenizer-model: {e}")
+    except (ValueError, OSError) as e:  # a file that is not a sentencepiece model
+        return _refuse(EXIT_DATA, str(e))
+    try:
+        for prefix in dict.fromkeys(prefixes):
+            preprocess.check_output_prefix(prefix)
+    except ValueError as e:
+        return _refuse(EXIT_ARGS, str(e))
+    return files, tok
+
+
+def _write_failed(error: OSError, prefix: str) -> str:
+    return (
+        f"writing --output-prefix {prefix} failed ({error.strerror or error}); nothing "
+        "half-written was published: free space (or raise the file size limit) and run it again"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; returns the exit code."""
+    args = parse_args(argv)
+    checked = _checked(args)
+    if isinstance(checked, int):
+        return checked
+    files, tok = checked
     from tqdm import tqdm
 
     bar = tqdm(desc="tokenizing", unit=" docs", disable=args.no_progress or None, mininterval=1)
@@ -93,13 +139,18 @@ def main(argv: list[str] | None = None) -> None:
             txt_sample_by=args.txt_sample_by, append_eod=args.append_eod, workers=args.workers,
             per_input=args.output_per_input, progress=progress,
         )  # fmt: skip
+    except preprocess.InputError as e:
+        return _refuse(EXIT_DATA, str(e))
     except ValueError as e:
-        raise SystemExit(str(e)) from None
+        return _refuse(EXIT_ARGS, str(e))
+    except OSError as e:  # ENOSPC, EFBIG (RLIMIT_FSIZE), EIO while writing
+        return _refuse(EXIT_DATA, _write_failed(e, args.output_prefix))
     finally:
         bar.close()
     seconds = time.perf_counter() - t0
     print(preprocess.throughput_line(written, seconds, dtype_for_vocab(tok.vocab_size)), flush=True)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

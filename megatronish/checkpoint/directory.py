@@ -17,7 +17,13 @@ import os
 import shutil
 import socket
 
-from megatronish.checkpoint.format import LATEST, TMP_PREFIX, CheckpointError, step_of
+from megatronish.checkpoint.format import (
+    LATEST,
+    TMP_PREFIX,
+    CheckpointError,
+    latest_step_name,
+    step_of,
+)
 
 REPLACED_PREFIX = f"{TMP_PREFIX}old_"  # a published step while its re-save is being published
 DAMAGED_PREFIX = "damaged_"
@@ -45,11 +51,11 @@ def write_latest(ckpt_dir: str, name: str) -> None:
 
 
 def read_latest(ckpt_dir: str) -> str | None:
-    """The step name ``latest`` holds (None without a readable ``latest``)."""
+    """The step name ``latest`` holds (None without a ``latest`` that names a step; see
+    :func:`~megatronish.checkpoint.format.latest_step_name` for why)."""
     try:
-        with open(os.path.join(ckpt_dir, LATEST)) as f:
-            return f.read().strip()
-    except OSError:
+        return latest_step_name(ckpt_dir)
+    except CheckpointError:
         return None
 
 

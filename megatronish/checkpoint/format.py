@@ -126,17 +126,45 @@ def crc32_of(t: torch.Tensor) -> int:
     return zlib.crc32(memoryview(np.ascontiguousarray(data.numpy())).cast("B"))
 
 
+def latest_step_name(ckpt_dir: str) -> str | None:
+    """The step directory name ``ckpt_dir/latest`` holds (None without a ``latest`` file).
+
+    Raises :class:`CheckpointError` when it cannot be read or holds anything else (text or
+    bytes that are not a ``step_XXXXXXX`` name, which could also point outside ``ckpt_dir``).
+    """
+    path = os.path.join(ckpt_dir, LATEST)
+    if not os.path.lexists(path):
+        return None
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(4096)
+    except OSError as e:
+        raise CheckpointError(f"cannot read {path} ({e.strerror or e})") from e
+    name = raw.decode("utf-8", errors="replace").strip()
+    if step_of(name) is None:
+        shown = name if len(name) <= 40 else name[:40] + "..."
+        raise CheckpointError(  # ascii(): bytes that are not text stay on one printable line
+            f"{path} holds {ascii(shown)}, not a step directory name (step_XXXXXXX)"
+        )
+    return name
+
+
 def resolve_step_dir(path: str) -> str:
     """A step directory from ``path``: a step directory itself, or a dir with ``latest``."""
     path = os.path.expanduser(path)
     if os.path.exists(os.path.join(path, METADATA)):
         return path
-    latest = os.path.join(path, LATEST)
-    if os.path.exists(latest):
-        with open(latest) as f:
-            step_dir = os.path.join(path, f.read().strip())
+    try:
+        name = latest_step_name(path)
+    except CheckpointError as e:
+        raise CheckpointError(
+            f"{e}; pass one step directory, or write the newest step's name into it"
+        ) from None
+    if name is not None:
+        step_dir = os.path.join(path, name)
         if os.path.exists(os.path.join(step_dir, METADATA)):
             return step_dir
+        latest = os.path.join(path, LATEST)
         raise CheckpointError(f"{latest} names {step_dir}, which has no {METADATA}")
     raise CheckpointError(
         f"no checkpoint at {path}: expected {METADATA} or a '{LATEST}' file; pass a "
@@ -147,7 +175,7 @@ def resolve_step_dir(path: str) -> str:
 def read_metadata(step_dir: str) -> Metadata:
     path = os.path.join(step_dir, METADATA)
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             return Metadata.from_json(f.read(), path)
-    except OSError as e:
+    except (OSError, UnicodeDecodeError) as e:  # missing, unreadable, or bytes that are not text
         raise CheckpointError(f"cannot read {path}: {e}") from e

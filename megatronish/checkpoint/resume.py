@@ -24,7 +24,6 @@ from megatronish.checkpoint.directory import (
     clean_stale,
     collect_probes,
     damaged_name,
-    read_latest,
     restore_replaced,
     set_aside_damaged,
     write_latest,
@@ -33,6 +32,7 @@ from megatronish.checkpoint.directory import (
 from megatronish.checkpoint.format import (
     CheckpointError,
     Metadata,
+    latest_step_name,
     read_metadata,
     resolve_step_dir,
     step_dir_name,
@@ -69,20 +69,29 @@ class ResumePlan:
             self.lock.release()
 
 
-def auto_candidates(ckpt_dir: str) -> list[int]:
+def auto_candidates(ckpt_dir: str, log: Callable[[str], None] = print) -> list[int]:
     """Steps to try for ``resume=auto``: the one ``latest`` names (even if it is gone, so that
     its absence is reported), then the published steps before it, newest first. Without a
-    readable ``latest``, every published step, newest first."""
+    ``latest``, every published step, newest first; the same, with a ``log`` line saying why,
+    when ``latest`` cannot be read or names no step."""
     if not os.path.isdir(ckpt_dir):
         return []
     published = sorted(
         (s for d in os.listdir(ckpt_dir) if (s := step_of(d)) is not None
          and os.path.isdir(os.path.join(ckpt_dir, d))), reverse=True,
     )  # fmt: skip
-    latest = step_of(read_latest(ckpt_dir) or "")
+    try:
+        latest = step_of(latest_step_name(ckpt_dir) or "")
+    except CheckpointError as e:
+        log(f"{e}; trying the published steps newest first")
+        latest = None
     if latest is None:
         return published
     return [latest] + [s for s in published if s < latest]
+
+
+def _log(line: str) -> None:
+    print(line, flush=True)
 
 
 def plan_resume(ckpt_cfg, group: ParallelGroup, label: str | None = None) -> ResumePlan:
@@ -97,7 +106,7 @@ def plan_resume(ckpt_cfg, group: ParallelGroup, label: str | None = None) -> Res
         if group.rank == 0 and ckpt_dir:
             plan.restored = restore_replaced(ckpt_dir)
             plan.removed = clean_stale(ckpt_dir)
-            steps = auto_candidates(ckpt_dir) if resume == "auto" else []
+            steps = auto_candidates(ckpt_dir, _log) if resume == "auto" else []
         if resume != "auto":
             path = find_resume_path(resume, ckpt_dir)
             plan.candidates = [path] if path else []

@@ -48,6 +48,29 @@ def _tokenizer_errors(d, why: str) -> list[str]:
     return []
 
 
+def _stdlib_errors(d) -> list[str]:
+    """The built-in corpus (no blend): its vocabulary, and keys it would ignore."""
+    errors = []
+    if d.prefix:
+        errors.append(
+            f"data.prefix={d.prefix} is ignored by data.source={d.source}, which trains on the "
+            "built-in corpus; add data=indexed (with data.tokenizer_model) to train on it"
+        )
+    if d.tokenizer_model:
+        errors.append(
+            f"data.tokenizer_model={d.tokenizer_model} is ignored by data.source={d.source}, "
+            "which trains its own tokenizer on the built-in corpus; add data=indexed with "
+            "data.prefix to use it, or drop it"
+        )
+    if d.vocab_size < MIN_STDLIB_VOCAB:
+        errors.append(
+            f"data.vocab_size={d.vocab_size} is too small to train a tokenizer on the built-in "
+            "corpus: byte fallback takes 259 ids and each of the corpus's characters one more; "
+            f"use at least {MIN_STDLIB_VOCAB}"
+        )
+    return errors
+
+
 def data_errors(cfg) -> list[str]:
     """Every problem of ``cfg.data``."""
     d, errors = cfg.data, []
@@ -77,12 +100,8 @@ def data_errors(cfg) -> list[str]:
                 f"data.prefix={d.prefix}: {d.prefix}.idx does not exist; create it with "
                 "tools/preprocess_data.py"
             )
-    elif d.vocab_size < MIN_STDLIB_VOCAB:
-        errors.append(
-            f"data.vocab_size={d.vocab_size} is too small to train a tokenizer on the built-in "
-            "corpus: byte fallback takes 259 ids and each of the corpus's characters one more; "
-            f"use at least {MIN_STDLIB_VOCAB}"
-        )
+    else:
+        errors += _stdlib_errors(d)
     if not 0.0 < d.valid_fraction < 1.0:
         errors.append(f"data.valid_fraction={d.valid_fraction} must be in (0, 1)")
     return errors

@@ -8,7 +8,9 @@ It depends only on the normalised weights and the number of samples, never on wh
 global-sample cursor, resume at any dp size and the samples of a step are as for one dataset.
 
 The index is built once and cached as two ``.npy`` files (no pickle) named by a hash of what
-determines it; a damaged cache file is rebuilt.
+determines it, with the CRC32 of each in a ``-crc32.json`` file written after them. A cache file
+that does not match its CRC32 (a flipped byte, an edited entry) or cannot be read is rebuilt,
+with one logged line naming it.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import hashlib
 import json
 import os
 import time
+import zlib
 from array import array
 
 import numpy as np
@@ -64,31 +67,68 @@ def cache_key(weights: list[float], size: int) -> str:
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def file_crc32(path: str, chunk: int = 1 << 24) -> int:
+    """CRC32 of a file's bytes."""
+    crc = 0
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            crc = zlib.crc32(block, crc)
+    return crc
+
+
+def _write_atomic(path: str, write) -> None:
+    """``write(file)`` into ``path`` under a temporary name, then rename it into place."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "wb") as f:
+        write(f)
+    os.replace(tmp, path)
+
+
+def _read_cache(paths: tuple[str, str], crc_path: str, size: int, log):
+    """The cached ``(dataset_index, dataset_sample_index)``, or None (with a logged line when
+    a file is there but damaged) when it must be built."""
+    if not all(os.path.exists(p) for p in (*paths, crc_path)):
+        return None  # not built yet, or a build that ended before its checksums
+    try:
+        with open(crc_path) as f:
+            crcs = json.load(f)
+        for path in paths:
+            if file_crc32(path) != crcs[os.path.basename(path)]:
+                log(f"[data] blend index cache {path} does not match its CRC32 in {crc_path} "
+                    "(damaged or edited); rebuilding it")  # fmt: skip
+                return None
+        datasets, samples = (np.load(p, allow_pickle=False) for p in paths)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        log(f"[data] blend index cache {crc_path} is damaged ({type(e).__name__}: {e}); "
+            "rebuilding it")  # fmt: skip
+        return None
+    if datasets.shape == samples.shape == (size,):
+        return datasets, samples
+    log(f"[data] blend index cache {paths[0]} has shape {datasets.shape}, not ({size},); "
+        "rebuilding it")  # fmt: skip
+    return None
+
+
 def cached_blend_indices(
     weights: list[float], size: int, cache_dir: str | None, log=print
 ) -> tuple[np.ndarray, np.ndarray]:
     """:func:`blend_indices`, read from or written to ``cache_dir`` (None: not cached). Writes
-    are atomic, so ranks building the same index at once leave one good copy."""
+    are atomic, and the CRC32 file is written last, so ranks building the same index at once
+    leave one good copy and an interrupted build is rebuilt."""
     if cache_dir is None:
         return blend_indices(weights, size)
     cache_dir = os.path.expanduser(cache_dir)
     base = os.path.join(cache_dir, f"blend-{cache_key(weights, size)}")
-    paths = (base + "-dataset.npy", base + "-sample.npy")
-    if all(os.path.exists(p) for p in paths):
-        try:
-            datasets, samples = (np.load(p, allow_pickle=False) for p in paths)
-            if datasets.shape == samples.shape == (size,):
-                return datasets, samples
-        except (OSError, ValueError) as e:
-            log(f"[data] blend index cache {base} is damaged ({e}); rebuilding it")
+    paths, crc_path = (base + "-dataset.npy", base + "-sample.npy"), base + "-crc32.json"
+    if (cached := _read_cache(paths, crc_path, size, log)) is not None:
+        return cached
     start = time.perf_counter()
     datasets, samples = blend_indices(weights, size)
     os.makedirs(cache_dir, exist_ok=True)
     for path, values in zip(paths, (datasets, samples)):
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "wb") as f:
-            np.save(f, values, allow_pickle=False)
-        os.replace(tmp, path)
+        _write_atomic(path, lambda f, v=values: np.save(f, v, allow_pickle=False))
+    crcs = json.dumps({os.path.basename(p): file_crc32(p) for p in paths}, sort_keys=True)
+    _write_atomic(crc_path, lambda f: f.write(crcs.encode()))
     log(f"[data] built the blend index of {size:,} samples in {time.perf_counter() - start:.1f} s")
     return datasets, samples
 

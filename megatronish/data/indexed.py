@@ -17,6 +17,7 @@ The ``.bin`` holds the sequences back to back. The writer stores one sequence pe
 
 from __future__ import annotations
 
+import contextlib
 import os
 import struct
 import uuid
@@ -110,9 +111,17 @@ class IndexedDatasetWriter:
         self._lengths.append(lengths)
 
     def finalize(self) -> None:
-        """Write the index and atomically move both files to ``prefix.bin`` / ``prefix.idx``."""
+        """Write the index and atomically move both files to ``prefix.bin`` / ``prefix.idx``;
+        on a failure (a full disk) neither is published and the temporary files are removed."""
         if self._finalized:
             return
+        try:
+            self._publish()
+        except BaseException:
+            self.abort()
+            raise
+
+    def _publish(self) -> None:
         self._bin.close()
         self._finalized = True
         lengths = np.concatenate(self._lengths) if self._lengths else np.zeros(0, np.int64)
@@ -132,10 +141,12 @@ class IndexedDatasetWriter:
 
     def abort(self) -> None:
         """Drop the partial output (called automatically when a ``with`` block raises)."""
-        if not self._finalized:
+        self._finalized = True
+        with contextlib.suppress(OSError):  # closing flushes, which fails again on a full disk
             self._bin.close()
-            self._finalized = True
-            os.unlink(self._tmp_bin)
+        for path in (self._tmp_bin, f"{self.prefix}.idx.{self._tag}.tmp"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
 
     def __enter__(self) -> IndexedDatasetWriter:
         return self

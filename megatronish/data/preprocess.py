@@ -5,6 +5,9 @@ Inputs (.jsonl / .json, .parquet, .arrow, .txt, mixed) are streamed with Hugging
 documents, tokenized by ``workers`` processes and written in input order, so the output is the
 same bytes whatever the worker count. One record is one document: a JSON line, a parquet or
 arrow row (text under ``key``), or a .txt file, paragraph or line (``txt_sample_by``).
+
+Bad arguments raise ValueError; input that is not documents (an empty or unreadable file, a
+record without a string under ``key``) raises :class:`InputError`, naming the file and row.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import functools
 import glob
 import multiprocessing
 import os
+import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
@@ -27,18 +31,54 @@ BUILDERS = {".jsonl": "json", ".json": "json", ".txt": "text", ".parquet": "parq
 CHUNK_DOCS = 512  # documents per task: big enough to amortise the hand-off, small for order
 
 
+class InputError(ValueError):
+    """An input file that cannot be read, or a record in it that is not a document."""
+
+
 def resolve_inputs(patterns: list[str]) -> list[str]:
-    """Expand files and globs (each must match) into a sorted, de-duplicated file list."""
+    """Expand files and globs (each must match) into a sorted, de-duplicated file list.
+    Raises :class:`InputError` for an empty file (there is nothing to tokenize in it)."""
     files: list[str] = []
     for pattern in patterns:
         matches = sorted(glob.glob(os.path.expanduser(pattern)))
         if not matches:
             raise ValueError(f"--input {pattern} matches no file")
+        for m in matches:
+            if os.path.isdir(m):
+                raise ValueError(f"--input {m} is a directory; give its files, e.g. '{m}/*.jsonl'")
         files += [m for m in matches if m not in files]
     unknown = sorted({os.path.splitext(f)[1].lower() for f in files} - set(BUILDERS))
     if unknown:
         raise ValueError(f"--input: unsupported extension(s) {unknown}; use {list(BUILDERS)}")
+    for f in files:
+        if os.path.getsize(f) == 0:
+            raise InputError(f"{f} is empty (0 bytes): nothing to tokenize; remove it from --input")
     return files
+
+
+def check_output_prefix(prefix: str, flag: str = "--output-prefix", ext: str = ".bin") -> None:
+    """Refuse an output prefix (given as ``flag``) that has no file name part or whose directory
+    cannot be created or written: found before any work, not after hours of it."""
+    if os.path.basename(prefix) in ("", ".", ".."):
+        raise ValueError(
+            f"{flag} {prefix} has no file name part: it would write {prefix}{ext} as a hidden "
+            f"file; give a name, e.g. {os.path.join(prefix, 'corpus')}"
+        )
+    directory = os.path.dirname(os.path.abspath(os.path.expanduser(prefix)))
+    existing = directory
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise ValueError(f"{flag} {prefix}: {existing} is a file, not a directory; choose another")
+    try:
+        os.makedirs(directory, exist_ok=True)
+        with tempfile.TemporaryFile(dir=directory, prefix=".probe-"):
+            pass
+    except OSError as e:
+        raise ValueError(
+            f"{flag} {prefix}: cannot write in {directory} ({e.strerror or e}); choose a "
+            "writable directory"
+        ) from None
 
 
 def output_prefixes(files: list[str], prefix: str, per_input: bool) -> list[str]:
@@ -52,18 +92,52 @@ def output_prefixes(files: list[str], prefix: str, per_input: bool) -> list[str]
     return [f"{prefix}_{s}" for s in stems]
 
 
-def iter_documents(path: str, key: str, txt_sample_by: str = "document") -> Iterator[str]:
-    """The documents of one file, streamed."""
+def _first_line(error: BaseException) -> str:
+    lines = [ln.strip() for ln in str(error).splitlines() if ln.strip()]
+    return lines[0] if lines else type(error).__name__
+
+
+def _rows(path: str, builder: str, kwargs: dict) -> Iterator[dict]:
+    """The records of one file, streamed; a file the reader cannot parse is an InputError."""
     import datasets  # slow import, only where needed
 
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its errors are ours to report
+    try:
+        ds = datasets.load_dataset(builder, data_files=[path], split="train", streaming=True,
+                                   **kwargs)  # fmt: skip
+        yield from ds
+    except Exception as e:  # noqa: BLE001 - pyarrow, json, codecs and datasets raise many types
+        raise InputError(
+            f"cannot read {path} as {builder} ({_first_line(e)}); fix or remove it"
+        ) from None
+
+
+def _not_text(value, column: str) -> str:
+    if value is None:
+        return f"has no {column!r} value (missing or null)"
+    shown = repr(value) if len(repr(value)) <= 30 else repr(value)[:30] + "..."
+    return f"has {column!r} = {shown} ({type(value).__name__}), not a string"
+
+
+def iter_documents(path: str, key: str, txt_sample_by: str = "document") -> Iterator[str]:
+    """The documents of one file, streamed. Raises :class:`InputError` naming the file (and
+    row) when it cannot be read, holds no record, or a record has no string under ``key``."""
     builder = BUILDERS[os.path.splitext(path)[1].lower()]
     kwargs = {"sample_by": txt_sample_by} if builder == "text" else {}
-    ds = datasets.load_dataset(builder, data_files=[path], split="train", streaming=True, **kwargs)
     column = "text" if builder == "text" else key
-    for i, row in enumerate(ds):
-        if i == 0 and column not in row:
-            raise ValueError(f"{path}: no column {column!r} (has {sorted(row)}); use --json-key")
-        yield row[column] or ""
+    rows = 0
+    for rows, row in enumerate(_rows(path, builder, kwargs), 1):
+        if rows == 1 and column not in row:
+            raise InputError(f"{path}: no column {column!r} (has {sorted(row)}); use --json-key")
+        text = row[column]
+        if not isinstance(text, str):
+            raise InputError(
+                f"{path}: row {rows} {_not_text(text, column)}; fix the row (or remove it), "
+                "or choose the text column with --json-key"
+            )
+        yield text
+    if rows == 0:
+        raise InputError(f"{path} holds no records: nothing to tokenize; remove it from --input")
 
 
 @functools.lru_cache(maxsize=2)
@@ -140,7 +214,7 @@ def preprocess(
     out: list[Written] = []
     try:
         for prefix in dict.fromkeys(prefixes):  # each output once, its inputs in order
-            os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
+            check_output_prefix(prefix)
             written = Written(prefix)
             with IndexedDatasetWriter(prefix, dtype) as writer:
                 for path in (f for f, p in zip(files, prefixes) if p == prefix):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megatronish.config.cli_errors import repeated_keys_reason
 from megatronish.config.compose import parse_bool
 from megatronish.generate.sampling import Sampling
 
@@ -23,18 +24,30 @@ def _positive(text: str) -> int:
     return int(text)
 
 
+def _seed(text: str) -> int:
+    if not 0 <= int(text) < 2**64:  # what torch.Generator.manual_seed takes
+        raise ValueError(text)
+    return int(text)
+
+
+def _path(text: str) -> str:
+    if not text.strip():
+        raise ValueError(text)
+    return text
+
+
 # Option -> (parser, what a good value looks like).
 OPTIONS = {
-    "checkpoint": (str, "a checkpoint.dir or a step_XXXXXXX directory"),
+    "checkpoint": (_path, "a checkpoint.dir or a step_XXXXXXX directory"),
     "prompt": (str, "text, e.g. prompt='def '"),
     "max_new_tokens": (_positive, "a whole number >= 1, e.g. max_new_tokens=40"),
     "greedy": (parse_bool, "true or false"),
-    "temperature": (float, "a number > 0, e.g. temperature=0.8"),
+    "temperature": (float, "a finite number > 0, e.g. temperature=0.8"),
     "top_k": (int, "a whole number >= 0, e.g. top_k=40 (0: off)"),
     "top_p": (float, "a number in (0, 1], e.g. top_p=0.9 (1: off)"),
-    "seed": (int, "a whole number, e.g. seed=0"),
+    "seed": (_seed, "a whole number in [0, 2**64), e.g. seed=0"),
     "device": (_device, "auto, cpu or cuda"),
-    "tokenizer_model": (str, "a sentencepiece .model file"),
+    "tokenizer_model": (_path, "a sentencepiece .model file"),
     "verify": (parse_bool, "true or false"),
 }
 SAMPLING_KEYS = ("temperature", "top_k", "top_p")
@@ -85,7 +98,7 @@ def parse_options(argv: list[str]) -> tuple[Options | None, list[str]]:
     values: dict = {}
     overrides: list[str] = []
     layout: list[str] = []  # parallel.tp/cp/pp=1: consistent with generation, else refused
-    errors: list[str] = []
+    errors: list[str] = [r] if (r := repeated_keys_reason(argv)) is not None else []
     for arg in argv:
         key, eq, raw = arg.partition("=")
         if not eq:

@@ -6,6 +6,7 @@ Face's order (temperature, then top-k, then top-p) and keep the same tokens as i
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -23,11 +24,15 @@ class Sampling:
     top_p: float = 1.0
 
     def __post_init__(self) -> None:
-        if not self.temperature > 0:
-            raise ValueError(f"temperature={self.temperature} must be > 0")
+        # inf would draw uniformly from every token, nan from none: neither is a temperature.
+        if not (self.temperature > 0 and math.isfinite(self.temperature)):
+            raise ValueError(
+                f"temperature={self.temperature} must be a finite number > 0, e.g. "
+                "temperature=0.8 (lower: closer to greedy)"
+            )
         if self.top_k < 0:
             raise ValueError(f"top_k={self.top_k} must be >= 0 (0 keeps every token)")
-        if not 0 < self.top_p <= 1:
+        if not 0 < self.top_p <= 1:  # nan is refused too
             raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
 
     def describe(self) -> str:

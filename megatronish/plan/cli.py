@@ -19,7 +19,8 @@ every rank of the layout will hold and do. Planner options (not part of the trai
 For a mixture-of-experts model the plan also prints active and total parameters, the experts
 each rank holds (and their share of its states) and the all-to-all volume (docs/planning.md).
 
-Exit codes: 0 fits (or no memory given), 1 does not fit, 2 invalid config or option.
+Exit codes: 0 fits (or no memory given), 1 does not fit, 2 invalid config or option (one line
+on stderr per problem; a key or option given twice is one). ``--help`` prints this text.
 
 The advisor's options (besides ``device=NAME``, ``device_memory_gb`` and ``peak_tflops``):
 
@@ -37,11 +38,13 @@ Exit codes with ``advise=true``: 0 a layout fits, 1 none fits, 2 invalid config 
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
+from megatronish.config.cli_errors import repeated_keys_reason
 from megatronish.config.compose import parse_bool
-from megatronish.config.validate import config_errors
+from megatronish.config.validate import ConfigError, config_errors
 from megatronish.plan.devices import GiB, GPUModel, UnknownDevice, gpu_named, local_gpu
 from megatronish.plan.step_time import Hardware
 
@@ -55,7 +58,19 @@ OPTION_HINTS = {
     "advise": "true or false, e.g. advise=true",
     "gpus_per_node": "a whole number, e.g. gpus_per_node=8",
     "top": "a whole number, e.g. top=10",
+    "device_memory_gb": "GiB per device, e.g. device_memory_gb=80",
+    "peak_tflops": "TFLOP/s per device, e.g. peak_tflops=989",
+    "step_time_s": "seconds per step, e.g. step_time_s=8",
+    "efficiency": "a fraction of peak, e.g. efficiency=0.5",
+    "latency_us": "microseconds, e.g. latency_us=5",
 }
+# Options that must be > 0 (all numeric options must be finite).
+POSITIVE = ("device_memory_gb", "peak_tflops", "step_time_s", "gpus_per_node", "top",
+            "intra_node_gbps", "inter_node_gbps", "efficiency")  # fmt: skip
+
+
+class OptionError(ValueError):
+    """A planner option (``key=value``) that is not a value of its type."""
 
 
 def unused_advise_options(options: dict) -> list[str]:
@@ -94,20 +109,35 @@ def hardware(options: dict, peak_tflops: float) -> Hardware:
     )
 
 
+def _hint(key: str) -> str:
+    return OPTION_HINTS.get(key, f"a number, e.g. {key}=80")
+
+
 def option_errors(options: dict) -> list[str]:
+    """Every planner option value that cannot be planned with (empty: all usable)."""
     errors = []
-    for key in ("gpus_per_node", "top", "intra_node_gbps", "inter_node_gbps", "efficiency"):
-        if key in options and options[key] <= 0:
-            errors.append(f"{key}={options[key]} must be > 0")
+    for key, value in options.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            errors.append(f"{key}={value} is not a finite number; give {_hint(key)}")
+        elif key in POSITIVE and value <= 0:
+            errors.append(f"{key}={value} must be > 0; give {_hint(key)}")
     if options.get("efficiency", 0.5) > 1:
         errors.append(f"efficiency={options['efficiency']} is a fraction of peak: at most 1")
     if options.get("latency_us", 0) < 0:
         errors.append(f"latency_us={options['latency_us']} must be >= 0")
+    out = options.get("advise_out")
+    if out is not None and (not out.strip() or Path(out).is_dir()):
+        errors.append(f"advise_out={out!r} must name a file, e.g. configs/parallel/advised.yaml")
     return errors
 
 
 def _fail(lines: list[str]) -> int:
-    print("invalid config:\n" + "\n".join(f"  - {e}" for e in lines), file=sys.stderr)
+    print(ConfigError(lines), file=sys.stderr)
+    return 2
+
+
+def _refuse_options(lines: list[str]) -> int:
+    print(str(ConfigError(lines)).replace("invalid config", "invalid option", 1), file=sys.stderr)
     return 2
 
 
@@ -121,7 +151,7 @@ def advise_main(cfg, overrides: list[str], options: dict) -> int:
     from megatronish.plan.report import advice_report, write_parallel_file
 
     world = cfg.world_size
-    errors = option_errors(options)
+    errors = []
     if not world:
         errors.append("advise=true needs world_size=N, the number of ranks to lay out")
     peak = peak_tflops_of(options, cfg)
@@ -169,7 +199,11 @@ def advise_main(cfg, overrides: list[str], options: dict) -> int:
             f"{best.time.total:.3g} s per step estimated."
         )
         path = Path(options["advise_out"])
-        command = write_parallel_file(path, best.layout, overrides, summary)
+        try:
+            command = write_parallel_file(path, best.layout, overrides, summary)
+        except OSError as e:
+            return _refuse_options([f"advise_out={path}: cannot write it ({e.strerror or e}); "
+                                    "choose a writable path"])  # fmt: skip
         print(f"\nwrote {path}: {best.layout.describe()}\nrun it with: {command}")
     return 0
 
@@ -179,7 +213,8 @@ PLAN_OPTIONS = {"device_memory_gb": float, "peak_tflops": float, "step_time_s": 
 
 
 def split_options(argv: list[str]) -> tuple[list[str], dict[str, float]]:
-    """Hydra overrides and the planner's own ``key=value`` options."""
+    """Hydra overrides and the planner's own ``key=value`` options; raises
+    :class:`OptionError` for an option value that is not of its type."""
     overrides, options = [], {}
     for arg in argv:
         key, _, value = arg.partition("=")
@@ -187,11 +222,17 @@ def split_options(argv: list[str]) -> tuple[list[str], dict[str, float]]:
             try:
                 options[key] = PLAN_OPTIONS[key](value)
             except ValueError:
-                hint = OPTION_HINTS.get(key, f"a number, e.g. {key}=80")
-                raise SystemExit(f"{arg}: expected {hint}") from None
+                raise OptionError(f"{arg}: expected {_hint(key)}") from None
         else:
             overrides.append(arg)
     return overrides, options
+
+
+def world_size_errors(cfg) -> list[str]:
+    """``world_size=N`` given but not a number of ranks."""
+    if cfg.world_size is not None and cfg.world_size < 1:
+        return [f"world_size={cfg.world_size} must be >= 1 (the number of ranks to plan for)"]
+    return []
 
 
 def with_device(options: dict, precision: str, tf32: bool = False) -> tuple[dict, GPUModel | None]:
@@ -215,23 +256,49 @@ def device_line(gpu: GPUModel, options: dict) -> str:
     )
 
 
-def main(argv: list[str]) -> int:
+def _parse(argv: list[str]) -> tuple[object, list[str], dict] | int:
+    """``(config, overrides, options)`` of the command line, or the exit code after saying why
+    it cannot be planned."""
     from megatronish.config.cli_errors import composition_error_reason
     from megatronish.config.compose import load_config
-    from megatronish.plan.devices import local_device_memory, runtime_bytes_for
-    from megatronish.plan.estimate import make_plan
-    from megatronish.plan.layout import layout_from_config, spec_of
-    from megatronish.plan.report import plan_report
 
-    overrides, options = split_options(argv)
+    try:
+        overrides, options = split_options(argv)
+    except OptionError as e:
+        return _refuse_options([str(e)])
+    if (repeated := repeated_keys_reason([a for a in argv if a not in overrides])) is not None:
+        return _refuse_options([repeated])
+    if (repeated := repeated_keys_reason(overrides)) is not None:
+        return _fail([repeated])
+    if errors := option_errors(options):
+        return _refuse_options(errors)
     try:
         cfg = load_config(overrides)
     except Exception as e:  # noqa: BLE001 - Hydra/OmegaConf raise many types; one line out
         print(f"invalid config: {composition_error_reason(e)}", file=sys.stderr)
         return 2
+    if errors := world_size_errors(cfg):
+        return _fail(errors)
     if unused := unused_advise_options(options):
         print(f"{', '.join(unused)}: options of the advisor; add advise=true", file=sys.stderr)
         return 2
+    return cfg, overrides, options
+
+
+def main(argv: list[str]) -> int:
+    """Plan (or advise); returns the exit code (see the module docstring)."""
+    from megatronish.plan.devices import local_device_memory, runtime_bytes_for
+    from megatronish.plan.estimate import make_plan
+    from megatronish.plan.layout import layout_from_config, spec_of
+    from megatronish.plan.report import plan_report
+
+    if any(a in ("-h", "--help", "help") for a in argv):
+        print(__doc__)
+        return 0
+    parsed = _parse(argv)
+    if isinstance(parsed, int):
+        return parsed
+    cfg, overrides, options = parsed
     try:
         options, gpu = with_device(options, cfg.trainer.precision, tf32_allowed(cfg))
     except UnknownDevice as e:
@@ -245,8 +312,7 @@ def main(argv: list[str]) -> int:
     world = cfg.world_size or p.tp * p.cp * p.pp * (p.dp or 1)
     errors = config_errors(cfg, world)
     if errors:
-        print("invalid config:\n" + "\n".join(f"  - {e}" for e in errors), file=sys.stderr)
-        return 2
+        return _fail(errors)
     from megatronish.data.tokenizer import tokenizer_vocab_size
 
     spec = spec_of(cfg, tokenizer_vocab_size(cfg.data))

@@ -13,6 +13,7 @@ import multiprocessing as mp
 import multiprocessing.connection as mp_connection
 import os
 import pickle
+import random
 import socket
 import traceback
 from collections.abc import Callable
@@ -21,12 +22,33 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+# Ports for test worlds: below Linux's ephemeral range (32768-60999), so no socket the kernel
+# numbers for gloo takes one between ``free_port`` and the store's bind, and one slice per
+# pytest-xdist worker (PYTEST_XDIST_WORKER gw0, gw1, ...), so two workers never pick the same.
+PORTS = range(20000, 32000)
+PORTS_PER_WORKER = 3000
+
+
+def _port_range() -> range:
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if not worker.startswith("gw") or not worker[2:].isdigit():
+        return PORTS
+    first = PORTS.start + (int(worker[2:]) * PORTS_PER_WORKER) % len(PORTS)
+    return range(first, first + PORTS_PER_WORKER)
+
 
 def free_port() -> int:
-    """A TCP port on loopback that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port on loopback that was free a moment ago (see ``PORTS``)."""
+    ports = _port_range()
+    for _ in range(100):
+        port = random.SystemRandom().randrange(ports.start, ports.stop)  # leaves random's state
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:  # in use, or in TIME_WAIT after an earlier world
+                continue
+            return port
+    raise RuntimeError(f"no free port in {ports.start}-{ports.stop - 1} after 100 tries")
 
 
 def _child(fn, rank, world, port, conn, collective_timeout, init, args, kwargs) -> None:

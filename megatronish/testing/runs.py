@@ -35,6 +35,10 @@ TINY_TEST_MODEL = [
 ]
 
 
+# Steps of a parity run: the LR warm-up (2 steps), four steps of decay, Adam past its first
+# moments and clipping; a layout that differs from one process shows it from the first step.
+PARITY_STEPS = 6
+
 # A real run of the entry point small enough for many subprocess and multi-rank tests: the
 # built-in corpus cut to 0.5 MB with a 512-piece tokenizer (built once per cache directory).
 SMALL_STDLIB_RUN = [
@@ -106,7 +110,7 @@ def train_layout(
     rank: int,
     world: int,
     overrides: list[str],
-    steps: int = 10,
+    steps: int = PARITY_STEPS,
     load: str | None = None,
     save: str | None = None,
     strict_p2p: bool = False,

@@ -39,8 +39,9 @@ test-fast: $(STAMP)
 # on torch's, oneDNN's and MKL's baseline kernels: a test that holds only on the instruction set
 # of the machine it was written on fails here on any machine.
 BASELINE_KERNELS := ATEN_CPU_CAPABILITY=default ONEDNN_MAX_CPU_ISA=SSE41 MKL_ENABLE_INSTRUCTIONS=SSE4_2
-KERNEL_TESTS ?= tests/test_bf16.py tests/test_moe.py tests/test_context_parallel.py \
-	tests/test_reference_parity.py tests/test_linear_cross_entropy.py
+KERNEL_TESTS ?= tests/test_bf16.py tests/test_moe.py tests/test_moe_experts.py \
+	tests/test_context_parallel.py tests/test_reference_parity.py \
+	tests/test_linear_cross_entropy.py tests/test_head_main_grad.py tests/test_rms_norm_kernel.py
 test-kernels: $(STAMP)
 	$(BASELINE_KERNELS) WANDB_MODE=disabled $(PY) -m pytest $(KERNEL_TESTS) $(XDIST) $(PYTEST_ARGS)
 
@@ -56,9 +57,37 @@ mutants-check: $(STAMP)
 	$(PY) tools/mutants.py --check
 
 # One GPU, under 8 minutes: throughput vs plain PyTorch, flash attention, memory vs the planner,
-# bit-exact resume, recompute policies -> docs/gpu.md. ARGS=--smoke: the same on the CPU, toy size.
+# bit-exact resume, recompute policies, host syncs per step, MoE experts at 8 and 64, checkpoint
+# save stall -> docs/gpu.md. ARGS=--smoke: the same on the CPU, toy size.
+# The GPU machine has a Python with torch but no .venv, no Hydra and no network: there
+# `PYTHON=python3 make gpu-check` (PYTHON given, or no .venv beside a wheelhouse) installs the
+# wheelhouse of `make gpu-wheels` into a temporary directory, offline, and runs the check on that
+# Python (scripts/gpu_env.sh). Elsewhere the check runs in .venv, installed first if need be.
+.PHONY: gpu-wheels gpu-env-check
+GPU_WHEELS ?= .gpu-wheels
+GPU_PYTHON_VERSION ?= 3.12
+GPU_PYTHON_GIVEN := $(filter environment command,$(origin PYTHON))
+GPU_WHEELS_ONLY := $(if $(wildcard $(PY)),,$(wildcard $(GPU_WHEELS)/requirements.txt))
+GPU_BARE := $(GPU_PYTHON_GIVEN)$(GPU_WHEELS_ONLY)
+ifneq ($(GPU_BARE),)
+gpu-check:
+	PYTHON=$(PYTHON) GPU_WHEELS=$(GPU_WHEELS) bash scripts/gpu_env.sh $(ARGS)
+else
 gpu-check: $(STAMP)
 	$(PY) tools/gpu_check.py $(ARGS)
+endif
+
+# Here, with network: the wheels the GPU machine lacks (CPython $(GPU_PYTHON_VERSION), manylinux
+# x86_64, the .venv's versions) into $(GPU_WHEELS), which a GPU run carries with the tree.
+gpu-wheels: $(STAMP)
+	$(PY) tools/gpu_check/wheelhouse.py download --dest $(GPU_WHEELS) \
+		--python-version $(GPU_PYTHON_VERSION)
+
+# ~25 s of CPU (network for the wheels only): `make gpu-check`'s offline path, without network, in
+# Pythons that see only the GPU machine's packages (.venv's torch & co.; no Hydra, wandb, datasets).
+gpu-env-check: $(STAMP)
+	$(if $(wildcard $(GPU_WHEELS)/requirements.txt),,$(MAKE) gpu-wheels)
+	$(PY) tools/gpu_check/bare_python.py --wheelhouse $(GPU_WHEELS)
 
 lint: $(STAMP)
 	$(PY) -m ruff check megatronish tools tests

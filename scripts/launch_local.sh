@@ -17,6 +17,7 @@ export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${STOP_GRACE_S:-240}
 PY=${PYTHON:-.venv/bin/python}
 source scripts/lib/torchrun.sh
+source scripts/lib/cuda_alloc.sh  # expandable segments unless PYTORCH_(CUDA_)ALLOC_CONF is set
 # shellcheck disable=SC2086,SC2046  # TORCHRUN_ARGS and the signal options are lists of options
 exec "$PY" -m torch.distributed.run --standalone --nproc-per-node "$n" \
   $(torchrun_signal_args "$PY") ${TORCHRUN_ARGS:-} -m megatronish.train "$@"

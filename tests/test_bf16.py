@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatronish.checkpoint.format import resolve_step_dir
+from megatronish.model import linear_cross_entropy as lce
 from megatronish.model.rms_norm import low_precision_rms_norm
 from megatronish.testing.compare import max_relative_loss_gap, param_gaps
 from megatronish.testing.multiproc import run_world
@@ -88,12 +89,18 @@ class ComputeDtypes(TorchDispatchMode):
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp32"])
-def test_every_matmul_and_attention_kernel_runs_in_the_configured_precision(precision):
-    """Forward and backward: every projection, the head and attention, none left in fp32."""
+def test_every_matmul_and_attention_kernel_runs_in_the_configured_precision(precision, monkeypatch):
+    """Forward and backward: every projection, the head and attention, none left in fp32 but
+    the head's weight-grad GEMM (bf16 values with an fp32 output: fp32 operands on a CPU)."""
     trainer = build_trainer(0, 1, [f"trainer.precision={precision}"], 1)
+    fp32_products = []
+    product = lce.fp32_product
+    monkeypatch.setattr(lce, "fp32_product", lambda *a: fp32_products.append(1) or product(*a))
     with ComputeDtypes() as seen:
         trainer.train_step()
     want = "torch.bfloat16" if precision == "bf16" else "torch.float32"
+    if precision == "bf16":
+        assert fp32_products and seen.seen.pop(("mm", "torch.float32")) == len(fp32_products)
     kernels = {name for name, _ in seen.seen}
     attention = "_scaled_dot_product_flash_attention"
     assert {"mm", attention, f"{attention}_backward"} <= kernels, seen.seen

@@ -72,7 +72,7 @@ def test_local_queries_against_whole_kv_equal_full_causal_attention(cp):
     for r in range(cp):
         ctx = CPContext(group=ParallelGroup("cp", tuple(range(cp)), r), seq_length=s)
         local_q = split_sequence(q, 2, cp, r)
-        out = cp_causal_attention(local_q, k, v, ctx, 0.0, {"enable_gqa": True})
+        out = cp_causal_attention(local_q, k, v, ctx, 0.0)
         torch.testing.assert_close(out, split_sequence(full, 2, cp, r), rtol=0, atol=1e-6)
         out.backward(split_sequence(grad, 2, cp, r))  # grads accumulate over the ranks
     for got, ref in zip((q.grad, k.grad, v.grad), want):

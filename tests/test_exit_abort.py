@@ -53,8 +53,10 @@ SMALL = [*SMALL_STDLIB_RUN, "trainer.max_steps=4"]
 def test_a_profiled_torchrun_run_ends_with_its_code_and_says_why_it_skipped_finalization(
     tmp_path,
 ):
-    """torch's profiler keeps the groups it recorded (and their threads) alive: the entry point
-    then ends the process itself, which cannot abort."""
+    """torch's profiler may keep the groups it recorded (and their threads) alive; whether it
+    still does at exit depends on its timing (test_exit_paths holds that path to account on its
+    own). A rank where it does ends the process itself, which cannot abort, and says why; either
+    way the run ends with code 0 and every rank's trace."""
     env = dict(os.environ, WANDB_MODE="disabled", OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "-m", "megatronish.train", *SMALL, "trainer.profile.steps=[2,3]",
@@ -63,6 +65,9 @@ def test_a_profiled_torchrun_run_ends_with_its_code_and_says_why_it_skipped_fina
     assert r.returncode == 0, r.stderr[-3000:]
     assert "terminate called" not in r.stderr and "Fatal Python error" not in r.stderr
     for rank in (0, 1):
-        assert f"[rank {rank}] note: torch still holds " in r.stderr
         assert (tmp_path / "out" / "profile" / f"rank{rank:05d}.json").exists()
-    assert "profiler keeps the groups whose ops it recorded); exiting with code 0" in r.stderr
+        notes = [line for line in r.stderr.splitlines() if f"[rank {rank}] note: " in line]
+        for line in notes:  # at most one, naming the profiler and the code
+            assert "torch still holds " in line, line
+            assert "profiler keeps the groups whose ops it recorded); exiting with code 0" in line
+        assert len(notes) <= 1, notes

@@ -36,7 +36,9 @@ def _fault(rank: int, fault: str) -> None:
     step = Trainer.train_step
 
     def nonfinite_loss(self, losses):
-        return float("nan")  # every rank holds the loss (dp=2): each sees it overflow
+        import torch
+
+        return torch.tensor(float("nan"))  # every rank holds the loss (dp=2): each sees it
 
     def leave_at_step_2(self):
         if self.state.step == 1 and rank == 1:

@@ -53,11 +53,11 @@ def capture_grads(trainer) -> dict:
     seen: dict = {}
     step = trainer.optimizer.step
 
-    def recording_step(shards, lr, grad_scale=1.0):
+    def recording_step(shards, lr, **kw):
         seen["grads"] = {name: g.clone() for b in trainer.zero.buckets
                          for name, _, g in b.views(b.grad_flat)}  # fmt: skip
         seen["lr"] = lr
-        return step(shards, lr, grad_scale=grad_scale)
+        return step(shards, lr, **kw)
 
     trainer.optimizer.step = recording_step
     return seen

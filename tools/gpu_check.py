@@ -8,7 +8,10 @@ Sections (``tools/gpu_check/``), each independent of the others' failures:
 2. flash: the model's attention runs SDPA's flash kernel (profiler trace, forced backend);
 3. memory: ``torch.cuda.max_memory_allocated`` against the planner's peak for that model;
 4. resume: a checkpoint of device tensors resumes bit-exactly in a fresh trainer;
-5. recompute: step time and peak memory of each recompute policy.
+5. recompute: step time and peak memory of each recompute policy;
+6. syncs: host-device syncs per training step (CUDA's sync debug mode and the CPU harness);
+7. moe_experts: one MoE layer's forward + backward at 8 and 64 local experts (time, memory);
+8. async_save: how long a blocking and an asynchronous checkpoint save hold the training thread.
 
 It writes ``docs/gpu.md`` (or ``--out``) and exits 1 when a section failed or was skipped for
 lack of time. ``--smoke`` runs the same sections at toy size on the CPU in fp32 within a minute
@@ -16,7 +19,9 @@ or two and writes to ``--out`` (default: a temporary directory), never to docs/g
 synthetic; nothing is downloaded.
 
 Usage: ``python tools/gpu_check.py [--smoke] [--out PATH] [--budget-s S] [--peak-tflops T]
-[--device-memory-gb G] [--device cuda|cpu]``.
+[--device-memory-gb G] [--device cuda|cpu]``. On a GPU machine without .venv, Hydra or network,
+``PYTHON=python3 make gpu-check`` runs it there from the wheelhouse of ``make gpu-wheels``
+(``scripts/gpu_env.sh``, ``tools/gpu_check/wheelhouse.py``).
 """
 
 import os

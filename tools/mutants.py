@@ -6,7 +6,7 @@ applied there, its tests run (``pytest -x``, the copy first on the import path),
 is restored. The table says which test failed first, or SURVIVED. The exit code is 1 if any
 mutant survived or no longer applies (its source line changed: update the mutant).
 
-    python tools/mutants.py                 # all 47, about 5 minutes on 2 cores
+    python tools/mutants.py                 # all 56, about 5 minutes on 2 cores
     python tools/mutants.py --only loss-scale rng-restore
     python tools/mutants.py --list
     python tools/mutants.py --check         # edits apply, named tests exist; no test runs (CI)
@@ -42,6 +42,7 @@ BLEND = "tests/test_data_blend.py"
 GATHER = "tests/test_zero_gather.py"
 GENERATE = "tests/test_generate.py"
 MOE = "tests/test_moe.py"
+SYNCS = "tests/test_host_syncs.py"
 MUTANTS = [
     Mutant(
         "tp-all-reduce",
@@ -132,7 +133,7 @@ MUTANTS = [
         "clip-always",
         "grads scaled to max_norm even when the norm is below it",
         "megatronish/training/trainer.py",
-        (("if max_norm > 0 and norm > max_norm:", "if max_norm > 0:"),),
+        (("(max_norm / (norm + 1e-6)).clamp(max=1.0)", "(max_norm / (norm + 1e-6))"),),
         (REF,),
     ),
     Mutant(
@@ -238,7 +239,7 @@ MUTANTS = [
         "dp-loss-mean",
         "reported loss summed over dp ranks, not averaged",
         "megatronish/training/trainer.py",
-        (("return (mean / self.topo.dp_cp).item()", "return mean.item()"),),
+        (("return mean / self.topo.dp_cp", "return mean"),),
         ("tests/test_training.py::test_data_parallel_matches_one_process",),
     ),
     Mutant(
@@ -382,8 +383,8 @@ MUTANTS = [
         "megatronish/moe/layer.py",
         (
             (
-                "mine = torch.bincount(experts.reshape(-1)",
-                "mine = torch.bincount(all_experts.reshape(-1)",
+                "mine = count_per_expert(experts, moe.num_experts)",
+                "mine = count_per_expert(all_experts, moe.num_experts)",
             ),
         ),
         (f"{MOE}::test_routing_metrics_under_tp_and_sp_equal_one_process",),
@@ -406,6 +407,56 @@ MUTANTS = [
             ),
         ),
         (f"{MOE}::test_routing_metrics_under_tp_and_sp_equal_one_process",),
+    ),
+    Mutant(
+        "grouped-mm-strided-grad",
+        "grouped matmul's backward given an expanded (stride-0) incoming gradient",
+        "megatronish/moe/grouped_mm.py",
+        (("        out.register_hook(_contiguous_aligned)", "        pass"),),
+        ("tests/test_moe_experts.py::test_experts_equal_a_per_expert_loop",),
+    ),
+    Mutant(
+        "head-padding-in-softmax",
+        "the head's padded vocabulary columns reach the softmax",
+        "megatronish/model/linear_cross_entropy.py",
+        (('        logits[:, vocab_size:] = float("-inf")', "        pass"),),
+        (
+            "tests/test_linear_cross_entropy.py::"
+            "test_logits_use_the_padded_width_and_padding_never_reaches_the_softmax",
+        ),
+    ),
+    Mutant(
+        "fp32-gqa-math-kernel",
+        "fp32 grouped-query attention on CUDA left to SDPA's math kernel (K/V not expanded)",
+        "megatronish/context_parallel/attention_kernel.py",
+        (
+            (
+                '        return AttentionKernel("efficient", expand_kv=gqa)',
+                '        return AttentionKernel("efficient", expand_kv=False)',
+            ),
+        ),  # fmt: skip
+        ("tests/test_attention_kernel.py",),
+    ),
+    Mutant(
+        "async-writer-reads-early",
+        "the checkpoint writer reads host buffers before their device copies completed",
+        "megatronish/checkpoint/save.py",
+        (("                shot.copied.wait()\n", "                pass\n"),),
+        ("tests/test_async_save_streams.py",),
+    ),
+    Mutant(
+        "zero3-built-whole",
+        "ZeRO 3 builds every rank's whole chunk before sharding it",
+        "megatronish/training/job.py",
+        (("deferred=cfg.parallel.zero_stage == 3,", "deferred=False,"),),
+        ("tests/test_sharded_build.py::test_zero3_build_holds_at_most_one_unit_beyond_its_shards",),
+    ),
+    Mutant(
+        "head-grad-bf16-product",
+        "the bf16 head's weight-grad product rounded to bf16 before its fp32 sum",
+        "megatronish/model/linear_cross_entropy.py",
+        (("    return torch.mm(a.float(), b.float())", "    return torch.mm(a, b).float()"),),
+        ("tests/test_head_main_grad.py",),
     ),
     Mutant(
         "blend-cache-crc",
@@ -434,6 +485,42 @@ MUTANTS = [
         "megatronish/checkpoint/format.py",
         (("    if step_of(name) is None:\n", "    if not name:\n"),),
         ("tests/test_tool_inputs_checkpoint.py",),
+    ),
+    Mutant(
+        "skip-decided-on-host",
+        "the skip of a non-finite step decided on the host (a device read every step)",
+        "megatronish/training/trainer.py",
+        (
+            (
+                "found_inf = (~torch.isfinite(norm)).float()",
+                "found_inf = norm.new_zeros(()) if bool(norm.isfinite()) else norm.new_ones(())",
+            ),
+        ),
+        (f"{SYNCS}::test_a_dense_step_reads_the_device_at_most_once[dp2-zero1]",),
+    ),
+    Mutant(
+        "moe-bincount",
+        "experts counted with bincount (a device read per count on CUDA)",
+        "megatronish/moe/routing.py",
+        (
+            (
+                "    ids = torch.arange(num_experts, device=experts.device)\n",
+                "    return torch.bincount(experts.reshape(-1), minlength=num_experts)\n",
+            ),
+        ),
+        (f"{SYNCS}::test_a_moe_step_reads_the_device_once_per_block_forward[ep2]",),
+    ),
+    Mutant(
+        "cp-index-per-call",
+        "context parallelism copies its chunk index to the device in every layer",
+        "megatronish/context_parallel/attention.py",
+        (
+            (
+                "chunks.index_select(0, chunk_index(tuple(order), x.device))",
+                "chunks.index_select(0, torch.tensor(order, device=x.device))",
+            ),
+        ),
+        (f"{SYNCS}::test_a_dense_step_reads_the_device_at_most_once[cp2]",),
     ),
     Mutant(
         "preprocess-non-string",

@@ -25,11 +25,13 @@ try:
     from megatronish.config.cli_errors import OneLineArgumentParser
     from megatronish.data.preprocess import check_output_prefix
     from megatronish.data.tokenizer import Tokenizer, train_sentencepiece
+    from megatronish.distributed.cpus import usable_cpus
 except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from megatronish.config.cli_errors import OneLineArgumentParser
     from megatronish.data.preprocess import check_output_prefix
     from megatronish.data.tokenizer import Tokenizer, train_sentencepiece
+    from megatronish.distributed.cpus import usable_cpus
 
 EXIT_ARGS = 2
 EXIT_DATA = 3
@@ -71,7 +73,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="train on at most this many randomly sampled lines (2000000)",
     )
     p.add_argument(
-        "--num-threads", type=int, default=os.cpu_count() or 1, help="trainer threads (all CPUs)"
+        "--num-threads", type=int, default=usable_cpus(), help="trainer threads (all usable CPUs)"
     )
     args = p.parse_args(argv)
     if args.vocab_size < MIN_VOCAB:

@@ -146,6 +146,10 @@ def load_into(trainer, path: str, rng=None, seed: int = 0, threads: int = READ_T
     trainer.state.step = meta.step
     trainer.state.consumed_samples = meta.consumed_samples
     trainer.state.skipped_steps = int(meta.trainer.get("skipped_steps", 0))
+    trainer.state.skipped_in_a_row = 0  # a saved step never ends a skip streak
+    # Steps run before the load and not yet settled belong to the replaced state: a later
+    # settle must not add them to history or skipped_steps (reading one raises).
+    trainer._unsettled.clear()
     if rng is not None:
         _restore_rng(rng, step_dir, meta, topo, trainer.cfg.parallel.vpp, seed)
     return meta

@@ -138,15 +138,20 @@ def writes(name: str, p: nn.Parameter, bucket: Bucket, offset: int, tp_rank: int
 
 
 @torch.no_grad()
-def full_local_values(zero, optimizer, index: int, bucket: Bucket):
+def full_local_values(
+    zero, optimizer, index: int, bucket: Bucket, into: Sequence[torch.Tensor] | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Full flat fp32 ``(main params, exp_avg, exp_avg_sq)`` of one bucket on this rank
-    (collective)."""
+    (collective). Under ZeRO 1-3 they are gathered into ``into`` (three flat buffers of
+    ``bucket.numel``), or into new tensors when it is None; ZeRO 0 returns the optimizer's own."""
     dp = bucket.group  # dp x cp, or the expert-data-parallel ranks for experts
     if zero.stage == 0:
         return bucket.main_shard, optimizer.exp_avg[index], optimizer.exp_avg_sq[index]
     out = []
-    for shard in (bucket.main_shard, optimizer.exp_avg[index], optimizer.exp_avg_sq[index]):
-        full = torch.empty(bucket.numel, device=shard.device)
+    shards = (bucket.main_shard, optimizer.exp_avg[index], optimizer.exp_avg_sq[index])
+    for shard, full in zip(shards, into or (None,) * len(shards)):
+        if full is None:
+            full = torch.empty(bucket.numel, device=shard.device)
         all_gather_into(full, shard, dp)
         out.append(full)
     return tuple(out)

@@ -11,6 +11,11 @@ With ``async_save`` step 1's file writing runs in a background thread; the train
 step boundary and publishes once every rank has finished. A crash before the rename leaves only a
 ``.tmp_`` directory, which the next start removes (``directory.clean_stale``); a crash inside the
 re-save of an existing step leaves that step under ``.tmp_old_``, which the next start puts back.
+
+The snapshot (:mod:`megatronish.checkpoint.snapshot`) queues its device->host copies without
+waiting for them; the writer thread waits for them before it reads a byte (blocking saves too).
+Only a run with ``async_save`` copies into pinned host buffers (on GPUs, kept for the next
+save); a run without copies each save into new pageable host memory, as saves always did.
 """
 
 from __future__ import annotations
@@ -18,8 +23,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import threading
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from omegaconf import OmegaConf
@@ -43,50 +50,15 @@ from megatronish.checkpoint.format import (
     crc32_of,
     step_dir_name,
 )
-from megatronish.checkpoint.pieces import (
-    copy_threads,
-    full_local_values,
-    param_rects,
-    saved_name,
-    writes,
-)
+from megatronish.checkpoint.host_copies import HostCopies, host_copies_for
+from megatronish.checkpoint.snapshot import snapshot as snapshot  # for tools/bench
+from megatronish.checkpoint.snapshot import start_snapshot
 from megatronish.distributed.agree import PeerError, agree
 from megatronish.distributed.comm import CollectiveError, all_reduce
 from megatronish.distributed.nccl_errors import failed_groups_message
 from megatronish.tensor_parallel.random import RNGTracker
-from megatronish.tensor_parallel.sharding import global_shape
 
-KINDS = ("model", "exp_avg", "exp_avg_sq")
-
-
-def snapshot(trainer, rng) -> tuple[dict[str, dict[str, torch.Tensor]], list[dict]]:
-    """This rank's tensors to write (CPU copies) and their index entries. Collective."""
-    zero, topo = trainer.zero, trainer.topo
-    tensors: dict[str, dict[str, torch.Tensor]] = {"model": {}, "optim": {}, "rng": {}}
-    index = []
-    with copy_threads():
-        _snapshot_buckets(zero, trainer.optimizer, topo, tensors, index)
-    if rng is not None:
-        tensors["rng"] = {k: v.clone() for k, v in rng.state_dict().items()}
-    return tensors, index
-
-
-def _snapshot_buckets(zero, optimizer, topo, tensors, index) -> None:
-    for i, bucket in enumerate(zero.buckets):
-        flats = full_local_values(zero, optimizer, i, bucket)
-        for (name, p), offset in zip(bucket.params, bucket.offsets):
-            if not writes(name, p, bucket, offset, topo.coords.tp):
-                continue
-            gname = saved_name(name, p)
-            for r, rect in enumerate(param_rects(p, topo.coords.tp, topo.tp)):
-                for kind, flat in zip(KINDS, flats):
-                    local = flat[offset : offset + p.numel()].view(p.shape)
-                    piece = rect.take(local).detach().to("cpu", copy=True).contiguous()
-                    key = f"{kind}/{gname}@{r}"
-                    tensors["model" if kind == "model" else "optim"][key] = piece
-                    index.append({"name": f"{kind}/{gname}", "key": key, "offsets": rect.offsets,
-                                  "shape": list(global_shape(p, topo.tp)), "dtype": "float32",
-                                  "file": "model" if kind == "model" else "optim"})  # fmt: skip
+COPIES_WAIT_S = 30.0  # join_writer's longest wait for a writer's device->host copies
 
 
 def write_failure(path: str, error: BaseException) -> str:
@@ -156,6 +128,42 @@ def merge_and_publish(ckpt_dir: str, tmp_dir: str, step: int, world: int, header
     return final
 
 
+class CopiesGate:
+    """Between a writer thread that waits for its snapshot's copies and :meth:`CheckpointSaver.
+    join_writer`, which may give up on copies that never complete (a stuck GPU stream)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        self._abandoned = False
+
+    def done(self) -> bool:
+        """The writer's wait for its copies returned (or failed): whether it may write."""
+        with self._lock:
+            self._done.set()
+            return not self._abandoned
+
+    def abandon_after(self, wait_s: float) -> bool:
+        """Wait up to ``wait_s`` seconds for :meth:`done`; when it was not called by then, it
+        returns False from now on. Returns whether the save was abandoned."""
+        if self._done.wait(wait_s):
+            return False
+        with self._lock:
+            self._abandoned = not self._done.is_set()
+            return self._abandoned
+
+
+class PendingSave(NamedTuple):
+    """An unpublished save."""
+
+    step: int
+    tmp_dir: str
+    thread: threading.Thread  # the writer
+    header: dict  # the metadata besides the tensors
+    errors: list[str]  # the writer's
+    gate: CopiesGate
+
+
 @dataclass(frozen=True)
 class Saving:
     """What a Trainer's checkpoints record besides its own state: the RNG tracker whose streams
@@ -170,20 +178,28 @@ class CheckpointSaver:
     """Periodic, final and asynchronous saves of a Trainer's state."""
 
     def __init__(self, cfg, trainer, rng=None, run_id: str | None = None,
-                 special_tokens: dict | None = None):  # fmt: skip
+                 special_tokens: dict | None = None, copies: HostCopies | None = None):  # fmt: skip
+        """``copies``: the device->host copy layer of every save (default: the one for the
+        trainer's device and ``checkpoint.async_save``, see
+        :func:`~megatronish.checkpoint.host_copies.host_copies_for`)."""
         self.cfg, self.trainer, self.rng = cfg, trainer, rng
+        self.copies = copies or host_copies_for(trainer.topo.device,
+                                                bool(cfg.checkpoint.async_save))  # fmt: skip
         self.special_tokens = dict(special_tokens or {})  # the tokenizer's, recorded for exports
         self.dir = os.path.expanduser(cfg.checkpoint.dir)
         self.run_id = run_id
         self.config_dict = OmegaConf.to_container(cfg, resolve=True)
         # The real vocabulary (the tokenizer's when model.vocab_size is null) for exports.
         self.config_dict["model"]["vocab_size"] = trainer.spec.vocab_size
-        # (step, tmp dir, writer thread, metadata header, writer errors) of an unpublished save
-        self.pending: tuple[int, str, threading.Thread, dict, list[str]] | None = None
+        self.pending: PendingSave | None = None
         self.last_published: str | None = None
 
-    def _header(self) -> dict:
+    def _header(self, optimizer_steps: int | None = None) -> dict:
+        """The metadata besides the tensors; ``optimizer_steps`` defaults to the optimizer's
+        count (a host read of a device value)."""
         t, p = self.trainer, self.cfg.parallel
+        if optimizer_steps is None:
+            optimizer_steps = t.optimizer.step_count
         return {
             "step": t.state.step,
             "consumed_samples": t.state.consumed_samples,
@@ -193,14 +209,24 @@ class CheckpointSaver:
                        "world_size": t.topo.world_size},  # fmt: skip
             "config": self.config_dict,
             "trainer": {"skipped_steps": t.state.skipped_steps,
-                        "optimizer_steps": t.optimizer.step_count, "run_id": self.run_id},
+                        "optimizer_steps": optimizer_steps, "run_id": self.run_id},
             "tokenizer": self.special_tokens,
         }  # fmt: skip
 
     def save(self, blocking: bool | None = None) -> str | None:
-        """Save the current step. Collective. Returns the published path (None while async)."""
+        """Save the current step. Collective. Returns the published path (None while async).
+
+        The trainer's pending steps are settled first; while the last of them were skipped
+        (``skipped_in_a_row``) nothing is saved, as in the training loop: one line is logged and
+        None returned."""
+        self.trainer.settle()  # learn the skips (and skipped_steps) of steps run before this
         self.wait()
         topo, step = self.trainer.topo, self.trainer.state.step
+        if in_a_row := self.trainer.state.skipped_in_a_row:  # state a skip streak may poison
+            self.trainer.logger.info(
+                f"not saving step {step}: the last {in_a_row} step(s) were skipped"
+            )
+            return None
         if (failed := failed_groups_message(topo.groups.values())) is not None:
             raise CollectiveError(failed)  # never save what an aborted NCCL op left behind
         blocking = (not self.cfg.checkpoint.async_save) if blocking is None else blocking
@@ -214,19 +240,25 @@ class CheckpointSaver:
             except OSError as e:
                 error = f"saving checkpoint step {step} failed: {write_failure(tmp_dir, e)}"
         self._agree(error, tmp_dir)  # the directory exists for everyone
-        tensors, index = snapshot(self.trainer, self.rng)
-        header = self._header()
+        shot = start_snapshot(self.trainer, self.rng, self.copies)
+        header = self._header(optimizer_steps=0)  # the writer sets it from the snapshot
         errors: list[str] = []
+        gate = CopiesGate()
 
         def write() -> None:
             try:
-                write_rank_files(tmp_dir, topo.rank, tensors, index)
+                shot.copied.wait()
+                if not gate.done():
+                    return  # join_writer gave up on the copies: nothing is written at exit
+                header["trainer"]["optimizer_steps"] = int(shot.optimizer_steps)
+                write_rank_files(tmp_dir, topo.rank, shot.tensors, shot.index)
             except Exception as e:  # noqa: BLE001 - reported on every rank by _publish
+                gate.done()
                 errors.append(f"saving checkpoint step {step} failed: {e}")
 
         thread = threading.Thread(target=write, daemon=True)
         thread.start()
-        self.pending = (step, tmp_dir, thread, header, errors)
+        self.pending = PendingSave(step, tmp_dir, thread, header, errors, gate)
         if blocking:
             return self.wait()
         return None
@@ -246,14 +278,34 @@ class CheckpointSaver:
         self.pending[2].join()
         return self._publish()
 
-    def join_writer(self) -> None:
+    def join_writer(self, wait_s: float | None = None) -> str | None:
         """Wait until a background write has finished, without publishing it (a run that ends
-        on an error leaves no thread writing files into the interpreter's exit)."""
-        if self.pending is not None:
-            self.pending[2].join()
+        on an error leaves no thread writing files into the interpreter's exit).
+
+        The writer first waits for its device->host copies, which a stuck GPU stream never
+        completes: after ``wait_s`` seconds of that (default :data:`COPIES_WAIT_S`, at most
+        ``parallel.collective_timeout_s``) the save is abandoned (its writer writes nothing if
+        the copies ever complete, it is never published), one line on stderr names it, and that
+        line is returned, so the exit goes on. Writing the files is waited for in full."""
+        pending = self.pending
+        if pending is None:
+            return None
+        if wait_s is None:
+            wait_s = min(COPIES_WAIT_S, self.cfg.parallel.collective_timeout_s)
+        if pending.gate.abandon_after(wait_s):
+            self.pending = None
+            topo = self.trainer.topo
+            prefix = f"[rank {topo.rank}] " if topo.world_size > 1 else ""
+            line = (f"{prefix}note: checkpoint step {pending.step} was not saved: its "
+                    f"device-to-host copies did not complete within {wait_s:g} s (a GPU stream "
+                    f"is stuck); {pending.tmp_dir} stays unpublished")  # fmt: skip
+            print(line, file=sys.stderr, flush=True)
+            return line
+        pending.thread.join()
+        return None
 
     def _publish(self) -> str:
-        step, tmp_dir, _, header, errors = self.pending
+        step, tmp_dir, _, header, errors, _ = self.pending
         self.pending = None
         topo = self.trainer.topo
         self._agree(errors[0] if errors else None, tmp_dir)  # every rank's files are on disk

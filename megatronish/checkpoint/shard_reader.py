@@ -16,8 +16,9 @@ import torch
 
 from megatronish.checkpoint.format import CheckpointError, Metadata, TensorEntry, crc32_of
 from megatronish.checkpoint.shardfile import Piece, ShardFile, Staging, piece, split_runs
+from megatronish.distributed.cpus import usable_cpus
 
-READ_THREADS = min(4, os.cpu_count() or 1)  # threads reading a load, one run of pieces each
+READ_THREADS = min(4, usable_cpus())  # threads reading a load, one run of pieces each
 
 
 class ShardReader:

@@ -118,6 +118,7 @@ class TrainerConfig:
     seed: int = 1234
     precision: str = "fp32"  # fp32 | bf16 (bf16 params and activations, fp32 main params/grads)
     tf32: bool = True  # CUDA: fp32 matmuls and convolutions may use TF32 tensor cores
+    deterministic: bool = False  # torch's deterministic kernels: bit-identical GPU resume, slower
     recompute: str = "none"  # none | selective | full
     recompute_method: str = "uniform"  # uniform | block
     recompute_num_layers: int = 1

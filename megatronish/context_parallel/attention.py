@@ -10,11 +10,12 @@ rank. docs/parallelism.md compares this with ring attention.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
+from megatronish.context_parallel.attention_kernel import expand_kv_heads, kernel_for, sdpa
 from megatronish.context_parallel.split import (
     chunk_ids,
     local_positions,
@@ -64,12 +65,19 @@ class CPContext:
         return split_sequence(x, dim, self.size, self.group.rank)
 
 
+@functools.lru_cache(maxsize=64)
+def chunk_index(order: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """``order`` as an index tensor on ``device``, built once: a tensor made from a Python list
+    on a GPU is a host-to-device copy the host waits for, and every layer would make one in
+    forward and in backward."""
+    return torch.tensor(order, device=device)
+
+
 def _reorder(x: torch.Tensor, order: list[int]) -> torch.Tensor:
     """Permute the ``len(order)`` equal chunks of dim 0: chunk ``i`` of the result is chunk
     ``order[i]`` of ``x``."""
     chunks = x.view(len(order), x.shape[0] // len(order), *x.shape[1:])
-    index = torch.tensor(order, device=x.device)
-    return chunks.index_select(0, index).reshape(x.shape)
+    return chunks.index_select(0, chunk_index(tuple(order), x.device)).reshape(x.shape)
 
 
 class _GatherSequence(torch.autograd.Function):
@@ -113,22 +121,32 @@ def causal_mask(
 
 
 def cp_causal_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CPContext, dropout_p: float, gqa: dict
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: CPContext, dropout_p: float
 ) -> torch.Tensor:
     """softmax(q k^T / sqrt(d)) v for local queries ``q`` ``[b, heads, s/cp, d]`` against the
-    whole sequence's ``k`` and ``v`` ``[b, kv_heads, s, d]``; output ``[b, heads, s/cp, d]``."""
+    whole sequence's ``k`` and ``v`` ``[b, kv_heads, s, d]``; output ``[b, heads, s/cp, d]``.
+    The kernel and the K/V layout follow :func:`~.attention_kernel.kernel_for`; K/V that need
+    expanding to the query heads are expanded once, for both chunks."""
     c = q.shape[2] // 2
+    kind = "lower_right" if q.is_cuda else "tensor"  # causal_mask's form on each device
+    slots = list(enumerate(chunk_ids(cp.size, cp.group.rank)))
+    heads, first = q.shape[1], (slots[0][1] + 1) * c  # the first chunk's keys
+    if k.shape[1] != heads:  # grouped-query attention: one decision, one copy for both chunks
+        mask = cp.mask(c, first, q.device, q.dtype)
+        kernel = kernel_for(q[:, :, :c], k[:, :, :first], v[:, :, :first], kind, mask, dropout_p)
+        if kernel.expand_kv:
+            k, v = expand_kv_heads(k, heads), expand_kv_heads(v, heads)
     outs = []
-    for slot, j in enumerate(chunk_ids(cp.size, cp.group.rank)):
+    for slot, j in slots:
         keys = (j + 1) * c
         outs.append(
-            F.scaled_dot_product_attention(
+            sdpa(
                 q[:, :, slot * c : (slot + 1) * c],
                 k[:, :, :keys],
                 v[:, :, :keys],
+                kind,
                 attn_mask=cp.mask(c, keys, q.device, q.dtype),
                 dropout_p=dropout_p,
-                **gqa,
             )
         )
     return torch.cat(outs, dim=2)

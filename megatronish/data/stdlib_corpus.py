@@ -18,6 +18,7 @@ import numpy as np
 
 from megatronish.data.indexed import IndexedDatasetWriter, dtype_for_vocab
 from megatronish.data.tokenizer import Tokenizer, train_sentencepiece
+from megatronish.distributed.cpus import usable_cpus
 
 SKIP_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3"})
 MARKER = "COMPLETE.json"
@@ -86,7 +87,7 @@ def _build(out_dir: str, vocab_size: int, max_corpus_mb: float) -> dict:
     with open(corpus_txt, "w", encoding="utf-8") as f:
         for text in texts:
             f.write(text if text.endswith("\n") else text + "\n")
-    threads = os.cpu_count() or 1
+    threads = usable_cpus()
     _log(f"training sentencepiece BPE tokenizer (vocab {vocab_size})")
     model = train_sentencepiece(
         [corpus_txt], os.path.join(out_dir, TOKENIZER_NAME), vocab_size, num_threads=threads

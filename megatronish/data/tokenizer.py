@@ -13,6 +13,8 @@ from collections.abc import Sequence
 
 import sentencepiece as spm
 
+from megatronish.distributed.cpus import usable_cpus
+
 
 class Tokenizer:
     """A trained sentencepiece ``.model`` file."""
@@ -97,7 +99,7 @@ def train_sentencepiece(
             max_sentence_length=max_sentence_length,
             input_sentence_size=input_sentence_size,
             shuffle_input_sentence=True,
-            num_threads=num_threads or os.cpu_count() or 1,
+            num_threads=num_threads or usable_cpus(),
             normalization_rule_name="identity",
             add_dummy_prefix=False,
             remove_extra_whitespaces=False,

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from megatronish.distributed.comm import CollectiveError
+from megatronish.distributed.cpus import slurm_local_tasks
 
 
 @dataclass(frozen=True)
@@ -73,14 +74,60 @@ def detect_launch(env: Mapping[str, str] | None = None) -> LaunchEnv:
     return LaunchEnv("single", 0, 1, 0, "127.0.0.1", 29500, env.get("SLURM_JOB_ID"))
 
 
-def pick_device(requested: str, local_rank: int) -> torch.device:
-    """``auto`` takes this rank's GPU when CUDA is available, else the CPU."""
+def slurm_binds_gpu_per_task(env: Mapping[str, str], local_rank: int) -> bool:
+    """Whether SLURM shows that it gave this task a GPU of its own (so the one GPU the task sees
+    is not shared with the node's other tasks): ``--gpus-per-task`` (``SLURM_GPUS_PER_TASK``;
+    srun then binds each task to its GPUs unless ``--gpu-bind`` says otherwise), the step's
+    GPUs on this node (``SLURM_STEP_GPUS``) at least as many as its tasks there, or
+    ``CUDA_VISIBLE_DEVICES`` naming exactly this task's local id (a per-task wrapper)."""
+    if re.search(r"[1-9]", env.get("SLURM_GPUS_PER_TASK", "").split(":")[-1]):
+        return True
+    step_gpus = [g for g in env.get("SLURM_STEP_GPUS", "").split(",") if g.strip()]
+    local = slurm_local_tasks(env)
+    if step_gpus and local is not None and len(step_gpus) >= local:
+        return True
+    return local_rank > 0 and env.get("CUDA_VISIBLE_DEVICES", "").strip() == str(local_rank)
+
+
+def gpu_for_local_rank(
+    local_rank: int, device_count: int, task_bound: bool = False, env: Mapping | None = None
+) -> int:
+    """The GPU (among the visible ones) of local rank ``local_rank``: one GPU per rank.
+
+    ``task_bound``: srun started this rank as its own task. A task that SLURM bound to its own
+    GPU (:func:`slurm_binds_gpu_per_task`: ``--gpus-per-task=1``, ``--gpu-bind``) sees it as its
+    only device and takes it. Otherwise a local rank needs a visible GPU of its own index: two
+    ranks on one GPU would fail later in NCCL ("Duplicate GPU detected"), or, on a node whose
+    tasks all see the same single GPU, run on it together; this refuses with the numbers and
+    the fix.
+    """
+    env = os.environ if env is None else env
+    if local_rank < device_count:
+        return local_rank
+    if task_bound and device_count == 1 and slurm_binds_gpu_per_task(env, local_rank):
+        return 0
+    from megatronish.config.validate import ConfigError  # omegaconf: only when refusing
+
+    bind = "; srun: --gpus-per-task=1 gives each task its own" if task_bound else ""
+    raise ConfigError([
+        f"local rank {local_rank} has no GPU of its own: this node shows {device_count} GPU(s) "
+        f"(CUDA_VISIBLE_DEVICES={env.get('CUDA_VISIBLE_DEVICES', 'unset')}); start at "
+        f"most {device_count} rank(s) per node (torchrun --nproc-per-node, srun "
+        f"--ntasks-per-node){bind} or use trainer.device=cpu"
+    ])  # fmt: skip
+
+
+def pick_device(requested: str, local_rank: int, task_bound: bool = False) -> torch.device:
+    """``auto`` takes this rank's GPU (:func:`gpu_for_local_rank`) when CUDA is available, else
+    the CPU. A local rank without a GPU is a ``ConfigError`` (one line, exit 2), raised before
+    any process group exists."""
     if requested == "auto":
         requested = "cuda" if torch.cuda.is_available() else "cpu"
     if requested == "cuda":
         if not torch.cuda.is_available():
             raise ValueError("trainer.device=cuda but no CUDA device is visible; use cpu or auto")
-        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        gpu = gpu_for_local_rank(local_rank, torch.cuda.device_count(), task_bound)
+        torch.cuda.set_device(gpu)
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device(requested)
 

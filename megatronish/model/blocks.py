@@ -20,7 +20,8 @@ from megatronish.context_parallel.attention import (
     cp_causal_attention,
     gather_sequence,
 )
-from megatronish.model.rms_norm import low_precision_rms_norm
+from megatronish.context_parallel.attention_kernel import sdpa
+from megatronish.model.rms_norm import rms_norm
 from megatronish.model.spec import ModelSpec
 from megatronish.moe.layer import MoELayer
 from megatronish.tensor_parallel.context import TPContext
@@ -47,10 +48,8 @@ class Norm(nn.Module):
             )  # fmt: skip
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.rms and x.dtype == torch.float32:
-            return F.rms_norm(x, (x.shape[-1],), self.weight, eps=self.eps)
-        if self.rms:  # bf16: computed in fp32, rounded once
-            return low_precision_rms_norm(x, self.weight, self.eps)
+        if self.rms:  # bf16: computed in fp32, rounded once (rms_norm_kernel picks how)
+            return rms_norm(x, self.weight, self.eps)
         return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
 
 
@@ -119,28 +118,28 @@ class Attention(nn.Module):
         self.core_runner = None  # selective recompute wraps the attention core
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Causal softmax(q k^T / sqrt(d)) v with attention dropout, ``[b, heads, s, d]``."""
-        # Grouped-query attention inside SDPA: K and V are not copied to every query head.
-        gqa = {"enable_gqa": True} if self.kv_heads != self.q_heads else {}
+        """Causal softmax(q k^T / sqrt(d)) v with attention dropout, ``[b, heads, s, d]``; K and
+        V keep their grouped heads unless the kernel needs them expanded (attention_kernel)."""
         p = self.spec.attention_dropout if self.training else 0.0
         if p > 0 and self.tp.rng is not None and self.tp.size > 1:
             with self.tp.rng.fork("tp"):  # each rank drops its own heads' probabilities
-                return self._attend(q, k, v, p, gqa)
-        return self._attend(q, k, v, p, gqa)
+                return self._attend(q, k, v, p)
+        return self._attend(q, k, v, p)
 
-    def _attend(self, q, k, v, p: float, gqa: dict) -> torch.Tensor:
+    def _attend(self, q, k, v, p: float) -> torch.Tensor:
         if self.tp.cp.size > 1:  # local queries, the whole sequence's keys and values
-            return cp_causal_attention(q, k, v, self.tp.cp, p, gqa)
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, **gqa)
+            return cp_causal_attention(q, k, v, self.tp.cp, p)
+        return sdpa(q, k, v, "causal", dropout_p=p, is_causal=True)
 
     def _attend_cached(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Causal attention of the last ``q.shape[2]`` positions to every key (no dropout)."""
-        gqa = {"enable_gqa": True} if self.kv_heads != self.q_heads else {}
         s, keys = q.shape[2], k.shape[2]
         if s == keys:  # the prompt, into an empty cache
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, **gqa)
-        mask = None if s == 1 else causal_mask(s, keys, q.device, q.dtype)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **gqa)
+            return sdpa(q, k, v, "causal", is_causal=True)
+        if s == 1:
+            return sdpa(q, k, v, "none")
+        mask = causal_mask(s, keys, q.device, q.dtype)
+        return sdpa(q, k, v, "lower_right" if q.is_cuda else "tensor", attn_mask=mask)
 
     def forward(
         self,

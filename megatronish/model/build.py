@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
+from torch import nn
+from torch.nn.modules.module import register_module_parameter_registration_hook
 
 from megatronish.model.gpt import GPTChunk
-from megatronish.model.init import init_parameters
+from megatronish.model.init import DeferredInit, init_parameters
 from megatronish.model.spec import ModelSpec
 from megatronish.tensor_parallel.context import TPContext
 
@@ -33,13 +37,45 @@ def build_chunks(
     vpp: int = 1,
     seed: int = 1234,
     device: torch.device | str = "cpu",
+    deferred: bool = False,
 ) -> list[GPTChunk]:
-    """This pipeline rank's chunks (virtual stages), initialised from ``seed``."""
+    """This pipeline rank's chunks (virtual stages), initialised from ``seed``.
+
+    ``deferred`` (ZeRO 3): the parameters stay on the meta device, uninitialised, and each chunk
+    gets a ``deferred_init`` (:class:`~megatronish.model.init.DeferredInit`) from which ZeRO
+    materialises only this rank's shards on ``device``; no rank ever holds the whole chunk.
+    Everything else (buffers, a MoE layer's ``stats``) is built on ``device`` with its values.
+    """
+    device = torch.device(device)
     ranges = chunk_layer_ranges(layers_per_chunk)
     n = len(ranges)
     chunks = []
     for c in chunk_ids_of_stage(pp_rank, pp, vpp):
-        chunk = GPTChunk(spec, tp, ranges[c], first=c == 0, last=c == n - 1, device=device)
-        init_parameters(chunk, seed, tp.group.rank, tp.size)
+        with parameters_on_meta() if deferred else contextlib.nullcontext():
+            chunk = GPTChunk(spec, tp, ranges[c], first=c == 0, last=c == n - 1, device=device)
+        if deferred:
+            chunk.deferred_init = DeferredInit(seed, tp.group.rank, tp.size, device)
+        else:
+            init_parameters(chunk, seed, tp.group.rank, tp.size)
         chunks.append(chunk)
     return chunks
+
+
+@contextlib.contextmanager
+def parameters_on_meta():
+    """Modules built inside get every parameter on the meta device, moved there as it is
+    registered (so at most one parameter's uninitialised storage exists at a time); buffers and
+    other tensors stay where, and as, they are made."""
+
+    def to_meta(module: nn.Module, name: str, p: nn.Parameter) -> nn.Parameter | None:
+        if p.is_meta:  # already moved (a weight shared by two modules)
+            return None
+        meta = nn.Parameter(p.to("meta"), requires_grad=p.requires_grad)
+        meta.__dict__.update(p.__dict__)  # ParamInfo and any other attribute
+        return meta
+
+    handle = register_module_parameter_registration_hook(to_meta)
+    try:
+        yield
+    finally:
+        handle.remove()

@@ -98,8 +98,10 @@ class Head(nn.Module):
         """Mean next-token loss over the microbatch; ``targets`` is ``[b, s]``."""
         if self.tp.size == 1:  # the whole vocabulary here: no [tokens, V] logits at all
             x = self.norm(x).reshape(-1, self.spec.hidden_size)
+            target = targets.t().reshape(-1)
+            shared = self.embedding is not None  # the lookup adds its grad to the same weight
             return linear_cross_entropy(
-                x, self.output_weight, targets.t().reshape(-1), self.spec.vocab_size
+                x, self.output_weight, target, self.spec.vocab_size, weight_shared=shared
             )
         logits = self.logits(x)
         losses = vocab_parallel_cross_entropy(

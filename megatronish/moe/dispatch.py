@@ -5,6 +5,11 @@ sends to each of the peer's experts (an all-to-all of counts), sends the tokens 
 rows grouped by destination) and regroups what arrives by local expert, so each expert's rows
 are contiguous. Combine runs the same steps backwards and sums every token's slots weighted by
 its router weights, so tokens come back in their original order exactly.
+
+The host reads the device once per dispatch, as Megatron-LM does: one copy of a single tensor
+holding every count it needs (sent and received), from which the split sizes, the rows per
+local expert and every output size follow; the rest stays on the device (``repeat_interleave``
+with ``output_size``, the experts' group offsets by a cumulative sum).
 """
 
 from __future__ import annotations
@@ -39,16 +44,20 @@ def exchange(x: torch.Tensor, group: ParallelGroup, out_splits, in_splits) -> to
     return _AllToAll.apply(x, group, list(out_splits), list(in_splits))
 
 
-def expert_major(counts: torch.Tensor) -> torch.Tensor:
+def expert_major(counts: torch.Tensor, total: int | None = None) -> torch.Tensor:
     """Row order that turns a buffer grouped by (source, expert) into one grouped by (expert,
-    source); ``counts`` ``[sources, experts]`` are the rows of each chunk (pure)."""
+    source); ``counts`` ``[sources, experts]`` are the rows of each chunk (pure). ``total``:
+    ``counts.sum()`` when the host knows it (else it is read from the device)."""
     flat = counts.reshape(-1)
     starts = (torch.cumsum(flat, 0) - flat).view_as(counts).t().reshape(-1)
     sizes = counts.t().reshape(-1)
     offsets = torch.cumsum(sizes, 0) - sizes
-    total = int(sizes.sum())
-    within = torch.arange(total, device=counts.device) - torch.repeat_interleave(offsets, sizes)
-    return torch.repeat_interleave(starts, sizes) + within
+    if total is None:
+        total = int(sizes.sum())
+    within = torch.arange(total, device=counts.device) - torch.repeat_interleave(
+        offsets, sizes, output_size=total
+    )
+    return torch.repeat_interleave(starts, sizes, output_size=total) + within
 
 
 @dataclass
@@ -60,6 +69,7 @@ class Dispatched:
     out_splits: list[int]  # rows received from each ep peer
     regroup: torch.Tensor | None  # (source, expert) -> (expert, source) row order; None: ep = 1
     local_counts: list[int]  # rows of each local expert, in order
+    local_ends: torch.Tensor  # their end rows, int32 on the device (grouped matmuls' offsets)
 
 
 def dispatch(
@@ -70,24 +80,31 @@ def dispatch(
     group: ParallelGroup,
 ) -> tuple[torch.Tensor, Dispatched]:
     """Send ``tokens`` ``[T, h]``'s assignments ``order`` (sorted by expert, ``counts`` per
-    global expert) to the ep peers that hold their experts; returns the rows of this rank's
-    experts grouped by local expert, and the record for :func:`combine`."""
-    rows = tokens.index_select(0, order // top_k)
+    global expert; any dropped ones after ``counts.sum()``) to the ep peers that hold their
+    experts; returns the rows of this rank's experts grouped by local expert, and the record for
+    :func:`combine`. The host reads the device once: every count, in one copy."""
     ep = group.size
     if ep == 1:
-        local = counts.tolist()
-        return rows, Dispatched(order, [rows.shape[0]], [rows.shape[0]], None, local)
-    per_peer = counts.view(ep, -1)
+        local = counts.tolist()  # the one host copy
+        order = order[: sum(local)]
+        rows = tokens.index_select(0, order // top_k)
+        ends = torch.cumsum(counts, 0).to(torch.int32)
+        return rows, Dispatched(order, [rows.shape[0]], [rows.shape[0]], None, local, ends)
+    per_peer = counts.shape[0] // ep
     received = torch.empty_like(counts)
-    all_to_all(received, counts, group, [per_peer.shape[1]] * ep, [per_peer.shape[1]] * ep)
+    all_to_all(received, counts, group, [per_peer] * ep, [per_peer] * ep)
+    host = torch.cat([counts, received]).tolist()  # the one host copy: sent and received
+    sent, got = host[: counts.shape[0]], host[counts.shape[0] :]
+    in_splits = [sum(sent[p * per_peer : (p + 1) * per_peer]) for p in range(ep)]
+    out_splits = [sum(got[p * per_peer : (p + 1) * per_peer]) for p in range(ep)]
+    local = [sum(got[p * per_peer + e] for p in range(ep)) for e in range(per_peer)]
+    order = order[: sum(in_splits)]
+    arrived = exchange(tokens.index_select(0, order // top_k), group, out_splits, in_splits)
     received = received.view(ep, -1)  # [source, local expert]
-    in_splits = per_peer.sum(1).tolist()
-    out_splits = received.sum(1).tolist()
-    arrived = exchange(rows, group, out_splits, in_splits)
-    regroup = expert_major(received)
-    local = received.sum(0).tolist()
+    regroup = expert_major(received, total=sum(out_splits))
+    ends = torch.cumsum(received.sum(0), 0).to(torch.int32)
     return arrived.index_select(0, regroup), Dispatched(
-        order, in_splits, out_splits, regroup, local
+        order, in_splits, out_splits, regroup, local, ends
     )
 
 

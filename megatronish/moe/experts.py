@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megatronish.moe.grouped_mm import expert_offsets, grouped_linear, grouped_mm_supported
 from megatronish.tensor_parallel.sharding import ExpertShard, TPShard, mark_param
 
 if TYPE_CHECKING:
@@ -23,10 +24,15 @@ if TYPE_CHECKING:
 
 class GroupedExperts(nn.Module):
     """Experts ``[first, first + num_local)`` of the block, each a SwiGLU (llama) or GELU (gpt2)
-    MLP; the output is partial over tp (summed by the caller)."""
+    MLP; the output is partial over tp (summed by the caller). ``grouped``: use (True) or never
+    use (False) ``torch._grouped_mm``; None: where this torch has it for the device and shapes."""
 
-    def __init__(self, spec: ModelSpec, tp_size: int, num_local: int, first: int, device=None):
+    def __init__(
+        self, spec: ModelSpec, tp_size: int, num_local: int, first: int, device=None,
+        grouped: bool | None = None,
+    ):  # fmt: skip
         super().__init__()
+        self.grouped = grouped
         moe, h = spec.moe, spec.hidden_size
         f = moe.ffn_hidden_size
         self.llama, self.num_local = spec.is_llama, num_local
@@ -43,16 +49,21 @@ class GroupedExperts(nn.Module):
             std=spec.init_std / math.sqrt(2 * spec.num_layers),
         )  # fmt: skip
 
-    def forward(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """``rows`` grouped by local expert (``counts`` rows each): one matmul pair per expert."""
-        outputs, start = [], 0
-        for e, n in enumerate(counts):
-            y = F.linear(rows[start : start + n], self.fc1[e])
-            if self.llama:
-                gate, up = y.chunk(2, dim=-1)
-                y = F.silu(gate) * up
-            else:
-                y = F.gelu(y, approximate="tanh")
-            outputs.append(F.linear(y, self.fc2[e]))
-            start += n
-        return torch.cat(outputs) if outputs else rows
+    def forward(
+        self, rows: torch.Tensor, counts: list[int], offsets: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``rows`` grouped by local expert (``counts`` rows each, host ints): two grouped
+        matmuls (see :func:`~megatronish.moe.grouped_mm.grouped_linear`), the activation once
+        over all rows. ``offsets``: the groups' int32 end rows already on ``rows``' device."""
+        grouped = self.grouped
+        if grouped is None:
+            grouped = all(grouped_mm_supported(rows, w, counts) for w in (self.fc1, self.fc2))
+        if grouped and offsets is None:
+            offsets = expert_offsets(counts, rows.device)  # once for both matmuls
+        y = grouped_linear(rows, self.fc1, counts, offsets, grouped)
+        if self.llama:
+            gate, up = y.chunk(2, dim=-1)
+            y = F.silu(gate) * up
+        else:
+            y = F.gelu(y, approximate="tanh")
+        return grouped_linear(y, self.fc2, counts, offsets, grouped)

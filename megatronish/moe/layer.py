@@ -9,6 +9,9 @@ The balancing and z losses enter the gradient through the block's output (Megatr
 auxiliary-loss scaler): the forward is the identity, the backward gives the loss the gradient
 the language-model loss has (``loss_scale``, set by the trainer each step), so no extra tensor
 travels through the pipeline.
+
+A forward reads the device once, in :func:`~megatronish.moe.dispatch.dispatch` (every count it
+needs in one copy); the routing statistics (``stats``) stay on the device until a log step.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from megatronish.distributed.comm import all_gather_dim0, all_reduce
 from megatronish.moe.dispatch import combine, dispatch
 from megatronish.moe.experts import GroupedExperts
 from megatronish.moe.routing import (
+    count_per_expert,
     expert_capacity,
     load_balancing_loss,
     route,
@@ -94,8 +98,8 @@ class MoELayer(nn.Module):
                                        moe.capacity_factor)  # fmt: skip
         order, counts, dropped = sort_assignments(all_experts, all_weights, moe.num_experts,
                                                   capacity)  # fmt: skip
-        rows, record = dispatch(tokens, order, counts, moe.top_k, tp.ep)
-        outputs = self.experts(rows, record.local_counts)
+        rows, record = dispatch(tokens, order, counts, moe.top_k, tp.ep)  # the one host read
+        outputs = self.experts(rows, record.local_counts, offsets=record.local_ends)
         out = combine(outputs, record, all_weights, tp.ep).view(-1, b, h)
         if tp.sequence_parallel:
             out = reduce_scatter_to_sp(out, tp.group)
@@ -109,7 +113,7 @@ class MoELayer(nn.Module):
         """Attach the balancing and z losses to ``out``'s gradient; record the step's stats."""
         moe, cp = self.moe, self.tp.cp
         total = all_experts.shape[0] * cp.size  # the microbatch's tokens, every cp chunk
-        counts = torch.bincount(all_experts.reshape(-1), minlength=moe.num_experts)
+        counts = count_per_expert(all_experts, moe.num_experts)
         all_reduce(counts, cp.group)
         aux = load_balancing_loss(probs, counts, total, moe.top_k, moe.aux_loss_coef)
         zl = z_loss(logits, total, moe.z_loss_coef)
@@ -118,7 +122,7 @@ class MoELayer(nn.Module):
             out = _AttachLoss.apply(out, (aux + zl) * (self.loss_scale * cp.size))
         if not in_backward():  # not again when full recompute reruns the forward
             with torch.no_grad():
-                mine = torch.bincount(experts.reshape(-1), minlength=moe.num_experts)
+                mine = count_per_expert(experts, moe.num_experts)
                 self.stats[: moe.num_experts] += mine.to(self.stats.dtype)
                 self.stats[AUX] += aux.detach().double()
                 self.stats[Z] += zl.detach().double()

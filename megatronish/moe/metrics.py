@@ -48,13 +48,14 @@ def step_metrics(
             if isinstance(block.mlp, MoELayer):
                 rows[int(index)] = block.mlp.stats
     all_reduce(rows, world)
-    moe_rows = rows[rows[:, :num_experts].sum(dim=1) > 0]
-    counts = moe_rows[:, :num_experts]
+    host = rows.tolist()  # one device read, on log steps only
+    counts = [row[:num_experts] for row in host if sum(row[:num_experts]) > 0]
     per_batch = dp_replicas * num_microbatches
+    every = [c for row in counts for c in row]
     return {
-        "moe/aux_loss": (rows[:, AUX].sum() / per_batch).item(),
-        "moe/z_loss": (rows[:, Z].sum() / per_batch).item(),
-        "moe/tokens_per_expert_max": counts.max().item() if counts.numel() else 0.0,
-        "moe/tokens_per_expert_mean": counts.mean().item() if counts.numel() else 0.0,
-        "moe/dropped_tokens": rows[:, DROPPED].sum().item(),
+        "moe/aux_loss": sum(row[AUX] for row in host) / per_batch,
+        "moe/z_loss": sum(row[Z] for row in host) / per_batch,
+        "moe/tokens_per_expert_max": max(every, default=0.0),
+        "moe/tokens_per_expert_mean": sum(every) / len(every) if every else 0.0,
+        "moe/dropped_tokens": sum(row[DROPPED] for row in host),
     }

@@ -54,27 +54,42 @@ def expert_capacity(tokens: int, num_experts: int, top_k: int, factor: float) ->
     return math.ceil(tokens * top_k / num_experts * factor)
 
 
+def count_per_expert(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Assignments per expert in ``experts`` (expert ids, any shape): ``[num_experts]`` int64.
+
+    A comparison against every id, summed: no host read (``torch.bincount`` sizes its output
+    from the largest id, which the host reads from the device on CUDA) and no atomics.
+    """
+    ids = torch.arange(num_experts, device=experts.device)
+    return (experts.reshape(-1, 1) == ids).sum(dim=0)
+
+
 def sort_assignments(
     experts: torch.Tensor,
     weights: torch.Tensor,
     num_experts: int,
     capacity: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(order, counts, dropped)``: the flat ``[T * k]`` assignments an expert computes, sorted
-    by expert (token order within one), the count per expert, and how many were dropped.
+    """``(order, counts, dropped)``: every flat ``[T * k]`` assignment, those the experts
+    compute first, sorted by expert (token order within one), then the dropped ones (token
+    order); the count per expert, so ``order[:counts.sum()]`` are the kept ones; and how many
+    were dropped (0-dim). Nothing is read on the host: the caller learns the counts with its
+    one host copy (:func:`~megatronish.moe.dispatch.dispatch`).
 
     Dropless when ``capacity`` is None; otherwise each expert keeps its ``capacity`` assignments
     of highest weight (Megatron-LM's ``probs`` drop policy; equal weights: the earlier token).
     """
     flat = experts.reshape(-1)
-    counts = torch.bincount(flat, minlength=num_experts)
+    counts = count_per_expert(flat, num_experts)
     if capacity is None:
         return torch.argsort(flat, stable=True), counts, counts.new_zeros(())
     by_weight = torch.argsort(-weights.detach().reshape(-1), stable=True)
     by_expert = by_weight[torch.argsort(flat[by_weight], stable=True)]
     starts = torch.cumsum(counts, 0) - counts
     rank = torch.arange(flat.numel(), device=flat.device) - starts[flat[by_expert]]
-    kept = torch.sort(by_expert[rank < capacity]).values  # token order ...
-    order = kept[torch.argsort(flat[kept], stable=True)]  # ... within each expert
+    kept = torch.empty_like(flat, dtype=torch.bool)
+    kept[by_expert] = rank < capacity  # each assignment's place within its expert, by weight
+    # Dropped ones sort after every expert; a stable sort keeps token order within each key.
+    order = torch.argsort(torch.where(kept, flat, num_experts), stable=True)
     kept_counts = counts.clamp(max=capacity)
     return order, kept_counts, flat.numel() - kept_counts.sum()

@@ -68,6 +68,31 @@ class Bucket:
         for (name, p), off in zip(self.params, self.offsets):
             yield name, p, flat[off : off + p.numel()].view_as(p)
 
+    @torch.no_grad()
+    def shard_values(self, value_of, lo: int, hi: int) -> torch.Tensor:
+        """Elements ``[lo, hi)`` of the bucket's flat fp32 values (padding zero), where
+        ``value_of(name, p)`` gives a parameter's values: only the parameters that overlap the
+        range are drawn, one at a time, so nothing beyond one parameter is ever held whole."""
+        out = torch.zeros(hi - lo, device=self.device)
+        for (name, p), off in zip(self.params, self.offsets):
+            a, b = max(off, lo), min(off + p.numel(), hi)
+            if a < b:
+                out[a - lo : b - lo] = value_of(name, p).reshape(-1)[a - off : b - off]
+        return out
+
+    def point_params_at(self, flat: torch.Tensor) -> None:
+        """Make every parameter a view of ``flat``; a meta parameter (a deferred build) gets the
+        view's tensor in place, so the ``nn.Parameter`` objects the model holds stay the same."""
+        for _, p, view in self.views(flat):
+            if not p.is_meta:
+                p.data = view
+                continue
+            kept = dict(p.__dict__)  # ParamInfo and any other attribute
+            real = nn.Parameter(view.new_empty(0), requires_grad=p.requires_grad)
+            real.data = view  # as above: its own version counter, not the (gathered) buffer's
+            torch.utils.swap_tensors(p, real)
+            p.__dict__.update(kept)
+
     def ranges(self, keep, lo: int, hi: int) -> list[tuple[int, int]]:
         """Merged ``[start, end)`` ranges within ``[lo, hi)`` (relative to ``lo``) covering the
         params where ``keep(name, p)``."""

@@ -37,6 +37,7 @@ from torch import nn
 from megatronish.distributed.comm import all_gather_into, all_reduce
 from megatronish.distributed.timers import Timers
 from megatronish.distributed.topology import Topology
+from megatronish.model.init import DeferredInit
 from megatronish.optim.buckets import Bucket, is_expert, plan_chunk_buckets
 from megatronish.optim.grad_reduce import GradReducer
 from megatronish.optim.grads import counts_in_norm, flat_all_reduce
@@ -82,9 +83,12 @@ class ZeroDataParallel:
                 lambda n, p, tied=tied_names: n in tied or bool(param_info(p).tied_to),
                 topo.device, per_unit=stage >= 2, expert_dp=(edp.size, edp.rank),
             )  # fmt: skip
+            deferred = getattr(chunk, "deferred_init", None)  # a meta build (zero 3)
             for b in buckets:
                 b.group = edp if b.expert else dp
-                self._allocate(b)
+                self._allocate(b, deferred)
+            if deferred is not None:  # drawn: a later owner of the chunk takes it as it is
+                del chunk.deferred_init
             self.buckets_of.append(buckets)
             units, visits = chunk_visits(chunk, i)
             bucket_of = {id(p): b for b in buckets for _, p in b.params}
@@ -121,19 +125,22 @@ class ZeroDataParallel:
         return (0, b.numel) if self.stage == 0 else b.shard_range
 
     @torch.no_grad()
-    def _allocate(self, b: Bucket) -> None:
-        main = torch.zeros(b.numel, device=b.device)  # fp32 values as initialised
-        for _, p, view in b.views(main):
-            view.copy_(p.data)
+    def _allocate(self, b: Bucket, deferred: DeferredInit | None = None) -> None:
         lo, hi = self._owned(b)
-        flat = main.to(self.param_dtype) if self.separate_main else main
-        for _, p, view in b.views(flat):
-            p.data = view
-        b.param_flat = flat
-        b.param_shard = flat[lo:hi] if self.stage < 3 else flat[lo:hi].clone()
-        b.main_shard = main[lo:hi].clone() if self.separate_main else b.param_shard
-        if self.stage == 3:
-            resize_storage(flat, 0)  # params live as shards; gathered on demand
+        if any(p.is_meta for _, p in b.params):  # a meta build not yet drawn
+            self._allocate_shard_only(b, deferred, lo, hi)
+        else:
+            main = torch.zeros(b.numel, device=b.device)  # fp32 values as initialised
+            for _, p, view in b.views(main):
+                view.copy_(p.data)
+            flat = main.to(self.param_dtype) if self.separate_main else main
+            for _, p, view in b.views(flat):
+                p.data = view
+            b.param_flat = flat
+            b.param_shard = flat[lo:hi] if self.stage < 3 else flat[lo:hi].clone()
+            b.main_shard = main[lo:hi].clone() if self.separate_main else b.param_shard
+            if self.stage == 3:
+                resize_storage(flat, 0)  # params live as shards; gathered on demand
         if self.stage < 2:
             self._new_grad_buffer(b)
         if self.stage >= 2:  # the reduced shard outlives the full buffers
@@ -144,6 +151,24 @@ class ZeroDataParallel:
             b.norm_ranges = []  # zero 0 keeps whole replicas: the first one counts
         for _, p in b.params:
             p.register_post_accumulate_grad_hook(self._make_hook(b))
+            if self.separate_main:  # an op may add its fp32 grad here itself (the fused head)
+                p.accumulate_main_grad = self._make_main_grad_adder(b, p)
+
+    def _allocate_shard_only(self, b: Bucket, deferred: DeferredInit | None, lo: int, hi: int):
+        """Zero 3 on a meta build: draw only this rank's shard ``[lo, hi)`` of ``b`` (one
+        parameter at a time); the full params get storage only when gathered."""
+        if self.stage != 3 or deferred is None:
+            raise ValueError(
+                f"parameters on the meta device need ZeRO 3 and the chunk's deferred_init "
+                f"(stage {self.stage}, deferred_init {deferred}): build_chunks(deferred=True)"
+            )
+        main = b.shard_values(deferred.value, lo, hi)
+        flat = torch.empty(b.numel, dtype=self.param_dtype, device=b.device)  # views need it once
+        b.point_params_at(flat)
+        resize_storage(flat, 0)  # params live as shards; gathered on demand
+        b.param_flat = flat
+        b.param_shard = main.to(self.param_dtype) if self.separate_main else main
+        b.main_shard = main
 
     def _new_grad_buffer(self, b: Bucket) -> None:
         b.grad_flat = torch.zeros(b.numel, device=b.device)
@@ -231,7 +256,10 @@ class ZeroDataParallel:
             grad = p.grad
             if b.grad_flat is None:  # zero 2/3: the first grad of this bucket's microbatch
                 zero._new_grad_buffer(b)
-            if grad.dtype != p.main_grad.dtype:  # a bf16 microbatch grad, summed in fp32
+            if getattr(p, "grad_added_to_main_grad", False):  # a placeholder: already summed
+                p.grad_added_to_main_grad = False
+                p.grad = None
+            elif grad.dtype != p.main_grad.dtype:  # a bf16 microbatch grad, summed in fp32
                 p.main_grad.add_(grad)
                 p.grad = None
             elif grad.data_ptr() != p.main_grad.data_ptr():
@@ -246,6 +274,22 @@ class ZeroDataParallel:
                 zero.gatherer.grad_ready(p)
 
         return hook
+
+    def _make_main_grad_adder(self, b: Bucket, p: nn.Parameter):
+        """``p.accumulate_main_grad(grad, grad_is_placeholder)``: add an fp32 ``grad`` of ``p``
+        to its main grad now, without rounding it to ``p``'s dtype (Megatron's
+        gradient-accumulation fusion). The op still returns a grad for ``p``, so the hook runs
+        and counts it; ``grad_is_placeholder``: that grad holds nothing more and is dropped."""
+        owner, bucket, param = weakref.ref(self), weakref.ref(b), weakref.ref(p)  # see _make_hook
+
+        def accumulate(grad: torch.Tensor, grad_is_placeholder: bool) -> None:
+            zero, b, p = owner(), bucket(), param()
+            if b.grad_flat is None:  # zero 2/3: the first grad of this bucket's microbatch
+                zero._new_grad_buffer(b)
+            p.main_grad.add_(grad)
+            p.grad_added_to_main_grad = grad_is_placeholder
+
+        return accumulate
 
     def _launch(self, b: Bucket) -> None:
         """Start ``b``'s reduction (zero 2/3: into its shard, re-armed for the next microbatch)."""
@@ -295,14 +339,18 @@ class ZeroDataParallel:
         return b.grad_flat if self.stage == 0 else b.grad_shard
 
     # -- norm, clip, update -----------------------------------------------------------------
-    def grad_norm(self, local_fault: bool = False) -> torch.Tensor:
-        """Global L2 norm: every parameter element counted exactly once across tp, pp, dp.
+    def grad_norm(self, local_fault: torch.Tensor | bool = False) -> torch.Tensor:
+        """Global L2 norm: every parameter element counted exactly once across tp, pp, dp. It
+        stays on the device (the host reads nothing).
 
-        ``local_fault``: this rank saw a non-finite value elsewhere (its loss); the norm then comes
-        out nan on every rank, so all ranks skip the step together without another collective.
+        ``local_fault``: this rank saw a non-finite value elsewhere (its loss; a 0-dim bool tensor
+        on the device, or a bool); the norm then comes out nan on every rank, so all ranks skip
+        the step together without another collective.
         """
         sq = torch.zeros((), device=self.topo.device)
-        if local_fault:
+        if isinstance(local_fault, torch.Tensor):
+            sq = torch.where(local_fault, float("nan"), sq)
+        elif local_fault:
             sq += float("nan")
         for b in self.buckets:
             grad = self.owned_grad(b)

@@ -10,7 +10,9 @@ size ``d``, ``f`` ffn hidden; ``s_r`` = s/t under sequence parallelism, else s):
   under sp);
 - attention: the fused qkv output ``s b (a + 2g) d / t`` (V is a view of it), RoPE's rotated
   Q and K (llama), the SDPA output ``s b a d / t`` (also the projection's input) and its
-  logsumexp ``b a s / t``; flash/fused SDPA keeps no ``s x s`` matrix, attention dropout does;
+  logsumexp ``b a s / t``; a fused SDPA kernel keeps no ``s x s`` matrix, the math kernel does
+  (on a CPU with attention dropout), and K/V expanded for a fused kernel (fp32 grouped-query
+  attention on CUDA) add ``2 b a s d / t`` (:func:`attention_core_bytes`);
 - MLP: SwiGLU keeps gate|up ``2 s b f / t``, SiLU(gate) and the product (``s b f / t`` each);
   GELU keeps its input and output (``s b f / t`` each);
 - dropout (p > 0): a 1-byte mask per element of each dropped tensor;
@@ -20,8 +22,8 @@ size ``d``, ``f`` ffn hidden; ``s_r`` = s/t under sequence parallelism, else s):
 Korthikanti et al. (2022) count the same things for a 16-bit GeLU model with dropout
 (``sbh (34 + 5as/h)`` per layer without parallelism); ``korthikanti_per_layer`` gives their
 formulas for comparison. Recompute: ``selective`` drops the attention core's saved tensors (the
-logsumexp and any ``s x s`` tensors), ``full`` keeps one ``s_r b h`` input per checkpointed group
-and rebuilds the group's activations during its backward.
+logsumexp, expanded K/V and any ``s x s`` tensors), ``full`` keeps one ``s_r b h`` input per
+checkpointed group and rebuilds the group's activations during its backward.
 
 Mixture-of-experts blocks keep their routing and experts' tensors in place of the dense MLP's
 (:func:`megatronish.plan.moe.mlp_bytes`).
@@ -36,6 +38,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import torch
+
+from megatronish.context_parallel.attention_kernel import attention_kernel
 from megatronish.model.linear_cross_entropy import chunk_tokens
 from megatronish.model.spec import ModelSpec
 from megatronish.pipeline.schedule import schedule_ops
@@ -83,6 +88,26 @@ def _norm_bytes(spec: ModelSpec, x: LayerShape, e: int) -> int:
     return own + x.s * x.b * x.h * e
 
 
+def attention_core_bytes(spec: ModelSpec, layout: Layout) -> int:
+    """What SDPA keeps for backward besides its inputs and output, by the kernel the table of
+    :func:`~megatronish.context_parallel.attention_kernel.attention_kernel` picks for the plan's
+    device (CUDA: an sm80+ GPU on torch <= 2.13): the logsumexp; K and V expanded to the query
+    heads (``2 b a (cp s) d``, the whole sequence's under cp) where the rule expands them (fp32
+    grouped-query attention on CUDA); the ``s x s`` scores only where the math kernel runs (a
+    CPU with attention dropout; on CUDA dropout runs in the fused kernels)."""
+    x, e = layer_shape(spec, layout), layout.activation_bytes
+    cuda, dropout = layout.device_type == "cuda", spec.attention_dropout
+    mask = ("lower_right" if cuda else "tensor") if x.cp > 1 else "causal"
+    dtype = torch.bfloat16 if e == 2 else torch.float32
+    kernel = attention_kernel(layout.device_type, dtype, x.g != x.a, dropout, mask, x.d)
+    out = x.b * x.a * x.s * 4  # logsumexp
+    if kernel.expand_kv:
+        out += 2 * x.b * x.a * x.cp * x.s * x.d * e
+    if kernel.name == "math":  # softmax (and with dropout its mask and the dropped softmax)
+        out += x.b * x.a * x.s * x.s * (2 * e + 1 if dropout > 0 else e)
+    return out
+
+
 def layer_bytes(spec: ModelSpec, layout: Layout, core: bool = True) -> int:
     """Bytes one transformer layer keeps for backward per microbatch (no recompute).
 
@@ -97,9 +122,7 @@ def layer_bytes(spec: ModelSpec, layout: Layout, core: bool = True) -> int:
     if x.cp > 1:  # the whole sequence's K and V, gathered over cp
         attn += x.cp * tokens * 2 * x.g * x.d * e
     if core:
-        attn += x.b * x.a * x.s * 4  # logsumexp
-        if spec.attention_dropout > 0:  # SDPA falls back to the math kernel
-            attn += x.b * x.a * x.s * x.s * (2 * e + 1)  # softmax, mask, dropped softmax
+        attn += attention_core_bytes(spec, layout)
     mlp = tokens * x.f * e * (4 if spec.is_llama else 2)
     dropout = 2 * tokens_r * x.h if spec.hidden_dropout > 0 else 0
     return norms + attn + mlp + dropout
@@ -148,7 +171,7 @@ def loss_workspace(spec: ModelSpec, layout: Layout) -> int:
     x, e = layer_shape(spec, layout), layout.activation_bytes
     tokens = x.s * x.b
     if x.t == 1:  # one chunk's logits and fp32 log-probabilities (bf16: and the logits in fp32)
-        v = spec.vocab_size
+        v = spec.padded_vocab_size  # the GEMM runs over the padded rows (linear_cross_entropy)
         chunk = chunk_tokens(tokens, x.h, v)
         return chunk * v * (e + 4) + (chunk * v * 4 if e < 4 else 0)
     # logits, their copy with padding masked (on the rank holding padding), shifted (then exp)

@@ -31,6 +31,7 @@ class Layout:
     grad_reduce_dtype: str = "fp32"  # fp32 | bf16: the dp grad reduction
     cp: int = 1  # context parallel: each sequence split over cp ranks
     ep: int = 1  # expert parallel: experts split over ep ranks carved out of dp x cp
+    device_type: str = "cuda"  # cuda | cpu: SDPA's kernels differ (plan/activations.py)
 
     @property
     def world_size(self) -> int:
@@ -105,6 +106,7 @@ def layout_from_config(cfg, world_size: int) -> Layout:
         layers_per_chunk=tuple(p.pipeline_layer_split or ()),
         bucket_size_mb=p.bucket_size_mb, zero3_keep_gathered=p.zero3_keep_gathered,
         precision=t.precision, grad_reduce_dtype=p.grad_reduce_dtype, ep=getattr(p, "ep", 1),
+        device_type="cpu" if t.device == "cpu" else "cuda",  # auto: plan for the GPU
     )  # fmt: skip
 
 

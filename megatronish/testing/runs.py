@@ -89,6 +89,18 @@ def trainer_for(cfg, rank: int, world: int, device: torch.device | None = None, 
     from megatronish.training.job import build_model
     from megatronish.training.trainer import Trainer
 
+    topo, d, spec, rng = layout_parts(cfg, rank, world, device)
+    chunks = build_model(cfg, topo, d, spec, rng)
+    data = PatternTokens(spec.vocab_size, spec.seq_length, seed=cfg.trainer.seed)
+    if kw.get("saving") is True:
+        kw["saving"] = Saving(rng)
+    return Trainer(cfg, topo, spec, d, chunks, data, p2p=p2p, **kw), rng
+
+
+def layout_parts(cfg, rank: int, world: int, device: torch.device | None = None):
+    """``(Topology, Derived, ModelSpec, RNGTracker)`` for the composed ``cfg`` in the current
+    world: what :func:`~megatronish.training.job.build_model` takes. Collective when
+    ``world > 1``."""
     check_config(cfg, world)
     d = derive(cfg, world)
     p = cfg.parallel
@@ -99,11 +111,7 @@ def trainer_for(cfg, rank: int, world: int, device: torch.device | None = None, 
     rng.seed(
         cfg.trainer.seed, tp_rank=topo.coords.tp, pp_rank=topo.coords.pp, cp_rank=topo.coords.cp
     )
-    chunks = build_model(cfg, topo, d, spec, rng)
-    data = PatternTokens(spec.vocab_size, spec.seq_length, seed=cfg.trainer.seed)
-    if kw.get("saving") is True:
-        kw["saving"] = Saving(rng)
-    return Trainer(cfg, topo, spec, d, chunks, data, p2p=p2p, **kw), rng
+    return topo, d, spec, rng
 
 
 def train_layout(

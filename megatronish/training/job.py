@@ -11,6 +11,7 @@ from megatronish.config.derived import Derived, derive
 from megatronish.config.validate import ConfigError, vocab_errors
 from megatronish.context_parallel.attention import CPContext
 from megatronish.distributed.agree import PeerError, agree
+from megatronish.distributed.cpus import default_threads, usable_cpus
 from megatronish.distributed.launch import LaunchEnv, init_process_group, pick_device
 from megatronish.distributed.rank_math import rank_map_table
 from megatronish.distributed.topology import Topology
@@ -19,7 +20,7 @@ from megatronish.model.recompute import apply_recompute
 from megatronish.model.spec import ModelSpec
 from megatronish.tensor_parallel.context import TPContext
 from megatronish.tensor_parallel.random import RNGTracker
-from megatronish.training.precision import apply_fp32_matmul_setting
+from megatronish.training.precision import apply_deterministic, apply_fp32_matmul_setting
 
 
 @dataclass
@@ -37,11 +38,12 @@ class Job:
 
 
 def set_threads(cfg, launch: LaunchEnv) -> None:
-    """One intra-op thread per rank when ranks share a CPU, all cores for a single process."""
+    """The CPUs this process may use (its affinity mask: SLURM's cgroup or task binding, not the
+    node's core count) shared by the ranks that share the mask (:func:`default_threads`); all
+    of them for a single process."""
     n = cfg.trainer.num_threads
     if n is None:
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", launch.world_size))
-        n = max(1, (os.cpu_count() or 1) // max(local, 1))
+        n = default_threads(os.environ, launch.kind, launch.world_size, usable_cpus())
     torch.set_num_threads(n)
 
 
@@ -82,6 +84,8 @@ def check_memory_fits(cfg, launch: LaunchEnv, topo: Topology, vocab: int) -> Non
 
 
 def build_model(cfg, topo: Topology, derived: Derived, spec: ModelSpec, rng: RNGTracker):
+    """This rank's chunks; under ZeRO 3 with parameters on the meta device, their shards drawn
+    by ZeRO (:class:`~megatronish.model.init.DeferredInit`), so no rank holds its whole chunk."""
     cp_ctx = CPContext(group=topo.cp_group, seq_length=spec.seq_length)
     tp_ctx = TPContext(group=topo.tp_group, sp=cfg.parallel.sp, rng=rng, cp=cp_ctx,
                        ep=topo.ep_group)  # fmt: skip
@@ -94,6 +98,7 @@ def build_model(cfg, topo: Topology, derived: Derived, spec: ModelSpec, rng: RNG
         vpp=cfg.parallel.vpp,
         seed=cfg.trainer.seed,
         device=topo.device,
+        deferred=cfg.parallel.zero_stage == 3,
     )
     t = cfg.trainer
     apply_recompute(chunks, t.recompute, t.recompute_method, t.recompute_num_layers, rng)
@@ -105,8 +110,9 @@ def build_job(cfg, launch: LaunchEnv) -> Job:
     Collective when the world has more than one rank."""
     set_threads(cfg, launch)
     derived = derive(cfg, launch.world_size)
-    device = pick_device(cfg.trainer.device, launch.local_rank)
+    device = pick_device(cfg.trainer.device, launch.local_rank, task_bound=launch.kind == "slurm")
     apply_fp32_matmul_setting(device, cfg.trainer.tf32)
+    apply_deterministic(cfg.trainer.deterministic)
     init_process_group(launch, device, cfg.parallel.collective_timeout_s)
     p = cfg.parallel
     topo = Topology.build(tp=p.tp, dp=derived.dp, pp=p.pp, rank=launch.rank, device=device,

@@ -12,6 +12,8 @@ import time
 import torch
 
 from megatronish.plan.devices import gpu_for_cuda_name
+from megatronish.training.heap_sampler import HeapPeakSampler, heap_in_use
+from megatronish.training.precision import tf32_matmuls_enabled
 
 
 def measure_matmul_peak(size: int = 1024, repeats: int = 5) -> float:
@@ -37,14 +39,100 @@ def device_peak_flops(device: torch.device, precision: str, configured_tflops: f
 
 
 def tf32_matmuls() -> bool:
-    """Whether fp32 matmuls on CUDA may use TF32 tensor cores (torch's default: no)."""
-    new_api = getattr(torch.backends.cuda.matmul, "fp32_precision", "none")
-    return new_api == "tf32" or torch.get_float32_matmul_precision() != "highest"
+    """Whether fp32 matmuls on CUDA may use TF32 tensor cores (torch's default: no), on either
+    generation of torch's switches (:mod:`megatronish.training.precision`)."""
+    return tf32_matmuls_enabled()
 
 
 def peak_memory_bytes(device: torch.device) -> int:
-    """Peak allocated memory (GPU) or peak resident set size of the process (CPU)."""
+    """The most memory held since the last :func:`reset_peak_memory` (since start if never):
+    on a GPU the bytes allocated to tensors (``torch.cuda.max_memory_allocated``); on a CPU the
+    process's peak resident set size (Linux's VmHWM; without /proc, ``ru_maxrss``)."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
+    hwm = _proc_status_bytes("VmHWM")
+    if hwm is not None:
+        return hwm
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss if sys.platform == "darwin" else rss * 1024
+
+
+def reset_peak_memory(device: torch.device) -> bool:
+    """Start a new peak at the memory held now; False where it cannot be reset (a CPU without
+    Linux's ``/proc/self/clear_refs``: the peak stays the process's lifetime peak)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return True
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current RSS and nothing else (proc(5))
+    except OSError:
+        return False
+    return _proc_status_bytes("VmHWM") is not None
+
+
+def _proc_status_bytes(field: str) -> int | None:
+    """A ``kB`` field of ``/proc/self/status`` in bytes; None where there is none."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+class PeakMemory:
+    """The peaks a training run reports: :meth:`startup` once the model, ZeRO's state and any
+    checkpoint are in place (the peak since the process started), then :meth:`take` at every
+    progress line (the peak since the previous one); :meth:`close` when training ends.
+
+    GPU: bytes allocated to tensors (``torch.cuda.max_memory_allocated``, reset after each).
+    CPU: the start-up peak is the process's peak resident set; the steps' peaks are the most
+    bytes malloc had handed out (:mod:`~megatronish.training.heap_sampler`, glibc), sampled by
+    a thread only where they are printed (``sample``), else the peak resident set since the
+    previous line (Linux), else the process's peak so far.
+    ``meanings``: what the start-up and the step numbers are, in words.
+    """
+
+    def __init__(self, device: torch.device, sample: bool = True):
+        self.device, self.sample = device, sample
+        self.sampler: HeapPeakSampler | None = None
+        self.meanings = ("", "")
+
+    def startup(self) -> int:
+        """The peak so far; starts measuring the steps."""
+        peak = peak_memory_bytes(self.device)
+        if self.device.type == "cuda":
+            reset_peak_memory(self.device)
+            self.meanings = (f"allocated to tensors on {self.device}",
+                             "the same, the peak since the previous line")  # fmt: skip
+        elif self.sample and heap_in_use() is not None:
+            self.sampler = HeapPeakSampler()
+            every = f"{self.sampler.min_interval_s * 1e3:g} ms"
+            self.meanings = ("peak resident set of the process",
+                             "the most bytes allocated since the previous line (malloc's heap "
+                             f"in use, sampled every {every}; less often if the heap is "
+                             "fragmented)")  # fmt: skip
+        elif reset_peak_memory(self.device):
+            self.meanings = ("peak resident set of the process",
+                             "the peak resident set since the previous line")  # fmt: skip
+        else:
+            self.meanings = ("peak resident set of the process",
+                             "the process's peak resident set so far (no reset here)")  # fmt: skip
+        return peak
+
+    def take(self) -> int:
+        """The peak since the previous call (or :meth:`startup`)."""
+        if self.sampler is not None:
+            return self.sampler.take()
+        peak = peak_memory_bytes(self.device)
+        reset_peak_memory(self.device)
+        return peak
+
+    def close(self) -> None:
+        """Stop the CPU sampler, if one runs."""
+        if self.sampler is not None:
+            self.sampler.close()
+            self.sampler = None

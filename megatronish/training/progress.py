@@ -22,6 +22,12 @@ def fmt_bytes(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
+def format_startup_memory(peak: int, what: str, steps: str) -> str:
+    """The line printed once, before the first step: the start-up's peak memory (model, ZeRO
+    state, a loaded checkpoint), ``what`` it measures, and what the steps' ``mem`` is."""
+    return f"start-up peak memory {fmt_bytes(peak)} ({what}); mem on step lines: {steps}"
+
+
 def format_step(m: dict[str, Any], max_steps: int) -> str:
     """One console line for a logged step."""
     parts = [f"step {m['step']:>6d}/{max_steps}", f"loss {m['loss']:.4f}"]

@@ -1,10 +1,12 @@
 """Graceful stop: a signal or ``trainer.exit_after_minutes`` ends training at a step boundary.
 
 A signal handler only records which signal arrived. At every step boundary the trainer asks
-:meth:`StopRequest.agreed`, one all-reduce (MAX) of this rank's reason code over the world, so
-every rank stops after the same step even when only some ranks got the signal or their clocks
-disagree about the deadline. The trainer then saves a checkpoint and the process exits with
-``EXIT_STOPPED`` (see ``megatronish/train.py`` and ``docs/operations.md``).
+:meth:`StopRequest.agreed`, one all-reduce (MAX) of this rank's reason code over the world (a
+host tensor: gloo, never a device sync), so every rank stops after the same step even when only
+some ranks got the signal or their clocks disagree about the deadline. The trainer then saves a
+checkpoint and the process exits with ``EXIT_STOPPED`` (see ``megatronish/train.py`` and
+``docs/operations.md``, which also gives the check's cost at scale: the host blocks for one gloo
+all-reduce per step, hidden while the GPU has the step's work queued).
 """
 
 from __future__ import annotations
@@ -128,9 +130,12 @@ class StopRequest:
             return "trainer.exit_after_minutes reached on another rank"
         return f"trainer.exit_after_minutes={self.exit_after_minutes} reached"
 
-    def agreed(self, group: ParallelGroup, device: torch.device | None = None) -> str | None:
-        """Collective (one all-reduce): why every rank stops after this step, or None."""
-        code = torch.tensor([float(self.local_code())], device=device)
+    def agreed(self, group: ParallelGroup) -> str | None:
+        """Collective (one all-reduce of a host tensor): why every rank stops after this step,
+        or None. The code never touches the GPU: on NCCL runs the groups route host tensors
+        through gloo (see :func:`~megatronish.distributed.launch.init_process_group`), so asking
+        every step makes the host wait for no device work, only for the other ranks' hosts."""
+        code = torch.tensor([float(self.local_code())])  # on the host, on purpose
         all_reduce(code, group, op="max")
         agreed = int(code.item())
         if agreed != NO_STOP:

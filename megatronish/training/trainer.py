@@ -7,13 +7,13 @@ grads (see :mod:`megatronish.optim.zero`); there is no autocast.
 from __future__ import annotations
 
 import functools
-import math
 import time
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
+from megatronish.checkpoint.host_copies import HostCopies, StreamCopies
 from megatronish.checkpoint.save import CheckpointSaver, Saving
 from megatronish.config.derived import Derived
 from megatronish.context_parallel.split import split_sequence
@@ -34,22 +34,19 @@ from megatronish.pipeline.engine import (
 )
 from megatronish.pipeline.no_pipeline import forward_backward_no_pipeline
 from megatronish.pipeline.p2p import BatchedP2P
-from megatronish.training.numerics import TooManySkippedSteps, skip_limit_message
-from megatronish.training.peaks import peak_memory_bytes
+from megatronish.training.numerics import (
+    StepResult,
+    TooManySkippedSteps,
+    queue_host_copy,
+    read_on_host,
+    skip_limit_message,
+)
+from megatronish.training.peaks import PeakMemory
 from megatronish.training.precision import DTYPES
 from megatronish.training.prefetch import BatchPrefetcher, HostBatches
 from megatronish.training.profiling import StepProfiler
-from megatronish.training.progress import ProgressLogger
+from megatronish.training.progress import ProgressLogger, format_startup_memory
 from megatronish.training.stop import StopRequest
-
-
-@dataclass
-class StepResult:
-    step: int
-    loss: float  # mean over the global batch; nan on ranks without the loss
-    grad_norm: float
-    lr: float
-    skipped: bool
 
 
 @dataclass
@@ -60,7 +57,7 @@ class TrainState:
     consumed_samples: int = 0
     skipped_steps: int = 0
     skipped_in_a_row: int = 0  # 0 at every save: steps in a skip streak are never saved
-    history: list[StepResult] = field(default_factory=list)
+    history: list[StepResult] = field(default_factory=list)  # every settled step, in order
 
 
 class Trainer:
@@ -89,6 +86,8 @@ class Trainer:
         self.chunks = chunks
         self.train_data, self.valid_data = train_data, valid_data
         self.logger = logger or ProgressLogger(cfg, enabled=False, run_dir=".")
+        # The start-up's peak, then each progress line's steps (measured where they are printed).
+        self.memory = PeakMemory(topo.device, sample=self.logger.enabled)
         self.peak_flops = peak_flops
         p, o = cfg.parallel, cfg.optimizer
         self.timers = Timers(cfg.logging.timers, device_sync(topo.device))
@@ -110,6 +109,12 @@ class Trainer:
         self.p2p = p2p or BatchedP2P
         self.forward_backward = forward_backward or self._default_forward_backward()
         self.state = TrainState()
+        self._unsettled: list[StepResult] = []  # steps whose values are still on the device
+        # How a step's [loss, grad norm] reaches the host: a non-blocking copy into a pinned
+        # buffer and an event on CUDA; None (a direct read at settle) on CPU. Tests inject one.
+        self.readback: HostCopies | None = (
+            StreamCopies(topo.device) if topo.device.type == "cuda" else None
+        )
         self.saver = None if saving is None else CheckpointSaver(
             cfg, self, saving.rng, saving.run_id, saving.special_tokens)  # fmt: skip
         self.stop = stop
@@ -170,6 +175,13 @@ class Trainer:
 
     # -- one step ---------------------------------------------------------------------------
     def train_step(self) -> StepResult:
+        """One optimizer step, during which the host reads nothing of this step from the device.
+
+        Clipping and the skip of a non-finite step are decided on the device. The result's
+        loss, grad norm and skip are read when asked for (:class:`StepResult`), at the latest
+        by the next step once its forward and backward are queued (:meth:`settle`); on CUDA
+        their copy to the host is queued as soon as the norm is (:func:`queue_host_copy`).
+        """
         step = self.state.step
         for c in self.chunks:
             c.train()
@@ -183,28 +195,51 @@ class Trainer:
         )
         self.zero.finish_reduction()
         self.timers.start("optimizer", "optimizer")  # grad norm, clipping and the update
+        # The previous step. On CUDA the host waits for that step's copy event, i.e. for its
+        # own forward, backward and norm (done, or running with this step's work queued behind
+        # them), not for this step's work; on CPU it reads the previous step's values directly.
+        self.settle()
         loss = self._mean_loss(losses)
         # A non-finite loss (seen only where the loss lives) makes the global norm nan everywhere.
-        bad_loss = self.holds_loss and bool(losses) and not math.isfinite(loss)
-        norm = self.zero.grad_norm(local_fault=bad_loss).item()
+        norm = self.zero.grad_norm(local_fault=None if loss is None else ~torch.isfinite(loss))
         lr = self.lr_at(step)
-        skipped = not math.isfinite(norm)  # the same on every rank: the norm is global
-        if skipped:  # the optimizer state is left untouched
-            self.state.skipped_steps += 1
-            self.state.skipped_in_a_row += 1
-        else:
-            self.state.skipped_in_a_row = 0
-            max_norm, clip = self.cfg.optimizer.grad_clip, 1.0
-            if max_norm > 0 and norm > max_norm:
-                clip = max_norm / (norm + 1e-6)  # applied inside the update, no extra pass
-            self.optimizer.step(self.zero.optimizer_shards(), lr, grad_scale=clip)
+        found_inf = (~torch.isfinite(norm)).float()  # the same on every rank: the norm is global
+        max_norm, clip = self.cfg.optimizer.grad_clip, None
+        if max_norm > 0:  # applied inside the update, no extra pass
+            clip = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        if loss is None:
+            loss = torch.full_like(norm, float("nan"))
+        pair = torch.stack([loss.float(), norm])
+        copied = queue_host_copy(self.readback, pair, slot=len(self._unsettled))
+        self.optimizer.step(self.zero.optimizer_shards(), lr, grad_scale=clip, found_inf=found_inf)
         self.timers.stop("optimizer")
         self.zero.after_update()
         self.state.step += 1
         self.state.consumed_samples += self.cfg.trainer.global_batch_size
-        if skipped:
-            self._after_skipped_step(step + 1, loss, norm)
-        return StepResult(step=step + 1, loss=loss, grad_norm=norm, lr=lr, skipped=skipped)
+        result = StepResult(step + 1, lr, pair, self.settle, copied)
+        self._unsettled.append(result)
+        return result
+
+    def settle(self) -> None:
+        """Learn the unsettled steps' loss and grad norm on the host (:func:`read_on_host`), in
+        order: add them to ``state.history``, count and log the skipped ones, and raise
+        :class:`TooManySkippedSteps` at ``trainer.max_skipped_steps`` in a row. Every pending
+        result is resolved before the accounting, so when it raises, the step that reached the
+        limit and those after it (not in ``history``) still report their values."""
+        pending, self._unsettled = self._unsettled, []
+        if not pending:
+            return
+        values = read_on_host(pending)
+        for result, (loss, norm) in zip(pending, values):
+            result.resolve(loss, norm)
+        for result, (loss, norm) in zip(pending, values):
+            if result.skipped:  # the update was a no-op: the optimizer state is untouched
+                self.state.skipped_steps += 1
+                self.state.skipped_in_a_row += 1
+                self._after_skipped_step(result.step, loss, norm)
+            else:
+                self.state.skipped_in_a_row = 0
+            self.state.history.append(result)
 
     def _after_skipped_step(self, step: int, loss: float, norm: float) -> None:
         """Log a skipped step; raise :class:`TooManySkippedSteps` at the consecutive limit."""
@@ -218,13 +253,13 @@ class Trainer:
             held = loss if self.holds_loss else None
             raise TooManySkippedSteps(skip_limit_message(step, limit, norm, held))
 
-    def _mean_loss(self, losses: list[torch.Tensor]) -> float:
-        """Mean loss of the global batch on last-stage ranks (nan elsewhere)."""
+    def _mean_loss(self, losses: list[torch.Tensor]) -> torch.Tensor | None:
+        """Mean loss of the global batch on last-stage ranks, on the device (None elsewhere)."""
         if not self.holds_loss or not losses:
-            return float("nan")
+            return None
         mean = torch.stack(losses).float().mean()
         all_reduce(mean, self.topo.dp_cp_group)  # cp ranks: equal token counts, so a plain mean
-        return (mean / self.topo.dp_cp).item()
+        return mean / self.topo.dp_cp
 
     def evaluate(self) -> float:
         """Mean validation loss over ``trainer.eval_iters`` global batches."""
@@ -259,18 +294,23 @@ class Trainer:
                 losses.append(self.chunks[0](inputs, targets).detach())
                 self.zero.after_compute(0, "fwd")
         self.zero.release_all()  # zero 3 with keep_gathered
-        return self._mean_loss(losses)
+        loss = self._mean_loss(losses)
+        return float("nan") if loss is None else loss.item()
 
     # -- the loop ---------------------------------------------------------------------------
     def fit(self) -> list[StepResult]:
-        """Train until ``trainer.max_steps``; returns the results of the steps run here."""
+        """Train until ``trainer.max_steps``; returns ``state.history``: every step this trainer
+        settled, in order, also those of ``train_step()`` calls made before ``fit``."""
         try:
             return self._fit()
         finally:
             self.prefetcher.close()
+            self.memory.close()
 
     def _fit(self) -> list[StepResult]:
         t, log_every = self.cfg.trainer, self.cfg.logging.log_interval
+        startup = self.memory.startup()  # the build, ZeRO's buffers, a loaded checkpoint
+        self.logger.info(format_startup_memory(startup, *self.memory.meanings))
         window_start, window_steps = time.perf_counter(), 0
         self.timers.reset()
         while self.state.step < t.max_steps:
@@ -278,10 +318,10 @@ class Trainer:
             result = self.train_step()
             self.timers.end_step()
             self._profiled(self.profiler.after_step(result.step))
-            self.state.history.append(result)
             window_steps += 1
             step = result.step
             if step % log_every == 0 or step == t.max_steps or step == 1:
+                self.settle()
                 elapsed = time.perf_counter() - window_start
                 self._log(result, elapsed / window_steps)
                 window_start, window_steps = time.perf_counter(), 0
@@ -289,18 +329,24 @@ class Trainer:
                 with self.timers.paused():
                     self.logger.log_eval(step, self.evaluate(), self.evaluate_datasets())
                 window_start = time.perf_counter()
+            interval = self.cfg.checkpoint.interval
+            if self.saver is not None and interval and step % interval == 0:
+                self.settle()  # a step in a skip streak is not saved
             if self.saver is not None:
                 self._checkpoint(step)
             if self.stop is not None and step < t.max_steps and self._stop_agreed(step):
                 break
+        self.settle()
         self._profiled(self.profiler.finish())
         return self.state.history
 
     def _stop_agreed(self, step: int) -> bool:
-        """Collective: True when the ranks agree to stop now, after saving this step."""
-        reason = self.stop.agreed(self.topo.world_group, self.topo.device)
+        """Collective (on the host): True when the ranks agree to stop now, after saving this
+        step."""
+        reason = self.stop.agreed(self.topo.world_group)
         if reason is None:
             return False
+        self.settle()  # whether this step may be saved
         saved = "no checkpoint.dir, nothing saved"
         if self.saver is not None:
             path = self.saver.wait() or self.saver.last_published or ""
@@ -365,7 +411,7 @@ class Trainer:
                 "tokens_per_s": tokens_per_s,
                 "mfu": mfu,
                 "step_time_s": step_time,
-                "peak_memory": peak_memory_bytes(self.topo.device),
+                "peak_memory": self.memory.take(),
                 "skipped_steps": self.state.skipped_steps,
                 **self.moe_metrics(),
                 **timers,

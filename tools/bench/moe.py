@@ -1,5 +1,6 @@
 """Mixture of experts on CPU: a tiny llama MoE with megatronish at ep=1 and ep=2 against a plain
-PyTorch MoE of the same shape and routing; tokens/s and the all-to-all share of the ep=2 step.
+PyTorch MoE of the same shape and routing; tokens/s and the all-to-all share of the ep=2 step;
+the experts' backward alone at 4, 16 and 64 local experts (time and bytes allocated).
 Run alone: ``.venv/bin/python tools/bench/moe.py [--quick]``.
 """
 
@@ -11,6 +12,7 @@ import time
 from dataclasses import dataclass
 
 import common
+import moe_experts
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -27,6 +29,8 @@ PLAIN, EP1, EP2 = "plain PyTorch MoE", "megatronish ep=1", "megatronish ep=2"
 VARIANTS = (PLAIN, EP1, EP2)
 RANKS = {PLAIN: 1, EP1: 1, EP2: 2}
 WARMUP = 1  # untimed steps of each variant after the first (measured) one
+# The experts' backward alone: a microbatch's rows (4 x 256 tokens, top-2) of the model above.
+EXPERT_ROWS, EXPERT_HIDDEN, EXPERT_FFN, EXPERT_LOCALS = 2048, 128, 256, (4, 16, 64)
 
 
 class PlainMoE(nn.Module):
@@ -220,6 +224,10 @@ def run(quick: bool = False) -> dict:
     load_before = os.getloadavg()[0]
     repeats, budget = (3, 8.0) if quick else (41, 75.0)
     ranks = run_world(_rank, 2, repeats, budget, timeout=600, collective_timeout=300)
+    with common.threads(1):
+        experts = moe_experts.run_experts(EXPERT_ROWS, EXPERT_HIDDEN, EXPERT_FFN, EXPERT_LOCALS,
+                                          3 if quick else 9)  # fmt: skip
+    expert_rows, expert_facts = experts_table(experts)
     times = slowest(ranks)
     med = {n: median(ts) for n, ts in times.items()}
     cfg = config(MOE)
@@ -250,7 +258,8 @@ def run(quick: bool = False) -> dict:
                     "ep2_vs_ep1": ep2_vs_ep1, "a2a_s_per_rank": a2a_s, "a2a_share_per_rank": share,
                     "cpu_s_per_rank": cpu, "comm_per_step": comm, "first": first,
                     "last": last, "losses": losses,
-                    "per_step_wall_cpu_a2a_s": [r["record"] for r in ranks]},
+                    "per_step_wall_cpu_a2a_s": [r["record"] for r in ranks],
+                    "experts_backward": experts},
         "tables": [
             table(f"Throughput, {tokens} tokens per step (median over repeats)",
                   ["variant", "ranks", "step ms|,.0f", "tokens/s|,.0f",
@@ -264,17 +273,48 @@ def run(quick: bool = False) -> dict:
                    "mean|.0f"], sanity),
             table("Communication per ep=2 step and rank (CommStats, steps after the first)",
                   ["group/op", "calls|.0f", "MiB|.3f"], comm_rows),
+            table(f"The experts' backward alone: {EXPERT_ROWS} rows, hidden {EXPERT_HIDDEN}, "
+                  f"ffn {EXPERT_FFN}, SwiGLU, fp32, 1 thread (median over repeats)",
+                  ["local experts", "implementation", "grouped_mm", "backward ms|,.1f",
+                   "backward time / now's, median of per-repeat ratios|.2fx",
+                   "MiB allocated in backward|,.1f", "of which the stacks' grads|,.1f",
+                   "MiB beyond the stacks' grads|,.1f"], expert_rows),
         ],
         "facts": {
             "megatronish ep=1 tokens/s / plain's (median of per-repeat ratios)|.2fx": paired[EP1],
             "megatronish ep=2 tokens/s / ep=1's (median of per-repeat ratios)|.2fx": ep2_vs_ep1,
             "step 1 loss, ep=1 minus plain|.1e": first[EP1]["loss"] - first[PLAIN]["loss"],
             "step 1 loss, ep=2 minus ep=1|.1e": first[EP2]["loss"] - first[EP1]["loss"],
+            **expert_facts,
             "repeats run": len(times[EP1]),
             "1-minute load average, the larger of start and end|.1f": max(
                 load_before, os.getloadavg()[0]),
         },
     }  # fmt: skip
+
+
+def experts_table(experts: dict) -> tuple[list[list], dict]:
+    """The experts' backward table rows and facts (64 vs 4 local experts)."""
+    rows, beyond = [], {}
+    for local, times in experts["seconds"].items():
+        now = times[moe_experts.GROUPED]
+        for impl in moe_experts.IMPLS:
+            total = experts["bytes"][local][impl]
+            grads = experts["stack_grad_bytes"][local][impl]
+            beyond[local, impl] = total - grads
+            picked = experts["grouped_mm_used"][local] if impl == moe_experts.GROUPED else False
+            rows.append([int(local), impl, picked, median(times[impl]) * 1e3,
+                         paired_ratio(times[impl], now), total / MIB, grads / MIB,
+                         (total - grads) / MIB])  # fmt: skip
+    lo, hi = (str(n) for n in (EXPERT_LOCALS[0], EXPERT_LOCALS[-1]))
+    facts = {}
+    for impl in moe_experts.IMPLS:
+        label = f"experts' backward, MiB beyond the stacks' grads, {hi} / {lo} local experts, "
+        facts[f"{label}{impl}|.2fx"] = beyond[hi, impl] / beyond[lo, impl]
+    slow = paired_ratio(experts["seconds"][hi][moe_experts.SLICED],
+                        experts["seconds"][hi][moe_experts.GROUPED])  # fmt: skip
+    facts[f"experts' backward time at {hi} local experts, before / now|.1fx"] = slow
+    return rows, facts
 
 
 if __name__ == "__main__":

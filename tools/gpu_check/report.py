@@ -12,6 +12,30 @@ from pathlib import Path
 import torch
 
 OK, FAILED, NOT_APPLICABLE, SKIPPED = "ok", "FAILED", "not applicable", "skipped"
+# The page's last part, the same in docs/gpu.md's outline (a test keeps the two equal).
+HOW_TO_RUN = """## Running it
+
+With the project's `.venv` (`make install`): `make gpu-check` on a machine with one NVIDIA GPU.
+
+On a GPU machine with its own Python and torch but no `.venv`, no Hydra and no network: first, on a
+machine with network, `make gpu-wheels` downloads the wheels it lacks (hydra-core, omegaconf,
+antlr4-python3-runtime; PyYAML and packaging in case; CPython 3.12, manylinux x86_64, the
+`.venv`'s versions, about 1.3 MiB) into `.gpu-wheels/` (ignored by git) and prints its size
+against the 64 MiB a run carries: bring that folder along with the tree. There,
+`PYTHON=python3 make gpu-check` (`scripts/gpu_env.sh`; plain `make gpu-check` too where there is
+a wheelhouse and no `.venv`) installs them with `pip install --no-index --no-deps
+--only-binary=:all: --target` a temporary directory (PyYAML and packaging only when that Python
+cannot import them, so they never shadow its own), with no pip configuration read, puts that
+directory and the source tree on `PYTHONPATH` and runs `tools/gpu_check.py` on that Python's own
+torch. It never installs torch and never reaches for the network. A `--target` directory rather
+than a venv with `--system-site-packages`: it needs only pip (no `venv` or `ensurepip` module),
+works on an externally managed (PEP 668) system Python too, leaves the interpreter's packages
+untouched, and is deleted after the run.
+
+`make gpu-env-check` (about 25 s of CPU time, on a machine with network for one wheel) runs that
+offline path, `make gpu-check` included, in Pythons that see only the GPU machine's packages
+(`.venv`'s torch and the rest, no Hydra, wandb or datasets), without network
+(`tools/gpu_check/bare_python.py`)."""
 
 
 @dataclass
@@ -79,6 +103,16 @@ def git_commit(root: Path) -> str:
     return (sha or "unknown") + (" + local changes" if dirty else "")
 
 
+def config_libraries() -> str:
+    """Hydra's and omegaconf's versions and the directory they were imported from (on the GPU
+    machine: the temporary one the wheelhouse was installed into)."""
+    import hydra
+    import omegaconf
+
+    where = Path(hydra.__file__).resolve().parents[1]
+    return f"hydra-core {hydra.__version__}, omegaconf {omegaconf.__version__} from {where}"
+
+
 def environment(device: torch.device, root: Path) -> list[tuple[str, str]]:
     """What the numbers were measured on."""
     facts = [("date", datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))]
@@ -94,7 +128,8 @@ def environment(device: torch.device, root: Path) -> list[tuple[str, str]]:
                                 f"{torch.get_num_threads()} threads"))  # fmt: skip
     facts += [
         ("torch", torch.__version__),
-        ("python", sys.version.split()[0]),
+        ("python", f"{sys.version.split()[0]} ({sys.executable})"),
+        ("configuration", config_libraries()),
         ("megatronish", git_commit(root)),
     ]
     return facts
@@ -123,4 +158,5 @@ def render(
         lines += ["", *[f"- {line}" for line in r.lines]] if r.lines else []
         for t in r.tables:
             lines += ["", t.markdown()]
+    lines += ["", HOW_TO_RUN]
     return "\n".join(lines) + "\n"

@@ -1,0 +1,152 @@
+"""Rows grouped by expert times a stack of expert weights, with a backward whose work and memory
+do not grow with the number of experts beyond the weights' own grads.
+
+One ``torch._grouped_mm`` where this torch has it for the device, dtype and shapes
+(:func:`grouped_mm_supported`), else :class:`ExpertLoop`: one matmul per expert, written into
+one output, and in backward into one input grad and one stack grad. Never autograd through a
+slice or an index per expert: the backward of each ``rows[a:b]`` or ``weight[e]`` allocates zeros
+the size of the whole input or the whole stack, and a split + unbind still makes every expert's
+weight grad twice (its matmul, then the stack).
+
+Where ``torch._grouped_mm`` runs (checked against torch's sources and issues, 2026-12): absent
+before torch 2.8; in 2.8 on CUDA only, bf16 on compute capability 9.x only; from 2.9 also on CPU
+(2.9-2.12 want 16-byte aligned data pointers) and on CUDA >= 8.0 in fp32, fp16 and bf16; not on
+ROCm (it raises). Every operand's rows must be 16-byte multiples (hidden and ffn sizes divisible
+by 4 in fp32, 8 in bf16) and its fp32 backward rejects an expanded (stride-0) incoming gradient,
+so we hand it a contiguous one. On CUDA only bf16 on compute capability 9.x or 10.x is one
+grouped kernel (CUTLASS); elsewhere it loops over the groups after copying the offsets to the
+host, a device sync per call that :class:`ExpertLoop` (host counts) avoids: we use it there
+only. Blackwell (10.x) gives a nonzero weight grad to a group without rows (pytorch#172439,
+open): an empty expert takes the loop there. On CPU it is a loop like ours; we use it wherever
+it exists, so CPU tests run torch's op and its backward. No grouped call is made with no rows
+at all (grouped GEMM kernels have crashed or hung on it).
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from collections.abc import Sequence
+
+import torch
+
+ALIGN_BYTES = 16
+
+
+def torch_version(version: str | None = None) -> tuple[int, int]:
+    """(major, minor) of ``version`` (default: the running torch's)."""
+    major, minor = re.match(r"(\d+)\.(\d+)", version or torch.__version__).groups()
+    return int(major), int(minor)
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    return t.is_contiguous() and t.data_ptr() % ALIGN_BYTES == 0
+
+
+def use_grouped_mm(
+    device_type: str,
+    dtype: torch.dtype,
+    version: tuple[int, int],
+    capability: tuple[int, int] | None = None,
+    rocm: bool = False,
+) -> bool:
+    """Whether we hand matmuls in ``dtype`` on ``device_type`` to torch ``version``'s
+    ``torch._grouped_mm`` (see the module's docstring); ``capability``: the CUDA device's."""
+    if version < (2, 8) or dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return False
+    if device_type == "cpu":
+        return version >= (2, 9)
+    if device_type != "cuda" or rocm or capability is None or dtype != torch.bfloat16:
+        return False
+    return capability[0] == 9 or (capability[0] == 10 and version >= (2, 9))
+
+
+def _capability(device: torch.device) -> tuple[int, int] | None:
+    return torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+
+
+def grouped_mm_supported(x: torch.Tensor, weight: torch.Tensor, counts: Sequence[int]) -> bool:
+    """Whether ``x [rows, k]`` times ``weight [experts, n, k]`` in groups of ``counts`` rows is
+    one ``torch._grouped_mm`` here (see the module's docstring for the rules)."""
+    if x.dtype != weight.dtype or x.device != weight.device or x.shape[0] == 0:
+        return False
+    capability = _capability(x.device)
+    here = use_grouped_mm(x.device.type, x.dtype, torch_version(), capability,
+                           rocm=torch.version.hip is not None)  # fmt: skip
+    if not here or not hasattr(torch, "_grouped_mm"):
+        return False
+    row_bytes = [size * x.element_size() for size in weight.shape[1:]]  # n and k
+    if any(b % ALIGN_BYTES for b in row_bytes) or not _aligned(weight):
+        return False
+    blackwell = capability is not None and capability[0] == 10
+    return not (blackwell and 0 in counts)
+
+
+def expert_offsets(counts: Sequence[int], device: torch.device) -> torch.Tensor:
+    """``torch._grouped_mm``'s ``offs``: the end row of each expert's group (int32)."""
+    return torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int32, device=device)
+
+
+def _contiguous_aligned(t: torch.Tensor) -> torch.Tensor:
+    return t if _aligned(t) else t.clone(memory_format=torch.contiguous_format)
+
+
+class ExpertLoop(torch.autograd.Function):
+    """``x [rows, k]`` in groups of ``counts`` rows times ``weight [experts, n, k]`` (each
+    group by its expert's transpose) as one ``torch.mm`` per expert, into one ``[rows, n]``."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, counts: tuple[int, ...]):
+        ctx.save_for_backward(x, weight)
+        ctx.counts = counts
+        out = x.new_empty(x.shape[0], weight.shape[1])
+        for part, w, o in zip(x.split(counts), weight.unbind(0), out.split(counts), strict=True):
+            torch.mm(part, w.t(), out=o)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        counts, grads = ctx.counts, grad.split(ctx.counts)
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            grad_x = x.new_empty(x.shape)
+            for g, w, o in zip(grads, weight.unbind(0), grad_x.split(counts), strict=True):
+                torch.mm(g, w, out=o)
+        if ctx.needs_input_grad[1]:
+            grad_w = weight.new_empty(weight.shape)
+            for n, g, part, o in zip(counts, grads, x.split(counts), grad_w.unbind(0)):
+                if n:
+                    torch.mm(g.t(), part, out=o)
+                else:  # an expert without rows: its grad is zero, whatever mm does with k=0
+                    o.zero_()
+        return grad_x, grad_w, None
+
+
+def grouped_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    counts: Sequence[int],
+    offsets: torch.Tensor | None = None,
+    grouped: bool | None = None,
+) -> torch.Tensor:
+    """``x [rows, k]`` grouped by expert (``counts`` rows each, in expert order) through
+    ``weight [experts, n, k]``: ``[rows, n]``, group ``e`` being ``F.linear(rows_e, weight[e])``.
+
+    ``offsets``: the int32 end rows on ``x``'s device (else built from ``counts``: a host to
+    device copy on GPUs). ``grouped``: use (True, unless there are no rows) or never use
+    (False) ``torch._grouped_mm``; None: where :func:`grouped_mm_supported`.
+    """
+    if len(counts) != weight.shape[0] or sum(counts) != x.shape[0]:
+        raise ValueError(f"{x.shape[0]} rows do not split into {list(counts)} for "
+                         f"{weight.shape[0]} experts")  # fmt: skip
+    if grouped is None:
+        grouped = grouped_mm_supported(x, weight, counts)
+    if not grouped or x.shape[0] == 0:
+        return ExpertLoop.apply(x, weight, tuple(counts))
+    if offsets is None:
+        offsets = expert_offsets(counts, x.device)
+    out = torch._grouped_mm(_contiguous_aligned(x), weight.transpose(1, 2), offs=offsets)
+    if out.requires_grad:
+        out.register_hook(_contiguous_aligned)
+    return out

@@ -8,6 +8,8 @@ allowTF32CuDNN, setAllowTF32CuBLAS, setAllowTF32CuDNN, float32Precision).
 """
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -221,3 +223,16 @@ def test_deterministic_mode_switches_on_and_back_off(monkeypatch):
     finally:
         torch.use_deterministic_algorithms(False)
         fill.fill_uninitialized_memory = True
+
+
+def test_the_default_mode_costs_no_compiler_import():
+    """``trainer.deterministic=false`` (the default) leaves torch as it is: calling
+    ``torch.use_deterministic_algorithms`` at all imports torch._inductor and torch._dynamo (about
+    800 modules, seconds at every rank's start-up)."""
+    code = (
+        "import sys; from megatronish.training.precision import apply_deterministic; "
+        "apply_deterministic(False); "
+        "print(sorted(m for m in ('torch._inductor', 'torch._dynamo') if m in sys.modules))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]", done.stdout + done.stderr

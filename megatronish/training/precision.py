@@ -99,5 +99,8 @@ def apply_deterministic(deterministic: bool) -> None:
         if os.environ.get("CUBLAS_WORKSPACE_CONFIG") == _OUR_WORKSPACE_CONFIG:
             del os.environ["CUBLAS_WORKSPACE_CONFIG"]
         _OUR_WORKSPACE_CONFIG = None
-    torch.use_deterministic_algorithms(deterministic)
+    if torch.are_deterministic_algorithms_enabled() != deterministic:
+        # Only on a change: every call imports torch._inductor's config (torch._dynamo, ~800
+        # modules, seconds of start-up on every rank).
+        torch.use_deterministic_algorithms(deterministic)
     torch.utils.deterministic.fill_uninitialized_memory = not deterministic  # torch's default

@@ -162,11 +162,9 @@ def _fit_and_save(cfg, job, plan, run_id: str, logger, stop: StopRequest | None)
             trainer.saver.wait()
             done = trainer.saver.last_published or ""
             final = ckpt.save_final and not done.endswith(f"{trainer.state.step:07d}") and history
-            if final and trainer.state.skipped_in_a_row:  # the state may be poisoned
-                logger.info(f"not saving step {trainer.state.step}: the last "
-                            f"{trainer.state.skipped_in_a_row} step(s) were skipped")  # fmt: skip
-            elif final:
-                logger.info(f"saved checkpoint {trainer.saver.save(blocking=True)}")
+            # save() refuses (one line) while the last steps were skipped: state may be poisoned
+            if final and (path := trainer.saver.save(blocking=True)) is not None:
+                logger.info(f"saved checkpoint {path}")
     return history
 
 

@@ -51,7 +51,6 @@ from megatronish.checkpoint.format import (
     step_dir_name,
 )
 from megatronish.checkpoint.host_copies import HostCopies, host_copies_for
-from megatronish.checkpoint.snapshot import snapshot as snapshot  # for tools/bench
 from megatronish.checkpoint.snapshot import start_snapshot
 from megatronish.distributed.agree import PeerError, agree
 from megatronish.distributed.comm import CollectiveError, all_reduce

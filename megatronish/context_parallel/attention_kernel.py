@@ -157,9 +157,7 @@ class SDPAChecks:
             try:
                 hit = self._decide(q, k, v, mask, attn_mask, dropout_p, is_causal)
             except TypeError:  # an SDPAParams this module cannot build: the table
-                grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-                hit = attention_kernel("cuda", q.dtype, k.shape[1] != q.shape[1], dropout_p,
-                                       mask, q.shape[-1], _capability(q.device), grad)  # fmt: skip
+                hit = _by_table("cuda", q, k, v, mask, dropout_p)
             if len(self.cache) >= CACHE_ENTRIES:
                 self.cache.pop(next(iter(self.cache)))
             self.cache[key] = hit
@@ -235,8 +233,13 @@ def kernel_for(
     checks = checks_for(q.device.type)
     if checks is not None:
         return checks.kernel(q, k, v, mask, attn_mask, dropout_p, is_causal)
+    return _by_table(q.device.type, q, k, v, mask, dropout_p)
+
+
+def _by_table(device_type: str, q, k, v, mask: str, dropout_p: float) -> AttentionKernel:
+    """:func:`attention_kernel` for these tensors, as if on ``device_type``."""
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    return attention_kernel(q.device.type, q.dtype, k.shape[1] != q.shape[1], dropout_p, mask,
+    return attention_kernel(device_type, q.dtype, k.shape[1] != q.shape[1], dropout_p, mask,
                             q.shape[-1], _capability(q.device), grad)  # fmt: skip
 
 

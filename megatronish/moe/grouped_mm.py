@@ -27,6 +27,7 @@ from __future__ import annotations
 import itertools
 import re
 from collections.abc import Sequence
+from functools import lru_cache
 
 import torch
 
@@ -37,6 +38,9 @@ def torch_version(version: str | None = None) -> tuple[int, int]:
     """(major, minor) of ``version`` (default: the running torch's)."""
     major, minor = re.match(r"(\d+)\.(\d+)", version or torch.__version__).groups()
     return int(major), int(minor)
+
+
+TORCH_VERSION = torch_version()
 
 
 def _aligned(t: torch.Tensor) -> bool:
@@ -61,6 +65,7 @@ def use_grouped_mm(
     return capability[0] == 9 or (capability[0] == 10 and version >= (2, 9))
 
 
+@lru_cache(maxsize=16)
 def _capability(device: torch.device) -> tuple[int, int] | None:
     return torch.cuda.get_device_capability(device) if device.type == "cuda" else None
 
@@ -71,7 +76,7 @@ def grouped_mm_supported(x: torch.Tensor, weight: torch.Tensor, counts: Sequence
     if x.dtype != weight.dtype or x.device != weight.device or x.shape[0] == 0:
         return False
     capability = _capability(x.device)
-    here = use_grouped_mm(x.device.type, x.dtype, torch_version(), capability,
+    here = use_grouped_mm(x.device.type, x.dtype, TORCH_VERSION, capability,
                            rocm=torch.version.hip is not None)  # fmt: skip
     if not here or not hasattr(torch, "_grouped_mm"):
         return False

@@ -30,6 +30,7 @@ replicas, tied embeddings) are reduced at the end of the step.
 from __future__ import annotations
 
 import weakref
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -37,13 +38,15 @@ from torch import nn
 from megatronish.distributed.comm import all_gather_into, all_reduce
 from megatronish.distributed.timers import Timers
 from megatronish.distributed.topology import Topology
-from megatronish.model.init import DeferredInit
 from megatronish.optim.buckets import Bucket, is_expert, plan_chunk_buckets
 from megatronish.optim.grad_reduce import GradReducer
 from megatronish.optim.grads import counts_in_norm, flat_all_reduce
 from megatronish.optim.param_gather import ParamGatherer, resize_storage
 from megatronish.optim.param_units import chunk_visits
 from megatronish.tensor_parallel.sharding import param_info
+
+if TYPE_CHECKING:
+    from megatronish.model.init import DeferredInit
 
 
 class ZeroDataParallel:
@@ -134,8 +137,7 @@ class ZeroDataParallel:
             for _, p, view in b.views(main):
                 view.copy_(p.data)
             flat = main.to(self.param_dtype) if self.separate_main else main
-            for _, p, view in b.views(flat):
-                p.data = view
+            b.point_params_at(flat)
             b.param_flat = flat
             b.param_shard = flat[lo:hi] if self.stage < 3 else flat[lo:hi].clone()
             b.main_shard = main[lo:hi].clone() if self.separate_main else b.param_shard
@@ -339,19 +341,17 @@ class ZeroDataParallel:
         return b.grad_flat if self.stage == 0 else b.grad_shard
 
     # -- norm, clip, update -----------------------------------------------------------------
-    def grad_norm(self, local_fault: torch.Tensor | bool = False) -> torch.Tensor:
+    def grad_norm(self, local_fault: torch.Tensor | None = None) -> torch.Tensor:
         """Global L2 norm: every parameter element counted exactly once across tp, pp, dp. It
         stays on the device (the host reads nothing).
 
         ``local_fault``: this rank saw a non-finite value elsewhere (its loss; a 0-dim bool tensor
-        on the device, or a bool); the norm then comes out nan on every rank, so all ranks skip
+        on the device); the norm then comes out nan on every rank, so all ranks skip
         the step together without another collective.
         """
         sq = torch.zeros((), device=self.topo.device)
-        if isinstance(local_fault, torch.Tensor):
+        if local_fault is not None:
             sq = torch.where(local_fault, float("nan"), sq)
-        elif local_fault:
-            sq += float("nan")
         for b in self.buckets:
             grad = self.owned_grad(b)
             for lo, hi in b.norm_ranges:

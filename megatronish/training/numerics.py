@@ -105,17 +105,16 @@ class StepResult:
 
 
 def queue_host_copy(
-    copies: HostCopies | None, on_device: torch.Tensor, slot: int
+    copies: HostCopies | None, on_device: torch.Tensor
 ) -> tuple[torch.Tensor, CopyEvent] | None:
     """Queue the copy of a step's ``[loss, grad norm]`` to the host, after the work queued so
     far, without waiting: ``(host buffer, event)``, the buffer valid once the event completes
-    (None without a copy layer). ``slot``: the host buffer's key, distinct among the results
-    not yet read (the trainer passes how many are pending, so buffers are reused only after
-    they were read)."""
+    (None without a copy layer). One host buffer serves every step: the trainer settles the
+    previous step (reads its buffer) before it queues the next copy."""
     if copies is None:
         return None
     copies.follow_training()
-    host = copies.to_host(on_device, f"step result {slot}")
+    host = copies.to_host(on_device, "step result")
     return host, copies.record()
 
 

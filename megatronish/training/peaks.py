@@ -13,7 +13,7 @@ import torch
 
 from megatronish.plan.devices import gpu_for_cuda_name
 from megatronish.training.heap_sampler import HeapPeakSampler, heap_in_use
-from megatronish.training.precision import tf32_matmuls_enabled
+from megatronish.training.precision import tf32_matmuls_enabled as tf32_matmuls  # tests patch it
 
 
 def measure_matmul_peak(size: int = 1024, repeats: int = 5) -> float:
@@ -36,12 +36,6 @@ def device_peak_flops(device: torch.device, precision: str, configured_tflops: f
         gpu = gpu_for_cuda_name(torch.cuda.get_device_name(device))
         return None if gpu is None else gpu.peak_tflops(precision, tf32_matmuls()) * 1e12
     return measure_matmul_peak()
-
-
-def tf32_matmuls() -> bool:
-    """Whether fp32 matmuls on CUDA may use TF32 tensor cores (torch's default: no), on either
-    generation of torch's switches (:mod:`megatronish.training.precision`)."""
-    return tf32_matmuls_enabled()
 
 
 def peak_memory_bytes(device: torch.device) -> int:

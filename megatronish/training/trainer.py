@@ -210,7 +210,7 @@ class Trainer:
         if loss is None:
             loss = torch.full_like(norm, float("nan"))
         pair = torch.stack([loss.float(), norm])
-        copied = queue_host_copy(self.readback, pair, slot=len(self._unsettled))
+        copied = queue_host_copy(self.readback, pair)
         self.optimizer.step(self.zero.optimizer_shards(), lr, grad_scale=clip, found_inf=found_inf)
         self.timers.stop("optimizer")
         self.zero.after_update()

@@ -19,8 +19,9 @@ from safetensors.torch import load_file
 import megatronish.checkpoint.save as save_mod
 from megatronish.checkpoint.load import load_into
 from megatronish.checkpoint.pieces import full_local_values, param_rects
-from megatronish.checkpoint.save import CheckpointSaver, merge_and_publish, snapshot
+from megatronish.checkpoint.save import CheckpointSaver, merge_and_publish
 from megatronish.checkpoint.shard_reader import READ_THREADS
+from megatronish.checkpoint.snapshot import snapshot
 
 # ~27.8M params: 333 MB of fp32 params + 2 Adam moments. Short sequences keep a step short, so
 # several steps run during one background write.

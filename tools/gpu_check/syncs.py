@@ -32,15 +32,6 @@ SYNC_WARNING = "called a synchronizing CUDA operation"
 SHOWN = 8  # sync sites listed per model
 
 
-def recorder_class():
-    """``HostSyncRecorder``, or None where this checkout has no recording harness."""
-    try:
-        from megatronish.testing.host_syncs import HostSyncRecorder
-    except ImportError:
-        return None
-    return HostSyncRecorder
-
-
 def cuda_syncs(run_steps) -> Counter:
     """Sync sites (``file:line``) and counts while ``run_steps()`` runs in sync debug mode."""
     with warnings.catch_warnings(record=True) as caught:
@@ -54,9 +45,11 @@ def cuda_syncs(run_steps) -> Counter:
                    if SYNC_WARNING in str(w.message))  # fmt: skip
 
 
-def recorded_syncs(run_steps, device: torch.device, recorder) -> Counter:
+def recorded_syncs(run_steps, device: torch.device) -> Counter:
     """Sync kinds and sites the CPU harness records while ``run_steps()`` runs."""
-    with recorder(device) as rec:
+    from megatronish.testing.host_syncs import HostSyncRecorder
+
+    with HostSyncRecorder(device) as rec:
         run_steps()
     return Counter(str(s) for s in rec.syncs)
 
@@ -66,7 +59,6 @@ def per_step(counts: Counter | None) -> str:
 
 
 def run(ctx: CheckContext, out: SectionResult) -> None:
-    recorder = recorder_class()
     out.note(f"two layers of the shape, {ctx.precision}: {ctx.warmup} warm-up step(s), then "
              f"{STEPS} steps in CUDA's sync debug mode and {STEPS} in the CPU harness")  # fmt: skip
     rows, missed = [], []
@@ -83,7 +75,7 @@ def run(ctx: CheckContext, out: SectionResult) -> None:
         ctx.sync()
         seen = cuda_syncs(run_steps) if ctx.cuda else None
         ctx.sync()
-        recorded = recorded_syncs(run_steps, ctx.device, recorder) if recorder else None
+        recorded = recorded_syncs(run_steps, ctx.device)
         built.trainer.settle()
         rows.append([label, per_step(seen), per_step(recorded)])
         for source, counts in (("CUDA", seen), ("harness", recorded)):
@@ -94,11 +86,7 @@ def run(ctx: CheckContext, out: SectionResult) -> None:
         del built, run_steps
         ctx.release()
     out.table("Syncs per step", ["model", "CUDA sync debug mode", "CPU harness"], rows)
-    if recorder is None:
-        out.note("no recording harness here (megatronish/testing/host_syncs.py)")
     if missed:
         out.fail(f"CUDA synchronised more often than the CPU harness recorded: {missed}")
-    elif not ctx.cuda and recorder is None:
-        out.not_applicable("nothing synchronises on the CPU and there is no recording harness")
     elif not ctx.cuda:
         out.note("on the CPU the harness's count is what a GPU would do; CUDA's is not measured")

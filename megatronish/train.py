@@ -10,7 +10,11 @@ Exit codes: 0 done, 2 invalid config, 3 bad data or a failure reported by anothe
 launch resumes from it; see docs/operations.md), 5 ``trainer.max_skipped_steps`` steps in a row
 had a non-finite loss or grad norm (nothing saved since the fault), 6 a collective failed or
 timed out (a peer rank died or hangs; the message names the group and op; also on NCCL, see
-megatronish/distributed/nccl_errors.py). A CUDA error is a device fault: exit 1, traceback.
+megatronish/distributed/nccl_errors.py), 7 the run in ``checkpoint.dir`` is already complete
+(nothing to train), 130 aborted by a second Ctrl-C (the first stops gracefully: exit 4).
+A config that differs from the run saved in ``checkpoint.dir`` in keys that change the run is
+refused with the differences, exit 2 (docs/operations.md, "Runs and resumes").
+A CUDA error is a device fault: exit 1, traceback.
 """
 
 from __future__ import annotations
@@ -27,13 +31,15 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from megatronish.checkpoint.format import CheckpointError
+from megatronish.checkpoint.run_identity import ConfigChanged, RunComplete
 from megatronish.config.cli_errors import composition_error_reason, repeated_keys_reason
 from megatronish.config.compose import CONFIG_DIR
 from megatronish.config.derived import derive, pad_vocab
 from megatronish.config.schema import register_configs
+from megatronish.config.sweep import job_dir_name, swept_keys
 from megatronish.config.validate import ConfigError, config_errors
 from megatronish.config.value_rules import config_notes
-from megatronish.distributed.agree import PeerError
+from megatronish.distributed.agree import PeerError, agree
 from megatronish.distributed.comm import CollectiveError
 from megatronish.distributed.launch import LaunchEnv, detect_launch
 from megatronish.distributed.nccl_errors import describe_comm_error, failed_groups_message
@@ -47,18 +53,20 @@ EXIT_DATA = 3
 EXIT_STOPPED = 4
 EXIT_NONFINITE = 5
 EXIT_COMM = 6
+EXIT_COMPLETE = 7
+EXIT_ABORTED = 130  # Ctrl-C twice (or during start-up): the shell's code for SIGINT
 SHUTDOWN_WAIT_S = 30.0  # the longest wait for process-group threads to end at exit
 
 
 def dry_run_report(cfg, world_size: int) -> str:
     """The resolved config and every derived value, as printed by ``trainer.dry_run=true``."""
-    from megatronish.data.tokenizer import tokenizer_vocab_size
     from megatronish.model.flops import active_parameters, count_parameters, flops_per_token
     from megatronish.model.spec import ModelSpec
+    from megatronish.plan.vocab import planned_vocab
 
     d = derive(cfg, world_size)
-    vocab = tokenizer_vocab_size(cfg.data)
-    spec = ModelSpec.from_config(cfg.model, vocab)
+    vocab = planned_vocab(cfg)  # reads no data: an indexed corpus's tokenizer may not exist yet
+    spec = ModelSpec.from_config(cfg.model, vocab.size)
     lines = [OmegaConf.to_yaml(cfg).rstrip(), "", "derived:"]
     values = {
         "world_size": world_size,
@@ -67,7 +75,7 @@ def dry_run_report(cfg, world_size: int) -> str:
         + (f" ep={cfg.parallel.ep}" if cfg.parallel.ep > 1 else ""),
         "microbatches_per_step": d.num_microbatches,
         "tokens_per_step": d.tokens_per_step,
-        "vocab_size": spec.vocab_size,
+        "vocab_size": f"{spec.vocab_size} ({vocab.source})",
         "padded_vocab_size": pad_vocab(spec.vocab_size, cfg.model.make_vocab_size_divisible_by),
         "ffn_hidden_size": spec.ffn_hidden_size,
         "num_query_groups": spec.num_kv_heads,
@@ -88,26 +96,25 @@ def run(cfg, stop: StopRequest | None = None, launch: LaunchEnv | None = None):
 
     ``stop``'s signal handlers are installed for training and the final save only: a signal
     during start-up keeps its default action (there is nothing to save yet). ``launch``: the
-    launcher's environment (read from this process's when not given).
+    launcher's environment (read from this process's when not given). Raises
+    :class:`~megatronish.checkpoint.run_identity.ConfigChanged` or
+    :class:`~megatronish.checkpoint.run_identity.RunComplete` on every rank, before building
+    anything, when ``checkpoint.dir`` holds another run or this one complete.
     """
-    from megatronish.training.job import build_job
+    from megatronish.training.job import start_topology
 
-    job = build_job(cfg, launch or detect_launch())
+    launch = launch or detect_launch()
+    derived, topo = start_topology(cfg, launch)
     try:
-        return _train(cfg, job, stop)
+        return _train(cfg, launch, topo, derived, stop)
     finally:
-        job.topo.close()  # its process groups are destroyed by main_with_config
+        topo.close()  # its process groups are destroyed by main_with_config
 
 
-def _train(cfg, job, stop: StopRequest | None):
-    from megatronish.checkpoint.resume import plan_resume, saved_run_id
-    from megatronish.training.progress import ProgressLogger
+def _train(cfg, launch: LaunchEnv, topo, derived, stop: StopRequest | None):
+    from megatronish.checkpoint.resume import plan_resume, start_run
+    from megatronish.training.job import build_on
 
-    topo = job.topo
-    if topo.rank == 0:  # the only file written outside checkpoints and logging
-        os.makedirs(cfg.out_dir, exist_ok=True)
-        OmegaConf.save(cfg, os.path.join(cfg.out_dir, "config.yaml"), resolve=True)
-    launch = job.launch
     label = f"{cfg.name} ({launch.run_id})" if launch.run_id else cfg.name
     # Locks checkpoint.dir for this run, checks every rank can write there, tidies it up.
     with plan_resume(cfg.checkpoint, topo.world_group, label) as plan:
@@ -115,13 +122,49 @@ def _train(cfg, job, stop: StopRequest | None):
             print(f"restored {name}, moved aside by an interrupted save", flush=True)
         for name in plan.removed:
             print(f"removed {name}, left by an interrupted save", flush=True)
-        run_id = saved_run_id(plan) or f"{cfg.name}-{launch.run_id or 'local'}"
-        loss_rank = topo.is_last_stage and topo.coords.tp == topo.coords.dp == topo.coords.cp == 0
-        logger = ProgressLogger(cfg, enabled=loss_rank, run_dir=cfg.out_dir, run_id=run_id)
+        run_id = start_run(plan, OmegaConf.to_container(cfg, resolve=True), topo.world_group)
+        logger = _start_logging(cfg, topo, run_id)
         try:
+            job = build_on(cfg, launch, topo, derived)
+            _save_config(cfg, topo)
             return _fit_and_save(cfg, job, plan, run_id, logger, stop)
         finally:
             logger.close()
+
+
+def _start_logging(cfg, topo, run_id: str):
+    """Collective: the run's ProgressLogger (its log file and W&B run on the rank that holds the
+    loss); a log file that cannot be written stops every rank with one line."""
+    from megatronish.training.progress import ProgressLogger
+
+    loss_rank = topo.is_last_stage and topo.coords.tp == topo.coords.dp == topo.coords.cp == 0
+    logger, error = None, None
+    try:
+        logger = ProgressLogger(cfg, enabled=loss_rank, run_dir=cfg.out_dir, run_id=run_id)
+    except OSError as e:
+        error = (f"cannot write logging.log_file={cfg.logging.log_file} ({e.strerror}); give a "
+                 "writable path, or null for no log file")  # fmt: skip
+    try:
+        agree(error, topo.world_group)
+    except PeerError:
+        if logger is not None:
+            logger.close()
+        raise
+    return logger
+
+
+def _save_config(cfg, topo) -> None:
+    """Collective: rank 0 writes ``out_dir/config.yaml`` (the resolved config of this launch, the
+    only file written outside checkpoints and logging); a failure stops every rank."""
+    error = None
+    if topo.rank == 0:
+        path = os.path.join(cfg.out_dir, "config.yaml")
+        try:
+            os.makedirs(cfg.out_dir, exist_ok=True)
+            OmegaConf.save(cfg, path, resolve=True)
+        except OSError as e:
+            error = f"cannot write {path} ({e.strerror}); give a writable out_dir"
+    agree(error, topo.world_group)
 
 
 def _fit_and_save(cfg, job, plan, run_id: str, logger, stop: StopRequest | None):
@@ -141,11 +184,7 @@ def _fit_and_save(cfg, job, plan, run_id: str, logger, stop: StopRequest | None)
         logger=logger, peak_flops=peak, saving=saving, stop=stop,
     )  # fmt: skip
     load_with_fallback(trainer, plan, job.rng, cfg.trainer.seed, log=logger.info)
-    logger.info(
-        f"training {job.spec.arch} ({sum(p.numel() for c in job.chunks for p in c.parameters()):,}"
-        f" params on this rank) for {cfg.trainer.max_steps} steps, "
-        f"{job.derived.tokens_per_step:,} tokens/step, device {topo.device}"
-    )
+    _log_startup(cfg, job, trainer, logger)
     with stop or contextlib.nullcontext():
         try:
             history = trainer.fit()
@@ -168,6 +207,28 @@ def _fit_and_save(cfg, job, plan, run_id: str, logger, stop: StopRequest | None)
     return history
 
 
+def _log_startup(cfg, job, trainer, logger) -> None:
+    """Model size, planned memory, data epochs and what the step lines report."""
+    from megatronish.training import startup
+
+    if not logger.enabled:
+        return
+    topo, t = job.topo, cfg.trainer
+    plan = startup.planned(cfg, topo.world_size, job.spec.vocab_size, topo.device.type)
+    rank_params = sum(p.numel() for c in job.chunks for p in c.parameters())
+    logger.info(startup.model_line(plan, job.spec.arch, rank_params))
+    logger.info(startup.memory_line(plan))
+    if not hasattr(job.train_data, "describe"):  # a blend lists its datasets' epochs itself
+        read = t.max_steps * t.global_batch_size
+        logger.info(startup.epochs_line("train", len(job.train_data), read))
+    left = t.max_steps - trainer.state.step
+    logger.info(
+        f"training for {left} steps (step {trainer.state.step} -> {t.max_steps}), "
+        f"{job.derived.tokens_per_step:,} tokens/step, device {topo.device}; "
+        + startup.throughput_note(topo.world_size)
+    )
+
+
 def main_with_config(cfg, launch: LaunchEnv | None = None) -> int:
     """Validate, dry-run or train; returns the process exit code. Never raises for user errors.
 
@@ -179,7 +240,7 @@ def main_with_config(cfg, launch: LaunchEnv | None = None) -> int:
     if cfg.world_size is not None and cfg.trainer.dry_run:
         world = cfg.world_size
     cuda = None if cfg.trainer.dry_run else torch.cuda.is_available()
-    errors = config_errors(cfg, world, cuda_available=cuda)
+    errors = config_errors(cfg, world, cuda_available=cuda, data=not cfg.trainer.dry_run)
     if cfg.world_size is not None and not cfg.trainer.dry_run and cfg.world_size != world:
         errors.append(
             f"world_size={cfg.world_size} but the job was launched with {world} rank(s); "
@@ -195,11 +256,19 @@ def main_with_config(cfg, launch: LaunchEnv | None = None) -> int:
         for note in config_notes(cfg):
             print(f"note: {note}", flush=True)
     if cfg.trainer.dry_run:
+        from megatronish.plan.vocab import VocabError
+
+        try:
+            report = dry_run_report(cfg, world)
+        except VocabError as e:
+            print(f"{prefix}invalid config: {e}", file=sys.stderr, flush=True)
+            return EXIT_CONFIG
         if launch.rank == 0:
-            print(dry_run_report(cfg, world), flush=True)
+            print(report, flush=True)
         return 0
     try:
-        stop = StopRequest.from_config(cfg.trainer)  # the exit_after_minutes clock starts here
+        # The exit_after_minutes clock starts here; local rank 0 says what Ctrl-C does.
+        stop = StopRequest.from_config(cfg.trainer, notice=launch.local_rank == 0)
     except ConfigError as e:
         print(f"{prefix}{e}", file=sys.stderr, flush=True)
         return EXIT_CONFIG
@@ -222,6 +291,22 @@ def _run_and_report(cfg, stop: StopRequest, launch: LaunchEnv, prefix: str) -> i
     except ConfigError as e:
         print(f"{prefix}{e}", file=sys.stderr, flush=True)
         return EXIT_CONFIG
+    except ConfigChanged as e:
+        print(f"{prefix}refused: {e}", file=sys.stderr, flush=True)
+        return EXIT_CONFIG
+    except RunComplete as e:
+        if launch.rank == 0:
+            print(
+                f"{cfg.name}: {e}. To train it longer raise trainer.max_steps (with "
+                f"scheduler.decay_steps={e.step} unless it is set, to keep its schedule), or give "
+                f"a new run its own directory (name=NEW_NAME); exit code {EXIT_COMPLETE}",
+                flush=True,
+            )
+        return EXIT_COMPLETE
+    except KeyboardInterrupt:
+        print(f"{prefix}aborted (a second Ctrl-C, or one during start-up): nothing saved since "
+              "the last checkpoint", file=sys.stderr, flush=True)  # fmt: skip
+        return EXIT_ABORTED
     except (PeerError, FileNotFoundError, CheckpointError) as e:
         print(f"{prefix}error: {e}", file=sys.stderr, flush=True)
         return EXIT_DATA
@@ -259,6 +344,18 @@ def _end_process_groups(cfg, code: int, prefix: str) -> None:
     os._exit(code)
 
 
+def _sweep_job_dir(out_dir: str, swept: set[str] | None) -> str | None:
+    """In a Hydra multirun, the job's run directory below ``out_dir``
+    (``megatronish/config/sweep.py``); None otherwise."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    hydra_cfg = HydraConfig.get()
+    if hydra_cfg.mode != RunMode.MULTIRUN:
+        return None
+    return os.path.join(out_dir, job_dir_name(list(hydra_cfg.overrides.task), swept))
+
+
 def main() -> None:
     """Compose with Hydra and run; a composition error is one line on stderr and exit 2."""
     register_configs()
@@ -268,12 +365,17 @@ def main() -> None:
         print(f"{prefix}invalid config: {repeated}", file=sys.stderr)
         sys.exit(EXIT_CONFIG)
     started = []
+    swept = swept_keys(sys.argv[1:])
 
     def task(cfg) -> None:
+        sweep_job = _sweep_job_dir(cfg.out_dir, swept)
+        if sweep_job is not None:  # a -m sweep: this job's own run directory
+            cfg.out_dir = sweep_job
         OmegaConf.resolve(cfg)  # an interpolation error is a composition error
         started.append(True)
-        if code := main_with_config(cfg, launch):
-            sys.exit(code)
+        code = main_with_config(cfg, launch)
+        if code and not (sweep_job is not None and code == EXIT_COMPLETE):
+            sys.exit(code)  # a complete job of a sweep goes on to the next one
 
     show_traceback = os.environ.get("HYDRA_FULL_ERROR") == "1"
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises composition errors instead of printing

@@ -3,6 +3,7 @@ written parallel file and the command line (pure: no processes)."""
 
 import copy
 import itertools
+import math
 import shutil
 
 import pytest
@@ -16,6 +17,7 @@ from megatronish.plan.candidates import MICRO_BATCH_SIZES, divisors, valid_layou
 from megatronish.plan.cli import main as plan_main
 from megatronish.plan.estimate import Planner, make_plan, representative_stages
 from megatronish.plan.layout import layout_from_config, spec_of
+from megatronish.plan.matmul_efficiency import matmul_efficiency, model_efficiency
 from megatronish.plan.report import write_parallel_file
 from megatronish.plan.step_time import TERMS, Hardware, StepTime, lower_bound, step_time
 from megatronish.testing.runs import test_config as tiny_config
@@ -137,6 +139,63 @@ def test_step_time_terms_follow_the_layout():
     assert zero3.dp > plain.dp  # parameter gathers before every forward and backward
     slow_net = _time(spec, base, Hardware(peak_flops=989e12, intra_node_bw=1e9))
     assert slow_net.dp > plain.dp  # grad reduction no longer hidden behind the backward
+
+
+def test_matmul_efficiency_is_monotone_bounded_and_half_at_the_ridge():
+    hw = Hardware(peak_flops=989e12, efficiency=0.6, memory_bw=3.35e12)
+    ridge = 0.6 * 989e12 / 3.35e12
+    sizes = [64, 256, 1024, 2048, 4096, 16384, 65536]
+    for k, n in itertools.product(sizes, repeat=2):
+        effs = [matmul_efficiency(m, k, n, 2, hw) for m in sizes]
+        assert all(0 < e < 0.6 for e in effs) and effs == sorted(effs), (k, n)
+        assert matmul_efficiency(4096, k, n, 4, hw) < matmul_efficiency(4096, k, n, 2, hw)
+    # Half of the top at the ridge point: a square matmul of intensity m / 3 (2 bytes each).
+    assert matmul_efficiency(3 * ridge, 3 * ridge, 3 * ridge, 2, hw) == pytest.approx(0.3)
+    unbounded = Hardware(peak_flops=989e12, efficiency=0.6, memory_bw=math.inf)
+    assert matmul_efficiency(1, 1, 1, 2, unbounded) == 0.6  # the flat model of old
+
+
+def test_efficiency_rises_with_the_micro_batch_and_falls_with_tp_and_cp():
+    cfg = load_config(["+experiment=gpt_1b", "model.vocab_size=32000"])
+    spec = spec_of(cfg)
+    base = layout_from_config(cfg, 8).with_(tp=1, sp=False, dp=8, zero_stage=1)
+    by_mbs = [
+        model_efficiency(spec, base.with_(micro_batch_size=b), H100) for b in MICRO_BATCH_SIZES
+    ]
+    assert by_mbs == sorted(by_mbs) and len(set(by_mbs)) == len(by_mbs)
+    assert 0.8 * H100.efficiency < by_mbs[0] < by_mbs[-1] < H100.efficiency
+    by_tp = [
+        model_efficiency(spec, base.with_(tp=t, sp=t > 1, dp=8 // t), H100) for t in (1, 2, 4, 8)
+    ]
+    assert by_tp == sorted(by_tp, reverse=True) and len(set(by_tp)) == 4
+    by_cp = [model_efficiency(spec, base.with_(cp=c, dp=8 // c), H100) for c in (1, 2, 4)]
+    assert by_cp == sorted(by_cp, reverse=True) and len(set(by_cp)) == 3
+    # Without a pipeline a larger micro batch is never slower (the same tokens per step);
+    # in a pipeline fewer, larger microbatches widen the bubble while the compute shrinks.
+    steps = [_time(spec, base.with_(micro_batch_size=b)).total for b in MICRO_BATCH_SIZES]
+    assert steps == sorted(steps, reverse=True)
+    piped = [_time(spec, base.with_(pp=4, dp=2, micro_batch_size=b)) for b in (1, 16)]
+    assert piped[0].compute > piped[1].compute and piped[0].bubble < piped[1].bubble
+
+
+def test_the_advisor_takes_the_largest_micro_batch_that_fits():
+    """gpt_1b on one node: with room, tp=1 micro batch 16 ranks first (the largest matmuls); a
+    device too small for it gets micro batch 8 in the same shape."""
+    cfg = load_config(["+experiment=gpt_1b", "model.vocab_size=32000"])
+    spec = spec_of(cfg)
+    roomy = advise(cfg, spec, 8, H100, 80 * GiB, int(1.5 * GiB), top=2).ranked[0].layout
+    assert (roomy.tp, roomy.cp, roomy.pp, roomy.micro_batch_size) == (1, 1, 1, 16)
+    # Too small for micro batch 16 without recompute at any ZeRO stage: micro batch 8 beats
+    # micro batch 16 with recompute (its forward again costs more than the larger matmuls gain).
+    peak = min(make_plan(spec, roomy.with_(zero_stage=z)).peak_bytes for z in range(4))
+    small = advise(cfg, spec, 8, H100, peak - 1, 0, top=2)
+    first = [r.layout for r in small.best_of_each_shape() if r.shape == (1, 1, 1, 1)][0]
+    assert (first.micro_batch_size, first.recompute) == (8, "none")
+    flat = Hardware(peak_flops=989e12, memory_bw=math.inf)  # one efficiency: sizes tie
+    tied = [
+        r for r in advise(cfg, spec, 8, flat, 80 * GiB, 0, top=2).ranked if r.shape == (1, 1, 1, 1)
+    ]
+    assert tied[0].layout.micro_batch_size == 1  # on a tie the smaller memory wins
 
 
 def test_shared_cores_slow_every_rank_and_hide_the_bubble():

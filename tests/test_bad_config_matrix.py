@@ -83,7 +83,7 @@ CASES = [
     (["model.max_position_embeddings=128"], "model.seq_length=256 exceeds model.max_position_embeddings=128"),
     (["checkpoint.keep_last=0"], "checkpoint.keep_last=0 would keep no checkpoint; use null to keep every step"),
     (["data=indexed", f"data.prefix={INDEXED}", f"data.tokenizer_model={os.path.dirname(INDEXED)}"],
-     "is a directory; give the sentencepiece .model file in it"),
+     "is a directory without a tokenizer.json; give a sentencepiece .model file"),
     # What a hurried user types.
     (["optimizer.lr=nan"], "optimizer.lr=nan is not a finite number"),
     (["optimizer.grad_clip=inf"], "optimizer.grad_clip=inf is not a finite number"),

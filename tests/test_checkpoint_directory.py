@@ -49,14 +49,14 @@ def _save_then_fail(rank, world, ckpt, failing_rank, async_save):
     saver = CheckpointSaver(trainer.cfg, trainer)
     trainer.train_step()
     saver.save(blocking=True)
-    write = save_module.save_file
+    write = save_module.save_safetensors
 
     def full_disk(tensors, path):
         if rank == failing_rank and "optim" in path:
             raise SafetensorError(NO_SPACE)
         write(tensors, path)
 
-    save_module.save_file = full_disk  # this forked rank only
+    save_module.save_safetensors = full_disk  # this forked rank only
     trainer.train_step()
     try:
         saver.save()
@@ -273,6 +273,7 @@ def _train(tmp_path, steps, file_size_limit=None):
 
     env = dict(os.environ, WANDB_MODE="disabled", OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "megatronish.train", *SMALL_STDLIB_RUN, f"trainer.max_steps={steps}",
+           "scheduler.decay_steps=4",  # the same schedule whatever max_steps: one run
            f"data.cache_dir={tmp_path / 'cache'}", f"out_dir={tmp_path / 'out'}"]  # fmt: skip
     return subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env,
                           preexec_fn=limit)  # fmt: skip

@@ -13,13 +13,36 @@ def errors_for(overrides, world=1, vocab=None):
     return config_errors(load_config(overrides), world, vocab_size=vocab)
 
 
+GPU_EXPERIMENTS = ["gpt_125m", "gpt_1b", "gpt_7b", "gpt_1b_32k", "moe_1b_7b"]
+
+
 def test_default_and_every_experiment_are_valid():
     assert errors_for([]) == []
     assert errors_for(["+experiment=tiny"]) == []
-    assert errors_for(["+experiment=gpt_125m"], world=8) == []
-    assert errors_for(["+experiment=gpt_1b"], world=8) == []
-    assert errors_for(["+experiment=gpt_7b"], world=8) == []
-    assert errors_for(["+experiment=gpt_1b_32k"], world=8) == []
+    for name in GPU_EXPERIMENTS:  # their data is the user's: a dry run does not need it
+        cfg = load_config([f"+experiment={name}"])
+        assert config_errors(cfg, 8, data=False) == [], name
+
+
+@pytest.mark.parametrize("name", GPU_EXPERIMENTS)
+def test_gpu_experiments_need_a_corpus_and_save_during_training(name):
+    cfg = load_config([f"+experiment={name}"])
+    errors = config_errors(cfg, 8)
+    assert len(errors) == 2, errors
+    assert "needs data.prefix" in errors[0] and "tools/preprocess_data.py" in errors[0]
+    assert "data.tokenizer_model" in errors[1]
+    assert cfg.data.vocab_size == 32000  # what dry runs and the planner assume
+    assert 0 < cfg.checkpoint.interval < cfg.trainer.max_steps
+
+
+def test_only_gpu_experiments_train_on_a_corpus_of_their_own():
+    import os
+
+    from megatronish.config.compose import CONFIG_DIR
+
+    names = {f[:-5] for f in os.listdir(os.path.join(CONFIG_DIR, "experiment"))}
+    indexed = {n for n in names if load_config([f"+experiment={n}"]).data.source == "indexed"}
+    assert indexed == set(GPU_EXPERIMENTS)
 
 
 @pytest.mark.parametrize(

@@ -15,7 +15,7 @@ import pytest
 from megatronish.data.build import build_datasets
 from megatronish.data.indexed import IndexedDataset, IndexedDatasetWriter
 from megatronish.data.stdlib_corpus import ensure_stdlib_corpus
-from megatronish.data.tokenizer import Tokenizer
+from megatronish.data.tokenizer import load_tokenizer
 from megatronish.testing.cli import load_tool
 
 REPO = Path(__file__).resolve().parents[1]
@@ -58,7 +58,7 @@ def corpus(tmp_path_factory):
 
 
 def test_train_tokenizer_cli(corpus):
-    tok = Tokenizer(corpus.model)
+    tok = load_tokenizer(corpus.model)
     assert tok.vocab_size == VOCAB and tok.eod_id == 2
     sample = corpus.records[0]["text"] + "\n\tindented  code ✓"
     assert tok.decode(tok.encode(sample)) == sample
@@ -74,7 +74,7 @@ def test_preprocess_jsonl_matches_tokenizer(corpus):
         "--num-proc", 2,
     )  # fmt: skip
     assert "60 documents" in out and "tokens/s" in out
-    tok = Tokenizer(corpus.model)
+    tok = load_tokenizer(corpus.model)
     ds = IndexedDataset(str(prefix))
     assert ds.dtype == np.uint16 and len(ds) == len(corpus.records)
     for i, rec in enumerate(corpus.records):
@@ -91,7 +91,7 @@ def test_preprocess_txt_glob_without_eod(corpus):
         "--output-prefix", prefix,
         "--no-append-eod",
     )  # fmt: skip
-    tok = Tokenizer(corpus.model)
+    tok = load_tokenizer(corpus.model)
     ds = IndexedDataset(str(prefix))
     assert len(ds) == 1
     assert ds[0].tolist() == tok.encode((corpus.dir / "b.txt").read_text())
@@ -134,7 +134,7 @@ def test_stdlib_corpus_is_built_once_and_reused(tmp_path, capsys):
     assert time.perf_counter() - t0 < 0.5
     assert capsys.readouterr().out == ""
 
-    tok, ds = Tokenizer(model), IndexedDataset(prefix)
+    tok, ds = load_tokenizer(model), IndexedDataset(prefix)
     assert tok.vocab_size == 512 and 20 < len(ds) and ds.num_tokens > 100_000
     assert all(ds[i][-1] == tok.eod_id for i in range(len(ds)))
     assert tok.decode(ds[0][:-1]).startswith(('"""', "#", "import", "from", "'"))
@@ -165,7 +165,7 @@ def test_preprocess_mixed_formats_identical_for_any_worker_count(corpus, tmp_pat
                   "--output-prefix", tmp_path / f"w{workers}", "--workers", workers)  # fmt: skip
     for ext in (".bin", ".idx"):
         assert (tmp_path / f"w1{ext}").read_bytes() == (tmp_path / f"w2{ext}").read_bytes()
-    tok, ds = Tokenizer(corpus.model), IndexedDataset(str(tmp_path / "w2"))
+    tok, ds = load_tokenizer(corpus.model), IndexedDataset(str(tmp_path / "w2"))
     want = [*texts, *texts, (corpus.dir / "b.txt").read_text()]
     assert len(ds) == len(want) == 121
     for i in (0, 59, 60, 84, 85, 119, 120):
@@ -200,7 +200,7 @@ def test_preprocess_keeps_document_order_across_many_chunks(corpus, tmp_path, mo
     for workers in (1, 2):
         preprocess.preprocess(files, corpus.model, str(tmp_path / f"w{workers}"), workers=workers)
     assert (tmp_path / "w1.bin").read_bytes() == (tmp_path / "w2.bin").read_bytes()
-    tok, ds = Tokenizer(corpus.model), IndexedDataset(str(tmp_path / "w2"))
+    tok, ds = load_tokenizer(corpus.model), IndexedDataset(str(tmp_path / "w2"))
     assert [ds[i].tolist() for i in range(60)] == [
         tok.encode(r["text"]) + [tok.eod_id] for r in corpus.records
     ]

@@ -1,6 +1,9 @@
 """The named-GPU table: lookups by planner name and by CUDA device name, the peaks MFU uses,
 and the planner's ``device=NAME`` option (pure: no processes, no GPU)."""
 
+import re
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -21,9 +24,26 @@ def test_the_table_holds_the_required_gpus_with_consistent_numbers():
     for g in GPUS:
         assert g.bf16_tflops > g.tf32_tflops > 0 and g.fp32_tflops > 0, g.name
         assert 0 < g.usable_gib < g.memory_gb, g.name
+        assert 0.5 < g.memory_tbps < 10, g.name  # TB/s, not GB/s
     h100 = gpu_named("h100")
     assert (h100.bf16_tflops, h100.fp32_tflops, h100.memory_gb) == (989.0, 67.0, 80)
     assert gpu_named("a100-40gb").memory_gb == 40 and gpu_named("h200").memory_gb == 141
+    assert (h100.memory_tbps, gpu_named("h200").memory_tbps) == (3.35, 4.8)
+
+
+def test_the_docs_table_is_the_code_table():
+    text = (Path(__file__).resolve().parent.parent / "docs" / "planning.md").read_text()
+    rows = [line for line in text.splitlines() if re.match(r"\| `[a-z0-9-]+`( \(`|\s\|)", line)]
+    documented = {}
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        documented[cells[0].split("`")[1]] = cells[1:]
+    expected = {
+        g.name: [g.title, f"{g.bf16_tflops:g}", f"{g.tf32_tflops:g}", f"{g.fp32_tflops:g}",
+                 f"{g.memory_gb:g} GB", f"{g.memory_tbps:g}", f"{g.usable_gib:g}"]
+        for g in GPUS
+    }  # fmt: skip
+    assert documented == expected
 
 
 @pytest.mark.parametrize("text", ["h100", "H100", " h100-SXM ", "H100_SXM"])
@@ -99,7 +119,7 @@ def test_plain_planner_with_a_named_device(capsys):
     assert "device h100: H100 SXM 80GB" in out and "79 GiB and 989 TFLOP/s per device" in out
     assert "device 79.00 GiB: fits" in out
     big = [*GPT_1B, "parallel.tp=1", "parallel.sp=false", "trainer.micro_batch_size=16"]
-    assert plan_main([*big, "device=a100-40gb"]) == 1  # ~86 GiB per rank does not fit
+    assert plan_main([*big, "device=a100-40gb"]) == 1  # ~69 GiB per rank does not fit
 
 
 def test_unknown_device_is_exit_2_listing_the_known_ones(capsys):

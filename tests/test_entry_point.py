@@ -104,7 +104,8 @@ def test_default_pipeline_trains_and_saves_on_the_stdlib_corpus(tmp_path):
     ckpt = tmp_path / "out" / "checkpoints"
     assert (ckpt / "latest").read_text() == "step_0000010"
     assert (ckpt / "step_0000010" / "metadata.json").exists()
-    again = run_train([*SMALL, "trainer.max_steps=12"], tmp_path)  # resumes from latest
+    # resumes from latest: a longer run with the first one's schedule
+    again = run_train([*SMALL, "trainer.max_steps=12", "scheduler.decay_steps=10"], tmp_path)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "resumed from" in again.stdout and "step     12/12" in again.stdout
     assert (ckpt / "latest").read_text() == "step_0000012"
@@ -118,3 +119,17 @@ def test_torchrun_runs_plain_data_parallel(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     assert "tp=1 dp=2 pp=1" in r.stdout
     assert "step      5/5" in r.stdout
+
+
+def test_a_dry_run_needs_no_tokenizer_file_and_says_what_it_assumed(train_main, tmp_path):
+    r = train_main(["data=indexed", f"data.tokenizer_model={tmp_path / 'tok.model'}",
+                    "trainer.dry_run=true"])  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert (
+        "does not exist yet" in r.stdout and "vocab_size: 4096 (data.vocab_size assumed" in r.stdout
+    )
+    (tmp_path / "bad.model").write_text("not a model")
+    bad = train_main(["data=indexed", f"data.tokenizer_model={tmp_path / 'bad.model'}",
+                      "trainer.dry_run=true"])  # fmt: skip
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert bad.stderr.startswith("invalid config: ") and "bad.model" in bad.stderr

@@ -63,13 +63,13 @@ def save_then_die_mid_write(rank, world, ckpt, async_save):
     saver.save(blocking=True)
     trainer.train_step()
     if rank == 1:
-        write = save_module.save_file
+        write = save_module.save_safetensors
 
         def write_one_file_then_die(tensors, path, *args, **kwargs):
             write(tensors, path, *args, **kwargs)
             os.kill(os.getpid(), signal.SIGKILL)
 
-        save_module.save_file = write_one_file_then_die  # this forked rank only
+        save_module.save_safetensors = write_one_file_then_die  # this forked rank only
     saver.save()
     saver.wait()
 

@@ -17,7 +17,7 @@ import pytest
 from megatronish.config.compose import load_config
 from megatronish.config.validate import config_errors
 from megatronish.data.indexed import HEADER_SIZE, IndexedDataset, IndexedDatasetWriter
-from megatronish.data.tokenizer import train_sentencepiece
+from megatronish.data.sentencepiece_tokenizer import train_sentencepiece
 from megatronish.testing.multiproc import run_world
 from megatronish.train import EXIT_CONFIG, EXIT_DATA, main_with_config
 

@@ -31,7 +31,7 @@ from gpu_check.run import run_all  # noqa: E402
 from gpu_check.sizing import choose, largest  # noqa: E402
 
 from megatronish.config.compose import load_config  # noqa: E402
-from megatronish.config.validate import check_config  # noqa: E402
+from megatronish.config.validate import config_errors  # noqa: E402
 from megatronish.plan.estimate import make_plan  # noqa: E402
 from megatronish.plan.layout import layout_from_config, spec_of  # noqa: E402
 
@@ -201,17 +201,18 @@ def test_section_result_tables_render_as_markdown(capsys):
 
 def test_the_new_sections_gpu_sizes_are_valid_configs_of_the_stated_size():
     """The GPU-only shapes of sections 6-8 (the smoke run takes toy ones) compose and pass the
-    config rules; the save section's model holds about 0.9 GiB of checkpointed state."""
+    config rules (but the data's: the check trains on synthetic batches); the save section's
+    model holds about 0.9 GiB of checkpointed state."""
     ctx = CheckContext(torch.device("cpu"), False, 420.0, precision="bf16")
     moe = ctx.config([*ctx.small(), *syncs.MOE, *syncs.FULL_MOE_FFN])
-    check_config(moe, 1)
+    assert config_errors(moe, 1, data=False) == []
     assert (moe.model.num_layers, moe.model.moe.num_experts, moe.model.moe.ffn_hidden_size) == (
         2,
         8,
         1024,
     )
     save = ctx.config(async_save.FULL)
-    check_config(save, 1)
+    assert config_errors(save, 1, data=False) == []
     params = make_plan(spec_of(save), layout_from_config(save, 1)).parameters
     assert 0.75 * GiB < 12 * params < 1.25 * GiB  # fp32 main params and two Adam moments
     for experts in moe_experts.EXPERTS:

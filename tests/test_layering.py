@@ -6,7 +6,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "megatronish"
 # Lowest first. A package may import only packages listed before it.
-LAYERS = ["config", "distributed", "context_parallel", "tensor_parallel", "moe", "model", "data",
+LAYERS = ["file_modes", "config", "distributed", "context_parallel", "tensor_parallel", "moe", "model", "data",
           "pipeline", "optim", "hf", "checkpoint", "plan", "training", "train", "generate",
           "testing"]  # fmt: skip
 

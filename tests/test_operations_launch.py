@@ -97,12 +97,12 @@ def test_sigterm_to_torchrun_saves_stops_and_the_next_launch_continues_bit_ident
     out, log = tmp_path / "run", tmp_path / "first.log"
     proc = launch_local(overrides(cache_dir, out, 1000), log)
     wait_for(log, r"^step\s+3/1000", proc)
-    proc.send_signal(signal.SIGTERM)  # launch_local.sh execs torchrun, which passes it on
+    proc.send_signal(signal.SIGTERM)  # launch_local.sh passes it on to torchrun, torchrun on
     code, text = finish(proc, log)
     step = stopped_step(text)
     assert 3 <= step < FINAL, text[-3000:]
     assert "stopped early (signal SIGTERM), exit code 4" in text
-    assert code == 1  # torchrun's own code after it passed a signal on (docs/operations.md)
+    assert code == 4  # the workers' code, not torchrun's 1 (scripts/lib/run_torchrun.sh)
     assert latest(out) == f"step_{step:07d}"
 
     log = tmp_path / "second.log"
@@ -122,7 +122,7 @@ def test_sigusr2_to_torchrun_reaches_the_workers_which_save_and_stop(cache_dir, 
     proc.send_signal(signal.SIGUSR2)  # without --signals-to-handle it would end torchrun alone
     code, text = finish(proc, log)
     step = stopped_step(text, "SIGUSR2")
-    assert "stopped early (signal SIGUSR2), exit code 4" in text and code == 1
+    assert "stopped early (signal SIGUSR2), exit code 4" in text and code == 4
     assert latest(out) == f"step_{step:07d}"
     alive = [pid for pid in workers if os.path.exists(f"/proc/{pid}")]
     assert not alive, f"workers {alive} outlived torchrun"
@@ -181,23 +181,24 @@ def test_sbatch_torchrun_mode_runs_one_torchrun_per_node_with_c10d_on_the_first_
     code, text = finish(proc, log)
     assert code == 0, text[-3000:]
     command = next(line for line in text.splitlines() if line.startswith("+ srun"))
-    assert "--ntasks-per-node=1" in command and "-m torch.distributed.run --nnodes 1" in command
-    assert "--nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint localhost:" in command
+    assert "--ntasks-per-node=1" in command and "scripts/lib/run_torchrun.sh" in command
+    assert "--nnodes 1 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint localhost:" in command
     assert "--rdzv-id 4242" in command
     assert "tp=1 dp=2 pp=1" in text and "launcher exited with 0" in text
     assert latest(out) == "step_0000004"
 
 
 @pytest.mark.slow
-def test_sbatch_srun_mode_usr2_saves_and_exits_4_and_the_next_job_continues_bit_identically(
+def test_sbatch_srun_mode_usr2_saves_requeues_and_the_next_job_continues_bit_identically(
     cache_dir, tmp_path, uninterrupted
 ):
     state, out, log = tmp_path / "slurm", tmp_path / "run", tmp_path / "first.log"
-    proc = sbatch(overrides(cache_dir, out, 1000), log, state, "srun", REQUEUE="1")
+    proc = sbatch(overrides(cache_dir, out, 1000), log, state, "srun", FAKE_SLURM_REQUEUE="1")
     wait_for(log, r"^step\s+3/1000", proc)
     proc.send_signal(signal.SIGUSR2)  # what --signal=B:USR2@300 sends before the time limit
     code, text = finish(proc, log)
-    assert code == 4, text[-3000:]  # train.py's EXIT_STOPPED, through srun
+    assert code == 0, text[-3000:]  # COMPLETED (here REQUEUED), not FAILED
+    assert "launcher exited with 4" in text  # train.py's EXIT_STOPPED, through srun
     step = stopped_step(text)
     assert 3 <= step < FINAL
     assert latest(out) == f"step_{step:07d}"
@@ -211,9 +212,23 @@ def test_sbatch_srun_mode_usr2_saves_and_exits_4_and_the_next_job_continues_bit_
     assert_same_tensors(final_tensors(out), uninterrupted)
 
 
+@pytest.mark.slow
+def test_sbatch_torchrun_mode_usr2_ends_with_the_workers_code_not_torchruns(cache_dir, tmp_path):
+    state, out, log = tmp_path / "slurm", tmp_path / "run", tmp_path / "job.log"
+    proc = sbatch(overrides(cache_dir, out, 1000), log, state, "torchrun", FAKE_SLURM_REQUEUE="1")
+    wait_for(log, r"^step\s+3/1000", proc)
+    proc.send_signal(signal.SIGUSR2)
+    code, text = finish(proc, log)
+    step = stopped_step(text)
+    assert "torchrun exited with 1, its workers with 4: exiting with 4" in text, text[-3000:]
+    assert "launcher exited with 4" in text and code == 0
+    assert "scontrol requeue 4242" in (state / "calls").read_text()
+    assert latest(out) == f"step_{step:07d}"
+
+
 def chain(tmp_path, *args, **knobs):
     env = fake_slurm_env(tmp_path)
-    env.update(knobs)
+    env.update(CHAIN_DIR=str(tmp_path / "chains"), **knobs)  # not the repository's outputs/
     return subprocess.run(["bash", str(REPO / "scripts/slurm/chain.sh"), *args], env=env,
                           capture_output=True, text=True, timeout=60)  # fmt: skip
 

@@ -78,7 +78,8 @@ def test_train_stops_with_the_options_instead_of_running_out_of_memory(tmp_path)
     assert r.returncode == 2, r.stderr[-2000:]
     assert "this layout does not fit in memory" in r.stderr
     assert "No combination" in r.stderr or "Layouts that would fit" in r.stderr
-    assert not (tmp_path / "out" / "checkpoints").exists()
+    ckpt = tmp_path / "out" / "checkpoints"  # taken for the run before the model is planned
+    assert not ckpt.exists() or not [p for p in ckpt.iterdir() if p.name.startswith("step_")]
 
 
 @pytest.mark.parametrize("device", ["cpu"])

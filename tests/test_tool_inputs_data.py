@@ -22,7 +22,7 @@ import megatronish.data.blend as blend_module
 from megatronish.data import preprocess
 from megatronish.data.blend import blend_indices, cached_blend_indices
 from megatronish.data.indexed import IndexedDataset, IndexedDatasetWriter
-from megatronish.data.tokenizer import train_sentencepiece
+from megatronish.data.sentencepiece_tokenizer import train_sentencepiece
 from megatronish.testing.cli import assert_one_line, load_tool, run_main
 
 REPO = Path(__file__).resolve().parents[1]

@@ -1,10 +1,17 @@
-"""Export a megatronish checkpoint as a Hugging Face model directory (config.json + safetensors).
+"""Export a megatronish checkpoint as a Hugging Face model directory (config.json + safetensors
++ the tokenizer).
 
 CKPT is a checkpoint.dir (its ``latest`` step) or one step_XXXXXXX directory, saved with any
 layout (tensors are stored globally). llama exports as LlamaForCausalLM, gpt2 as GPT2LMHeadModel,
 a llama mixture of experts (every block, no shared experts) as MixtralForCausalLM;
-``AutoModelForCausalLM.from_pretrained(OUT_DIR)`` loads the result. Only the weights are
-exported (no optimizer state, no tokenizer).
+``AutoModelForCausalLM.from_pretrained(OUT_DIR)`` loads the result. The weights are exported
+(no optimizer state) with the run's tokenizer, so ``AutoTokenizer.from_pretrained(OUT_DIR)``
+gives the ids the run trained on: the checkpoint's data.tokenizer_model, the built-in corpus's
+cached sentencepiece model, or (for a checkpoint of tools/import_hf.py) the HF directory's
+tokenizer; --tokenizer PATH names another. A sentencepiece model is written as tokenizer.model
+and a tokenizer.json converted from it (checked to give the same ids), an HF tokenizer.json is
+copied with its companion files. One line says what was written; when the run's tokenizer is
+gone or does not fit the model a warning says so and the weights are still exported.
 
 The vocabulary padding is cut to the real vocabulary size, found in this order: --vocab-size,
 the checkpoint's model.vocab_size, data.vocab_size for the built-in stdlib corpus (its tokenizer
@@ -15,9 +22,10 @@ Example:
     python tools/export_hf.py outputs/tiny/checkpoints hf/tiny
 
 Exit codes: 0 written, 2 a bad argument (a --vocab-size below 1, above the checkpoint's padded
-vocabulary or padding to another size; an OUT_DIR that cannot be written), 3 a missing or
+vocabulary or padding to another size; an OUT_DIR that cannot be written; a --tokenizer that is
+missing, not a tokenizer or larger than the model's vocabulary), 3 a missing or
 damaged checkpoint (or one that cannot be exported) or a write that failed. Each error is one
-line on stderr; config.json and model.safetensors appear only complete.
+line on stderr; config.json, model.safetensors and each tokenizer file appear only complete.
 """
 
 from __future__ import annotations
@@ -57,6 +65,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--vocab-size", type=int, default=None, help="real vocabulary size (auto)")
     p.add_argument("--dtype", choices=DTYPES, default="float32", help="weights dtype (float32)")
     p.add_argument("--verify", action="store_true", help="check every shard's CRC32 while reading")
+    p.add_argument(
+        "--tokenizer", metavar="PATH", default=None,
+        help="tokenizer to write beside the model (sentencepiece .model, tokenizer.json or a "
+        "directory holding one); default: the run's",
+    )  # fmt: skip
     args = p.parse_args(argv)
     if args.vocab_size is not None and args.vocab_size < 1:
         p.error(f"--vocab-size {args.vocab_size} must be >= 1 (the real vocabulary size)")
@@ -71,10 +84,10 @@ def real_vocab_size(config: dict) -> int | None:
     if data.get("source") == "stdlib" and data.get("vocab_size"):
         return int(data["vocab_size"])
     path = data.get("tokenizer_model")
-    if path and os.path.isfile(os.path.expanduser(path)):
-        from megatronish.data.tokenizer import Tokenizer
+    if path and os.path.exists(os.path.expanduser(path)):
+        from megatronish.data.tokenizer import load_tokenizer
 
-        return Tokenizer(path).vocab_size
+        return load_tokenizer(path).vocab_size
     return None
 
 
@@ -102,26 +115,42 @@ def check_out_dir(out_dir: str) -> None:
         raise ArgumentError(why)
 
 
-def _write_atomic(path: str, write) -> None:
-    """``write(tmp_path)``, then rename it to ``path`` (removed on failure)."""
-    tmp = f"{path}.{os.getpid()}.tmp"
+def export_tokenizer(meta, override: str | None, vocab: int | None):
+    """``(tokenizer, None)`` to write beside the model: ``override`` (``--tokenizer``;
+    ArgumentError when it cannot be used) or the run's; ``(None, why)`` when the run's cannot be.
+    A tokenizer with more tokens than the model's ``vocab`` is not the model's."""
+    from megatronish.data.tokenizer import load_tokenizer
+    from megatronish.generate.tokenizer import run_tokenizer_path
+
+    path = override or run_tokenizer_path(meta.config, meta.trainer)
     try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+        if path is None:
+            raise FileNotFoundError("the checkpoint's config names no tokenizer")
+        tok = load_tokenizer(path)
+        if vocab is not None and tok.vocab_size > vocab:
+            raise ValueError(
+                f"{tok} has more tokens than the model's vocabulary ({vocab}): not its tokenizer"
+            )
+    except (FileNotFoundError, ValueError) as e:
+        if override:
+            raise ArgumentError(f"--tokenizer {override}: {e}") from None
+        return None, str(e)
+    return tok, None
 
 
 def export(ckpt: str, out_dir: str, vocab_size: int | None = None, dtype: str = "float32",
-           verify: bool = False) -> dict:  # fmt: skip
-    """Write ``out_dir/config.json`` and ``out_dir/model.safetensors``; returns the HF config."""
+           verify: bool = False,
+           tokenizer: str | None = None) -> tuple[dict, str | None]:  # fmt: skip
+    """Write ``out_dir/config.json``, ``out_dir/model.safetensors`` and the tokenizer's files
+    (``tokenizer``, default the run's); returns the HF config and the line saying which
+    tokenizer was written (None: none)."""
     import torch
-    from safetensors.torch import save_file
 
     from megatronish.checkpoint.format import CheckpointError, read_metadata, resolve_step_dir
     from megatronish.checkpoint.shard_reader import ShardReader
+    from megatronish.file_modes import save_safetensors, write_atomic
     from megatronish.hf.to_hf import to_hf
+    from megatronish.hf.tokenizer_files import remove_tokenizer_files, write_tokenizer
 
     step_dir = resolve_step_dir(ckpt)
     meta = read_metadata(step_dir)
@@ -140,6 +169,9 @@ def export(ckpt: str, out_dir: str, vocab_size: int | None = None, dtype: str = 
             "vocabulary (pass --vocab-size to cut it)",
             file=sys.stderr,
         )
+    padded = meta.tensors[EMBEDDING].shape[0] if EMBEDDING in meta.tensors else None
+    tok, no_tokenizer = export_tokenizer(meta, tokenizer, vocab or padded)
+    special = meta.tokenizer or (tok.special_token_ids() if tok is not None else None)
     reader = ShardReader(step_dir, meta, verify=verify)
     tensors = {
         name.removeprefix("model/"): reader.read(name)
@@ -148,14 +180,19 @@ def export(ckpt: str, out_dir: str, vocab_size: int | None = None, dtype: str = 
     }
     try:
         config, state = to_hf(tensors, meta.config["model"], vocab, getattr(torch, dtype),
-                              special_tokens=meta.tokenizer or None)  # fmt: skip
+                              special_tokens=special)  # fmt: skip
     except (ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"{step_dir} cannot be exported: {e}") from None
     text = json.dumps(config, indent=2, sort_keys=True) + "\n"
-    _write_atomic(os.path.join(out_dir, "model.safetensors"),
-                  lambda p: save_file(state, p, metadata={"format": "pt"}))  # fmt: skip
-    _write_atomic(os.path.join(out_dir, "config.json"), lambda p: Path(p).write_text(text))
-    return config
+    remove_tokenizer_files(out_dir)  # an earlier export's is never left beside this model
+    write_atomic(os.path.join(out_dir, "model.safetensors"),
+                  lambda p: save_safetensors(state, p, metadata={"format": "pt"}))  # fmt: skip
+    write_atomic(os.path.join(out_dir, "config.json"), lambda p: Path(p).write_text(text))
+    if tok is None:
+        print(f"warning: no tokenizer written: {no_tokenizer}; pass --tokenizer PATH to write one",
+              file=sys.stderr)  # fmt: skip
+        return config, None
+    return config, write_tokenizer(tok, out_dir)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -166,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     from megatronish.checkpoint.format import CheckpointError
 
     try:
-        config = export(args.ckpt, args.out_dir, args.vocab_size, args.dtype, args.verify)
+        config, tokenizer = export(args.ckpt, args.out_dir, args.vocab_size, args.dtype,
+                                   args.verify, args.tokenizer)  # fmt: skip
     except ArgumentError as e:
         print(f"invalid argument: {e}", file=sys.stderr)
         return EXIT_ARGS
@@ -178,6 +216,8 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_DATA
     arch = config["architectures"][0]
     print(f"wrote {arch} (vocab {config['vocab_size']}, {config['dtype']}) to {args.out_dir}")
+    if tokenizer is not None:
+        print(f"wrote {tokenizer}")
     return 0
 
 

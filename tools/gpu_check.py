@@ -22,6 +22,10 @@ Usage: ``python tools/gpu_check.py [--smoke] [--out PATH] [--budget-s S] [--peak
 [--device-memory-gb G] [--device cuda|cpu]``. On a GPU machine without .venv, Hydra or network,
 ``PYTHON=python3 make gpu-check`` runs it there from the wheelhouse of ``make gpu-wheels``
 (``scripts/gpu_env.sh``, ``tools/gpu_check/wheelhouse.py``).
+
+Examples:
+    make gpu-check                                  # on the GPU machine: writes docs/gpu.md
+    python tools/gpu_check.py --smoke               # every section at toy size on the CPU
 """
 
 import os
@@ -50,7 +54,9 @@ DEFAULT_BUDGET_S = {False: 420.0, True: 90.0}  # GPU (8 minutes with start-up), 
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--smoke", action="store_true", help="toy sizes on the CPU, fp32")
     ap.add_argument("--out", type=Path, help="report path (default docs/gpu.md; smoke: a temp dir)")
     ap.add_argument("--budget-s", type=float, help="time budget of the whole run in seconds")

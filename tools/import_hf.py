@@ -11,7 +11,10 @@ continues from it with fresh Adam state in any layout:
     python -m megatronish.train checkpoint.resume=ckpt/my-llama <printed model.* overrides> ...
 
 The vocabulary is padded with zero rows to a multiple of 128; the training data must use the HF
-model's tokenizer ids (model.vocab_size is set to the HF vocabulary).
+model's tokenizer ids (model.vocab_size is set to the HF vocabulary). When HF_DIR holds its
+tokenizer (tokenizer.json, or a sentencepiece tokenizer.model) the printed commands tokenize the
+data with it and train with data.tokenizer_model=HF_DIR; a tokenizer that cannot be used (no eos
+token, more tokens than the model's vocabulary) gets a warning line, not a failure.
 
 Exit codes: 0 written, 2 a bad argument (--seq-length below 1 or beyond the model's positions,
 a CKPT_DIR that holds checkpoints without --force or cannot be written), 3 bad or missing input
@@ -228,11 +231,52 @@ def import_hf(hf_dir: str, ckpt_dir: str, seq_length: int | None = None,
     return model_cfg, step_dir
 
 
+def usable_tokenizer(hf_dir: str, vocab: int):
+    """``(path, tokenizer)`` of the tokenizer in ``hf_dir`` for ``data.tokenizer_model``, or
+    None when it has none, or one that cannot be used with the model (a warning line says why)."""
+    from megatronish.data.tokenizer import load_tokenizer, tokenizer_in
+
+    path = tokenizer_in(os.path.expanduser(hf_dir))
+    if path is None:
+        return None
+    try:
+        tok = load_tokenizer(path)
+    except (FileNotFoundError, ValueError, OSError) as e:
+        print(f"warning: the model's tokenizer cannot be used: {e}", file=sys.stderr)
+        return None
+    if tok.vocab_size > vocab:
+        print(f"warning: {tok} has {tok.vocab_size} tokens, more than the model's vocabulary "
+              f"({vocab}): ids from {vocab} on have no embedding; tokenize the data with the "
+              "tokenizer the model was trained with", file=sys.stderr)  # fmt: skip
+        return None
+    return (hf_dir if os.path.isdir(path) else path), tok
+
+
+def print_next_steps(ckpt_dir: str, model_cfg: dict, tokenizer) -> None:
+    """The commands that continue pretraining from the import (with the model's tokenizer)."""
+    from megatronish.hf.common import override_args
+
+    data = []
+    if tokenizer is not None:
+        path, tok = tokenizer
+        print(f"tokenize the data with the model's tokenizer ({tok.vocab_size} tokens, "
+              f"end-of-document id {tok.eod_id}):")  # fmt: skip
+        print(f"  python tools/preprocess_data.py --input DATA.jsonl --tokenizer-model {path} \\")
+        print("    --output-prefix data/corpus")
+        data = ["data=indexed", "data.prefix=data/corpus", f"data.tokenizer_model={path}"]
+        print("continue pretraining with these model overrides:")
+    else:
+        print("continue pretraining with these model overrides (and data tokenized like the HF "
+              "model):")  # fmt: skip
+    print(f"  python -m megatronish.train checkpoint.resume={ckpt_dir} \\")
+    print("    " + " ".join([*override_args(model_cfg), *data]))
+    print(f"(or checkpoint.dir={ckpt_dir} instead of checkpoint.resume: new checkpoints are")
+    print(" saved next to it and a restart resumes the newest)")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the import; returns the exit code."""
     args = parse_args(argv)
-    from megatronish.hf.common import override_args
-
     try:
         model_cfg, step_dir = import_hf(args.hf_dir, args.ckpt_dir, args.seq_length, args.force)
     except ArgumentError as e:
@@ -246,11 +290,8 @@ def main(argv: list[str] | None = None) -> int:
               "nothing was published: free space and run it again", file=sys.stderr)  # fmt: skip
         return EXIT_DATA
     print(f"wrote {step_dir} (weights only, step 0)")
-    print("continue pretraining with these model overrides (and data tokenized like the HF model):")
-    print(f"  python -m megatronish.train checkpoint.resume={args.ckpt_dir} \\")
-    print("    " + " ".join(override_args(model_cfg)))
-    print(f"(or checkpoint.dir={args.ckpt_dir} instead of checkpoint.resume: new checkpoints are")
-    print(" saved next to it and a restart resumes the newest)")
+    tokenizer = usable_tokenizer(args.hf_dir, model_cfg["vocab_size"])
+    print_next_steps(args.ckpt_dir, model_cfg, tokenizer)
     return 0
 
 

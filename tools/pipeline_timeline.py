@@ -10,8 +10,11 @@ The model is the tiny llama with 8 layers (hidden 128, vocab 4096, seq 256, micr
 tools/bench/pp.py) unless Hydra overrides say otherwise; tp/dp overrides add ranks
 (world = tp * pp * dp).
 
+OUT defaults to outputs/pipeline/pipeline; ``--out docs/pipeline`` regenerates the figure the
+docs show (docs/pipeline.png and its trace).
+
 Example:
-    python tools/pipeline_timeline.py --pp 2 --vpp 2 --microbatches 8 --out docs/pipeline
+    python tools/pipeline_timeline.py --pp 2 --vpp 2 --microbatches 8
     python tools/pipeline_timeline.py --pp 2 --vpp 1 model.hidden_size=256 parallel.tp=2
 """
 
@@ -42,6 +45,10 @@ MODEL = [
     "logging.log_interval=1000000",
 ]
 
+# Where a run's files go unless --out says: under outputs/ (ignored by git), never over the
+# committed docs/pipeline.{json,png}.
+DEFAULT_OUT = "outputs/pipeline/pipeline"
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options."""
@@ -50,7 +57,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--vpp", type=int, default=2, help="virtual chunks per stage (2)")
     p.add_argument("--microbatches", type=int, default=8, help="microbatches per step (8)")
     p.add_argument("--steps", type=int, default=3, help="steps to run; the last is recorded (3)")
-    p.add_argument("--out", default="docs/pipeline", help="writes OUT.json and OUT.png")
+    p.add_argument(
+        "--out", default=DEFAULT_OUT, help=f"writes OUT.json and OUT.png ({DEFAULT_OUT})"
+    )
     p.add_argument("--timeout", type=float, default=600, help="seconds before the run is killed")
     p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. model.hidden_size=256")
     return p.parse_args(argv)

@@ -1,23 +1,27 @@
 """Tokenize .jsonl / .json / .parquet / .arrow / .txt files into Megatron-compatible .bin/.idx.
 
 Inputs are streamed (nothing is cached, memory stays bounded whatever their size), tokenized by
---workers processes with the sentencepiece --tokenizer-model and written in input order: the
-output is the same bytes for any worker count. One record is one document: a JSON line, a
-parquet or arrow row (text under --json-key), or a .txt file, paragraph or line
-(--txt-sample-by), followed by the end-of-document id unless --no-append-eod.
+--workers processes with --tokenizer-model (a sentencepiece .model, a Hugging Face tokenizer.json
+or a directory holding one, e.g. an HF model directory) and written in input order: the output
+is the same bytes for any worker count. One record is one document: a JSON line, a parquet or
+arrow row (text under --json-key), or a .txt file, paragraph or line (--txt-sample-by),
+followed by the end-of-document id (the tokenizer's eos) unless --no-append-eod.
 
 Examples:
     python tools/preprocess_data.py --input 'data/web/*.jsonl' --tokenizer-model tok/spm.model \\
         --output-prefix data/web_text_document --workers 8
     python tools/preprocess_data.py --input 'shards/*.parquet' --tokenizer-model tok/spm.model \\
         --output-prefix data/books --output-per-input   # data/books_<shard>.bin/.idx each
+    python tools/preprocess_data.py --input web.jsonl --tokenizer-model hf/gpt2 \\
+        --output-prefix data/web_gpt2   # an HF model directory's tokenizer.json
 
 Exit codes: 0 written, 2 a bad argument (an input that matches no file, an unsupported
-extension, a tokenizer model that does not exist, an --output-prefix without a file name or in
-a directory that cannot be written), 3 bad data (an empty or unreadable input, a record without
-a string under --json-key, named by file and row; a tokenizer file that is not a model) or a
-write that failed (disk full, file size limit). Each error is one line on stderr; nothing
-half-written is published under the output names.
+extension, a tokenizer that does not exist or a directory without a tokenizer.json, an
+--output-prefix without a file name or in a directory that cannot be written), 3 bad data (an
+empty or unreadable input, a record without a string under --json-key, named by file and row; a
+tokenizer file that is not a tokenizer, an HF tokenizer that names no eos token) or a write that
+failed (disk full, file size limit). Each error is one line on stderr; nothing half-written is
+published under the output names.
 """
 
 from __future__ import annotations
@@ -34,13 +38,13 @@ try:
     from megatronish.config.cli_errors import OneLineArgumentParser
     from megatronish.data import preprocess
     from megatronish.data.indexed import dtype_for_vocab
-    from megatronish.data.tokenizer import Tokenizer
+    from megatronish.data.tokenizer import Tokenizer, load_tokenizer
 except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from megatronish.config.cli_errors import OneLineArgumentParser
     from megatronish.data import preprocess
     from megatronish.data.indexed import dtype_for_vocab
-    from megatronish.data.tokenizer import Tokenizer
+    from megatronish.data.tokenizer import Tokenizer, load_tokenizer
 
 EXIT_ARGS = 2
 EXIT_DATA = 3
@@ -56,7 +60,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="what one .txt document is: the whole file, a blank-line separated paragraph, "
         "or a line (document)",
     )  # fmt: skip
-    p.add_argument("--tokenizer-model", required=True, help="sentencepiece .model file")
+    p.add_argument(
+        "--tokenizer-model", required=True,
+        help="sentencepiece .model file, Hugging Face tokenizer.json or a directory holding one",
+    )  # fmt: skip
     p.add_argument(
         "--output-prefix", required=True, help="writes PREFIX.bin and PREFIX.idx (atomically)"
     )
@@ -95,10 +102,10 @@ def _checked(args: argparse.Namespace) -> tuple[list[str], Tokenizer] | int:
     except ValueError as e:
         return _refuse(EXIT_ARGS, str(e))
     try:
-        tok = Tokenizer(os.path.expanduser(args.tokenizer_model))
-    except FileNotFoundError as e:  # --tokenizer-model names no file
+        tok = load_tokenizer(args.tokenizer_model)
+    except FileNotFoundError as e:  # --tokenizer-model names no tokenizer
         return _refuse(EXIT_ARGS, f"--tokenizer-model: {e}")
-    except (ValueError, OSError) as e:  # a file that is not a sentencepiece model
+    except (ValueError, OSError) as e:  # a file that is not a tokenizer
         return _refuse(EXIT_DATA, str(e))
     try:
         for prefix in dict.fromkeys(prefixes):

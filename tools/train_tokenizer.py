@@ -1,5 +1,8 @@
 """Train a sentencepiece BPE tokenizer (byte fallback) on .txt / .jsonl files.
 
+A Hugging Face tokenizer needs no training here: give its tokenizer.json, or the model directory
+holding it, to tools/preprocess_data.py --tokenizer-model and data.tokenizer_model directly.
+
 Example:
     python tools/train_tokenizer.py --input corpus.jsonl --model-prefix tok/spm --vocab-size 8192
 
@@ -24,13 +27,13 @@ from pathlib import Path
 try:
     from megatronish.config.cli_errors import OneLineArgumentParser
     from megatronish.data.preprocess import check_output_prefix
-    from megatronish.data.tokenizer import Tokenizer, train_sentencepiece
+    from megatronish.data.sentencepiece_tokenizer import SentencePieceTokenizer, train_sentencepiece
     from megatronish.distributed.cpus import usable_cpus
 except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from megatronish.config.cli_errors import OneLineArgumentParser
     from megatronish.data.preprocess import check_output_prefix
-    from megatronish.data.tokenizer import Tokenizer, train_sentencepiece
+    from megatronish.data.sentencepiece_tokenizer import SentencePieceTokenizer, train_sentencepiece
     from megatronish.distributed.cpus import usable_cpus
 
 EXIT_ARGS = 2
@@ -168,7 +171,7 @@ def check_written(prefix: str) -> None:
     """Raise :class:`WriteError` unless ``prefix.model`` loads and ``prefix.vocab`` lists every
     piece (sentencepiece does not report a write cut short by a full disk or a size limit)."""
     try:
-        pieces = Tokenizer(prefix + ".model").vocab_size
+        pieces = SentencePieceTokenizer(prefix + ".model").vocab_size
         with open(prefix + ".vocab", encoding="utf-8") as f:
             whole = sum(1 for _ in f) == pieces
     except (ValueError, OSError):
@@ -211,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         return _refuse(EXIT_DATA, f"writing {args.model_prefix}.model failed ({why}); nothing "
                        "half-written was published: free space (or raise the file size limit) "
                        "and run it again")  # fmt: skip
-    tok = Tokenizer(model)
+    tok = SentencePieceTokenizer(model)
     print(
         f"wrote {model} (vocab {tok.vocab_size}, eod id {tok.eod_id}) "
         f"in {time.perf_counter() - t0:.1f}s",

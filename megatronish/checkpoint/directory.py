@@ -194,7 +194,7 @@ class RunLock:
     def acquire(cls, ckpt_dir: str, run_id: str | None = None) -> RunLock:
         """Lock ``ckpt_dir`` for this process; raises CheckpointError naming the holder."""
         path = os.path.join(ckpt_dir, LOCK_NAME)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)  # the umask decides, as for open()
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:

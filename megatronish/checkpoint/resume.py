@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import random
+import secrets
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -44,6 +45,7 @@ from megatronish.checkpoint.load import (
     find_resume_path,
     load_into,
 )
+from megatronish.checkpoint.run_identity import ConfigChanged, RunComplete, check_same_run
 from megatronish.distributed.agree import PeerError, agree
 from megatronish.distributed.comm import ParallelGroup, broadcast
 
@@ -55,6 +57,7 @@ class ResumePlan:
     """What the start of a run found in ``checkpoint.dir`` and will try to load, in order."""
 
     candidates: list[str] = field(default_factory=list)  # checkpoint paths, best first
+    auto: bool = False  # checkpoint.resume=auto: the candidates are this run's own steps
     fallback: bool = False  # whether a damaged candidate is skipped for the next one
     removed: list[str] = field(default_factory=list)  # leftovers of an interrupted save
     restored: list[str] = field(default_factory=list)  # steps put back after a re-save crash
@@ -99,7 +102,8 @@ def plan_resume(ckpt_cfg, group: ParallelGroup, label: str | None = None) -> Res
     tidy it after an interrupted save and list the candidates; every rank gets rank 0's list."""
     resume, ckpt_dir = ckpt_cfg.resume, ckpt_cfg.dir
     ckpt_dir = os.path.expanduser(ckpt_dir) if ckpt_dir else None
-    plan, steps, error = ResumePlan(fallback=bool(ckpt_cfg.fallback) and resume == "auto"), [], None
+    auto = resume == "auto"
+    plan, steps, error = ResumePlan(auto=auto, fallback=bool(ckpt_cfg.fallback) and auto), [], None
     if ckpt_dir:
         plan.lock = open_checkpoint_dir(ckpt_dir, group, label)
     try:
@@ -158,7 +162,46 @@ def _share_ints(values: list[int], group: ParallelGroup) -> list[int]:
     return broadcast(data, group).tolist()
 
 
-def saved_run_id(plan: ResumePlan) -> str | None:
+def start_run(plan: ResumePlan, current: dict, group: ParallelGroup) -> str:
+    """Collective, before anything is built: the run's logging id, the same on every rank: the
+    one stored in the newest candidate, or a new ``NAME-<8 hex>`` (kept in the run's
+    checkpoints, so its resumes log to the same W&B run and no other run does).
+
+    Under ``checkpoint.resume=auto`` raises
+    :class:`~megatronish.checkpoint.run_identity.ConfigChanged` on every rank when ``current``
+    (the resolved config as a dict) is not the run saved there, and
+    :class:`~megatronish.checkpoint.run_identity.RunComplete` when that run is complete. Rank 0
+    reads the metadata and decides; an unreadable candidate is left to loading (which falls
+    back or says why)."""
+    code, step, message, run_id = _GO, 0, None, ""
+    if group.rank == 0:
+        try:
+            run_id = _saved_run_id(plan) or f"{current['name']}-{secrets.randbits(32):08x}"
+            if plan.auto and plan.candidates:
+                _check_same_run(plan.candidates[0], current)
+        except ConfigChanged as e:
+            code, message = _CHANGED, str(e)
+        except RunComplete as e:
+            code, step = _COMPLETE, e.step
+        except Exception as e:  # noqa: BLE001 - a bug: every rank must stop, not wait
+            traceback.print_exc()
+            code, message = _FAILED, f"{type(e).__name__}: {e}"
+    code, step = _share_ints([code, step], group)
+    where = os.path.dirname(plan.candidates[0]) if plan.candidates else "checkpoint.dir"
+    if code == _CHANGED:
+        raise ConfigChanged(message or f"the config differs from the run saved in {where} "
+                            "(rank 0 lists how)")  # fmt: skip
+    if code == _COMPLETE:
+        raise RunComplete(step, plan.candidates[0])
+    if code == _FAILED:
+        raise CheckpointError(message or f"rank 0 failed to read the run saved in {where}")
+    return bytes(_share_ints(list(run_id.encode()), group)).decode()
+
+
+_GO, _CHANGED, _COMPLETE, _FAILED = 0, 1, 2, 3  # start_run's outcomes, shared by rank 0
+
+
+def _saved_run_id(plan: ResumePlan) -> str | None:
     """The logging run id stored in the first candidate (None if there is none or it is
     unreadable: loading reports why)."""
     if not plan.candidates:
@@ -167,6 +210,14 @@ def saved_run_id(plan: ResumePlan) -> str | None:
         return _read_metadata(plan.candidates[0]).trainer.get("run_id")
     except CheckpointError:
         return None
+
+
+def _check_same_run(path: str, current: dict) -> None:
+    try:
+        meta = _read_metadata(path)
+    except CheckpointError:
+        return
+    check_same_run(meta.config, meta.step, current, path)
 
 
 def _agreed_error(error: str | None, group: ParallelGroup) -> str | None:

@@ -30,7 +30,6 @@ from typing import NamedTuple
 
 import torch
 from omegaconf import OmegaConf
-from safetensors.torch import save_file
 
 from megatronish.checkpoint.directory import (
     REPLACED_PREFIX,
@@ -55,6 +54,7 @@ from megatronish.checkpoint.snapshot import start_snapshot
 from megatronish.distributed.agree import PeerError, agree
 from megatronish.distributed.comm import CollectiveError, all_reduce
 from megatronish.distributed.nccl_errors import failed_groups_message
+from megatronish.file_modes import save_safetensors
 from megatronish.tensor_parallel.random import RNGTracker
 
 COPIES_WAIT_S = 30.0  # join_writer's longest wait for a writer's device->host copies
@@ -79,7 +79,7 @@ def write_rank_files(tmp_dir: str, rank: int, tensors, index) -> None:
     for kind, group in tensors.items():
         path = os.path.join(tmp_dir, names[kind])
         try:
-            save_file(group, path)
+            save_safetensors(group, path)  # mode from the umask, not 0600
             fsync_path(path)
         except Exception as e:  # noqa: BLE001 - SafetensorError is not an OSError
             raise OSError(write_failure(path, e)) from e

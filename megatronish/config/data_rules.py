@@ -8,8 +8,9 @@ import os
 from megatronish.config.value_rules import MIN_STDLIB_VOCAB
 
 
-def blend_pairs(blend, key: str) -> tuple[list[tuple[float, str]], list[str]]:
-    """``([(weight, prefix), ...], errors)`` of a ``[[weight, prefix], ...]`` list."""
+def blend_pairs(blend, key: str, present: bool = True) -> tuple[list[tuple[float, str]], list[str]]:
+    """``([(weight, prefix), ...], errors)`` of a ``[[weight, prefix], ...]`` list; ``present``:
+    whether each prefix's ``.idx`` must exist."""
     pairs, errors = [], []
     for i, entry in enumerate(blend):
         if isinstance(entry, str) or not hasattr(entry, "__len__") or len(entry) != 2:
@@ -25,7 +26,7 @@ def blend_pairs(blend, key: str) -> tuple[list[tuple[float, str]], list[str]]:
             weight = float("nan")
         if not weight > 0 or weight == float("inf"):
             errors.append(f"{key}[{i}] has weight {entry[0]!r}; weights must be positive numbers")
-        if not os.path.exists(os.path.expanduser(str(prefix)) + ".idx"):
+        if present and not os.path.exists(os.path.expanduser(str(prefix)) + ".idx"):
             errors.append(
                 f"{key}[{i}]: {prefix}.idx does not exist; create it with "
                 "tools/preprocess_data.py or fix the prefix"
@@ -36,12 +37,16 @@ def blend_pairs(blend, key: str) -> tuple[list[tuple[float, str]], list[str]]:
 
 def _tokenizer_errors(d, why: str) -> list[str]:
     if not d.tokenizer_model:
-        return [f"{why} needs data.tokenizer_model (a sentencepiece file)"]
-    path = os.path.expanduser(d.tokenizer_model)
-    if os.path.isdir(path):
         return [
-            f"data.tokenizer_model={d.tokenizer_model} is a directory; give the "
-            "sentencepiece .model file in it (tools/train_tokenizer.py writes <prefix>.model)"
+            f"{why} needs data.tokenizer_model (a sentencepiece .model, a Hugging Face "
+            "tokenizer.json or a directory holding one)"
+        ]
+    path = os.path.expanduser(d.tokenizer_model)
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "tokenizer.json")):
+        return [
+            f"data.tokenizer_model={d.tokenizer_model} is a directory without a tokenizer.json; "
+            "give a sentencepiece .model file (tools/train_tokenizer.py writes <prefix>.model) "
+            "or a directory holding a Hugging Face tokenizer.json"
         ]
     if not os.path.exists(path):
         return [f"data.tokenizer_model={d.tokenizer_model} does not exist"]
@@ -71,8 +76,9 @@ def _stdlib_errors(d) -> list[str]:
     return errors
 
 
-def data_errors(cfg) -> list[str]:
-    """Every problem of ``cfg.data``."""
+def data_errors(cfg, present: bool = True) -> list[str]:
+    """Every problem of ``cfg.data``. ``present=False`` (dry runs, the planner): only whether the
+    keys agree, not whether the dataset and tokenizer are given and exist."""
     d, errors = cfg.data, []
     blend, blend_valid = getattr(d, "blend", None), getattr(d, "blend_valid", None)
     if blend_valid is not None and blend is None:
@@ -83,16 +89,19 @@ def data_errors(cfg) -> list[str]:
                 f"data.blend and data.prefix={d.prefix} are both set; give one: a single dataset "
                 "is data.blend=[[1.0,PREFIX]] or data.prefix=PREFIX"
             )
-        errors += blend_pairs(blend, "data.blend")[1]
+        errors += blend_pairs(blend, "data.blend", present)[1]
         if not blend:
             errors.append("data.blend is empty; give [weight, prefix] pairs or null")
         if blend_valid is not None:
-            errors += blend_pairs(blend_valid, "data.blend_valid")[1]
-        errors += _tokenizer_errors(d, "data.blend")
-    elif d.source == "indexed":
+            errors += blend_pairs(blend_valid, "data.blend_valid", present)[1]
+        if present:
+            errors += _tokenizer_errors(d, "data.blend")
+    elif d.source == "indexed" and present:
         if not d.prefix:
             errors.append(
-                "data.source=indexed needs data.prefix (the .bin/.idx path prefix) or data.blend"
+                "data.source=indexed needs data.prefix (the .bin/.idx path prefix) or data.blend: "
+                "this config trains on your corpus (tools/preprocess_data.py makes one from "
+                "jsonl/parquet/txt, docs/data.md)"
             )
         errors += _tokenizer_errors(d, "data.source=indexed")
         if d.prefix and not os.path.exists(os.path.expanduser(d.prefix) + ".idx"):
@@ -100,7 +109,7 @@ def data_errors(cfg) -> list[str]:
                 f"data.prefix={d.prefix}: {d.prefix}.idx does not exist; create it with "
                 "tools/preprocess_data.py"
             )
-    else:
+    elif d.source != "indexed":
         errors += _stdlib_errors(d)
     if not 0.0 < d.valid_fraction < 1.0:
         errors.append(f"data.valid_fraction={d.valid_fraction} must be in (0, 1)")

@@ -22,7 +22,7 @@ class RouterConfig:
 @dataclass
 class MoEConfig:
     num_experts: int = 0  # 0: dense model
-    top_k: int = 2
+    top_k: int = 2  # experts each token is routed to
     layer_freq: int = 1  # block i is a mixture of experts when i % layer_freq == 0
     ffn_hidden_size: int | None = None  # of one expert; null: model.ffn_hidden_size
     shared_experts: int = 0  # always-on experts (one MLP of shared_experts * ffn_hidden_size)
@@ -33,20 +33,20 @@ class MoEConfig:
 @dataclass
 class ModelConfig:
     arch: str = "llama"  # llama | gpt2
-    num_layers: int = 4
-    hidden_size: int = 256
-    num_attention_heads: int = 4
+    num_layers: int = 4  # transformer blocks
+    hidden_size: int = 256  # the model width h
+    num_attention_heads: int = 4  # query heads; head dim = hidden_size / heads
     num_query_groups: int | None = None  # kv heads (GQA); null = num_attention_heads
     ffn_hidden_size: int | None = None  # null: llama 8h/3 rounded up to 64, gpt2 4h
-    seq_length: int = 256
+    seq_length: int = 256  # tokens per sample: the context length
     vocab_size: int | None = None  # null: taken from the tokenizer
-    make_vocab_size_divisible_by: int = 128
+    make_vocab_size_divisible_by: int = 128  # embedding and head rows padded to this
     max_position_embeddings: int | None = None  # gpt2 learned positions; null = seq_length
-    norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    hidden_dropout: float = 0.0
-    attention_dropout: float = 0.0
-    init_std: float = 0.02
+    norm_eps: float = 1e-5  # epsilon of RMSNorm (llama) or LayerNorm (gpt2)
+    rope_theta: float = 10000.0  # base of the rotary position embedding (llama)
+    hidden_dropout: float = 0.0  # dropout on the embeddings and each block's outputs
+    attention_dropout: float = 0.0  # dropout on the attention probabilities
+    init_std: float = 0.02  # normal init std; output projections / sqrt(2 * num_layers)
     bias: bool | None = None  # null: gpt2 has biases, llama does not
     tie_embeddings: bool | None = None  # null: gpt2 ties, llama does not
     moe: MoEConfig = field(default_factory=MoEConfig)
@@ -54,16 +54,16 @@ class ModelConfig:
 
 @dataclass
 class ParallelConfig:
-    tp: int = 1
+    tp: int = 1  # tensor parallel: each layer's matmuls split over tp ranks
     cp: int = 1  # context parallel: each sequence split over cp ranks (2 chunks each)
-    pp: int = 1
-    vpp: int = 1
+    pp: int = 1  # pipeline parallel: the layers split over pp stages
+    vpp: int = 1  # virtual pipeline: model chunks per pp stage (interleaved 1F1B)
     ep: int = 1  # expert parallel: experts split over ep ranks carved out of dp x cp
     dp: int | None = None  # null: world_size / (tp * cp * pp)
-    sp: bool = False
-    zero_stage: int = 0
-    bucket_size_mb: float = 25.0
-    zero3_keep_gathered: bool = False
+    sp: bool = False  # sequence parallel: norms and dropout on sequence shards over tp
+    zero_stage: int = 0  # ZeRO: 1 shards optimizer states over dp, 2 also grads, 3 also params
+    bucket_size_mb: float = 25.0  # MiB of fp32 grads per dp reduction bucket
+    zero3_keep_gathered: bool = False  # zero 3: keep params gathered until the step ends
     overlap_param_gather: bool = True  # zero 1/2: updated params gathered during the next forward
     pipeline_layer_split: list[int] | None = None  # layers per chunk; null = even split
     collective_timeout_s: float = 600.0  # bounds start-up and every collective and p2p op
@@ -78,30 +78,33 @@ class DataConfig:
     blend: list[Any] | None = None
     blend_valid: list[Any] | None = None  # validation blend; null: the blend's valid splits
     prefetch: bool = True  # read the next step's batches on a background thread
-    tokenizer_model: str | None = None  # sentencepiece .model, required when source=indexed
-    cache_dir: str = "~/.cache/megatronish"
-    vocab_size: int = 4096  # tokenizer vocabulary when the stdlib corpus is built
-    max_corpus_mb: float = 8.0
-    valid_fraction: float = 0.02
+    # sentencepiece .model, HF tokenizer.json or a directory holding one; required when indexed
+    tokenizer_model: str | None = None
+    cache_dir: str = "~/.cache/megatronish"  # the stdlib corpus, tokenizer, blend indexes
+    # the tokenizer the built-in corpus trains; data=indexed: the vocabulary dry runs and the
+    # planner assume until data.tokenizer_model gives the real one
+    vocab_size: int = 4096
+    max_corpus_mb: float = 8.0  # text of the stdlib corpus at most
+    valid_fraction: float = 0.02  # of the documents, held out for validation
 
 
 @dataclass
 class OptimizerConfig:
-    name: str = "adamw"
-    lr: float = 1e-3
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
+    name: str = "adamw"  # adamw (the only one)
+    lr: float = 1e-3  # peak learning rate, reached after the warmup
+    weight_decay: float = 0.1  # decoupled (AdamW); not on norms and biases
+    beta1: float = 0.9  # decay of Adam's first moment
+    beta2: float = 0.95  # decay of Adam's second moment
+    eps: float = 1e-8  # added to Adam's denominator
     grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
 
 
 @dataclass
 class SchedulerConfig:
     style: str = "cosine"  # cosine | linear | constant
-    warmup_steps: int = 20
+    warmup_steps: int = 20  # linear warmup from optimizer.lr / warmup_steps to optimizer.lr
     decay_steps: int | None = None  # null: trainer.max_steps
-    min_lr: float = 1e-4
+    min_lr: float = 1e-4  # learning rate at the end of the decay
 
 
 @dataclass
@@ -112,24 +115,25 @@ class ProfileConfig:
 
 @dataclass
 class TrainerConfig:
-    micro_batch_size: int = 8
-    global_batch_size: int = 8
-    max_steps: int = 100
-    seed: int = 1234
+    micro_batch_size: int = 8  # samples per microbatch on each dp rank
+    global_batch_size: int = 8  # samples per step over all dp ranks
+    max_steps: int = 100  # optimizer steps of the whole run (resumes included)
+    seed: int = 1234  # seeds the init, the data order and dropout
     precision: str = "fp32"  # fp32 | bf16 (bf16 params and activations, fp32 main params/grads)
     tf32: bool = True  # CUDA: fp32 matmuls and convolutions may use TF32 tensor cores
     deterministic: bool = False  # torch's deterministic kernels: bit-identical GPU resume, slower
     recompute: str = "none"  # none | selective | full
     recompute_method: str = "uniform"  # uniform | block
-    recompute_num_layers: int = 1
+    recompute_num_layers: int = 1  # layers per group (uniform) or per chunk (block)
     device: str = "auto"  # auto | cpu | cuda
     num_threads: int | None = None  # CPU intra-op threads per rank; null: cores / local ranks
-    eval_interval: int = 50
-    eval_iters: int = 4
-    dry_run: bool = False
+    eval_interval: int = 50  # steps between validations (and after the last); 0: none
+    eval_iters: int = 4  # global batches per validation
+    dry_run: bool = False  # print the resolved config and derived values, then exit
     exit_after_minutes: float | None = None  # save and exit 4 after this much wall-clock time
-    # signals that save and exit 4 at the next step boundary ([] keeps the default actions)
-    stop_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR2"])
+    # signals that save and exit 4 at the next step boundary ([] keeps the default actions);
+    # a second SIGINT (Ctrl-C) aborts at once
+    stop_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR2", "SIGINT"])
     peak_tflops: float | None = None  # per device, for MFU; null: measured (CPU) or table (GPU)
     check_memory: bool = True  # stop at start-up when the planned peak exceeds the device
     max_skipped_steps: int = 5  # stop after this many non-finite steps in a row; 0: never
@@ -143,33 +147,37 @@ FUNCTION_KEYS = ("rope_theta", "norm_eps", "vocab_size", "moe.top_k", "moe.route
 
 @dataclass
 class CheckpointConfig:
-    dir: str | None = "${out_dir}/checkpoints"
-    interval: int = 0  # 0: only at the end
+    dir: str | None = "${out_dir}/checkpoints"  # null: no checkpoints
+    interval: int = 1000  # steps between saves (and one at the end); 0: only at the end
     resume: str = "auto"  # auto | never | PATH
     keep_last: int | None = 2  # the newest N published steps; null keeps every step
-    async_save: bool = False
-    save_final: bool = True
+    async_save: bool = False  # write from host copies in the background
+    save_final: bool = True  # save after the last step
     fallback: bool = True  # resume=auto: skip a damaged step for the newest older one that loads
     verify: bool = True  # check the CRC32 of every shard read on load
     # FUNCTION_KEYS that may differ from the checkpoint's on load, e.g. [rope_theta] to extend
     # the context, [vocab_size] to use padding rows as new tokens
     allow_model_changes: list[str] = field(default_factory=list)
+    # keys (or sections, e.g. optimizer) a resume=auto may change besides the ones that never
+    # change the run (layout, logging, checkpointing, trainer.max_steps, ...): docs/operations.md
+    allow_changes: list[str] = field(default_factory=list)
 
 
 @dataclass
 class LoggingConfig:
-    log_interval: int = 10
-    wandb: bool = True
-    wandb_project: str = "megatronish"
+    log_interval: int = 10  # steps between progress lines
+    wandb: bool = True  # log to Weights & Biases (WANDB_MODE=disabled also stops it)
+    wandb_project: str = "megatronish"  # the Weights & Biases project
     wandb_mode: str | None = None  # null: online with WANDB_API_KEY set, else offline
     timers: str = "cheap"  # cheap | detailed
-    progress_bar: bool = False
+    progress_bar: bool = False  # a tqdm bar of the steps on the logging rank's terminal
+    log_file: str | None = "${out_dir}/train.log"  # the console lines, timestamped; null: none
 
 
 @dataclass
 class TrainConfig:
-    name: str = "run"
-    out_dir: str = "outputs/${name}"
+    name: str = "run"  # names out_dir, the wandb run and the run id
+    out_dir: str = "outputs/${name}"  # config.yaml, logs and checkpoints of the run
     world_size: int | None = None  # dry runs and the planner: the ranks to plan for
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from omegaconf import DictConfig, OmegaConf
 
+from megatronish.config.cli_errors import unknown_key_reason
 from megatronish.config.data_rules import data_errors
 from megatronish.config.derived import default_ffn_hidden, pad_vocab
 from megatronish.config.moe_rules import moe_errors
@@ -71,18 +72,20 @@ def _positive(cfg, keys: list[str], errors: list[str], allow_zero: bool = False)
 
 
 def config_errors(
-    cfg, world_size: int, vocab_size: int | None = None, cuda_available: bool | None = None
+    cfg,
+    world_size: int,
+    vocab_size: int | None = None,
+    cuda_available: bool | None = None,
+    data: bool = True,
 ) -> list[str]:
     """Every rule ``cfg`` breaks for a job of ``world_size`` ranks (empty list: valid).
 
     ``vocab_size`` is the tokenizer's vocabulary when known (checked against tp and the model);
-    ``cuda_available`` whether this machine has a GPU (None: not checked, e.g. dry runs).
+    ``cuda_available`` whether this machine has a GPU (None: not checked, e.g. dry runs);
+    ``data=False`` (dry runs, the planner): the data keys must agree, but the dataset and
+    tokenizer need not be given or exist.
     """
-    errors: list[str] = [
-        f"unknown key {key} (not in the config schema): check the spelling; "
-        "`python -m megatronish.train --cfg job` prints every key"
-        for key in unknown_keys(cfg)
-    ]
+    errors: list[str] = [unknown_key_reason(key) for key in unknown_keys(cfg)]
     m, p, t, o, s = cfg.model, cfg.parallel, cfg.trainer, cfg.optimizer, cfg.scheduler
 
     for key, allowed in CHOICES.items():
@@ -265,7 +268,7 @@ def config_errors(
             "nothing would be traced; profile steps within the run"
         )
 
-    errors += data_errors(cfg)
+    errors += data_errors(cfg, present=data)  # dry runs and the planner need no dataset
     return errors
 
 

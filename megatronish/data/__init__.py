@@ -1,1 +1,2 @@
-"""Data pipeline: sentencepiece tokenizer, Megatron-compatible .bin/.idx files, GPT samples."""
+"""Data pipeline: tokenizers (sentencepiece, Hugging Face tokenizer.json), Megatron-compatible
+.bin/.idx files, GPT samples."""

@@ -12,7 +12,7 @@ from megatronish.data.blend import BlendedDataset
 from megatronish.data.gpt_dataset import GPTDataset
 from megatronish.data.indexed import IndexedDataset
 from megatronish.data.stdlib_corpus import ensure_stdlib_corpus
-from megatronish.data.tokenizer import Tokenizer
+from megatronish.data.tokenizer import Tokenizer, directory_problem, load_tokenizer
 
 DEFAULTS: dict[str, Any] = {
     "source": "stdlib",
@@ -64,14 +64,17 @@ def _resolve_tokenizer(model: str | None) -> str:
     if not model:
         raise ValueError(
             "data.tokenizer_model is required for indexed data (data.prefix or data.blend): "
-            "set it to the sentencepiece .model that tools/preprocess_data.py used"
+            "set it to the tokenizer tools/preprocess_data.py used (a sentencepiece .model, a "
+            "Hugging Face tokenizer.json or a directory holding one)"
         )
     model = os.path.expanduser(str(model))
-    if not os.path.isfile(model):
+    if not os.path.exists(model):
         raise FileNotFoundError(
             f"data.tokenizer_model={model} does not exist; train one with "
             "tools/train_tokenizer.py, or fix data.tokenizer_model"
         )
+    if os.path.isdir(model) and (problem := directory_problem(model)) is not None:
+        raise FileNotFoundError(f"data.tokenizer_model={problem}")
     return model
 
 
@@ -133,7 +136,7 @@ def build_datasets(
         prefix, model = _resolve_indexed(data_cfg)
     else:
         raise ValueError(f"data.source={source!r} is unknown; use 'stdlib' or 'indexed'")
-    tokenizer = Tokenizer(model)
+    tokenizer = load_tokenizer(model)
     indexed = IndexedDataset(prefix)
     check_token_ids(indexed, tokenizer)
     train = GPTDataset(indexed, seq_length, seed, "train", valid_fraction)
@@ -145,7 +148,7 @@ def _build_blend(data_cfg, seq_length, seed, samples, valid_fraction, log):
     """Blended train and valid datasets (see :func:`build_datasets`)."""
     if samples is None:
         raise ValueError("a blend needs the number of (train, valid) samples to build its index")
-    tokenizer = Tokenizer(_resolve_tokenizer(_cfg(data_cfg, "tokenizer_model")))
+    tokenizer = load_tokenizer(_resolve_tokenizer(_cfg(data_cfg, "tokenizer_model")))
     cache = os.path.join(os.path.expanduser(str(_cfg(data_cfg, "cache_dir"))), "blends")
 
     def datasets(key: str, split: str, fraction: float):

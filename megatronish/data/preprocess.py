@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from megatronish.data.indexed import IndexedDatasetWriter, dtype_for_vocab
-from megatronish.data.tokenizer import Tokenizer
+from megatronish.data.tokenizer import Tokenizer, load_tokenizer
 
 BUILDERS = {".jsonl": "json", ".json": "json", ".txt": "text", ".parquet": "parquet",
             ".arrow": "arrow"}  # fmt: skip
@@ -142,7 +142,7 @@ def iter_documents(path: str, key: str, txt_sample_by: str = "document") -> Iter
 
 @functools.lru_cache(maxsize=2)
 def _tokenizer(model_path: str) -> Tokenizer:
-    return Tokenizer(model_path)  # once per worker process
+    return load_tokenizer(model_path)  # once per worker process
 
 
 def tokenize_chunk(texts: list[str], model_path: str, append_eod: bool) -> tuple[bytes, bytes]:
@@ -204,7 +204,7 @@ def preprocess(
 ) -> list[Written]:
     """Tokenize ``files`` into one .bin/.idx (or one per input); returns what each holds.
     ``progress(documents, tokens)`` is called after every chunk."""
-    tok = Tokenizer(model_path)
+    tok = load_tokenizer(model_path)
     dtype = dtype_for_vocab(tok.vocab_size)
     prefixes = output_prefixes(files, output_prefix, per_input)
     work = functools.partial(tokenize_chunk, model_path=tok.model_path, append_eod=append_eod)

@@ -17,8 +17,9 @@ import time
 import numpy as np
 
 from megatronish.data.indexed import IndexedDatasetWriter, dtype_for_vocab
-from megatronish.data.tokenizer import Tokenizer, train_sentencepiece
+from megatronish.data.sentencepiece_tokenizer import SentencePieceTokenizer, train_sentencepiece
 from megatronish.distributed.cpus import usable_cpus
+from megatronish.file_modes import follow_umask
 
 SKIP_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3"})
 MARKER = "COMPLETE.json"
@@ -93,7 +94,7 @@ def _build(out_dir: str, vocab_size: int, max_corpus_mb: float) -> dict:
         [corpus_txt], os.path.join(out_dir, TOKENIZER_NAME), vocab_size, num_threads=threads
     )
     os.unlink(corpus_txt)
-    tokenizer = Tokenizer(model)
+    tokenizer = SentencePieceTokenizer(model)
     _log(f"tokenizing {len(texts)} documents")
     ids = tokenizer.encode_batch(texts, num_threads=threads)
     lengths = np.fromiter((len(x) + 1 for x in ids), dtype=np.int64, count=len(ids))
@@ -129,7 +130,7 @@ def ensure_stdlib_corpus(cache_dir: str, vocab_size: int, max_corpus_mb: float) 
     os.makedirs(cache_dir, exist_ok=True)
     _log(f"building the default corpus in {final} (one time)")
     tmp = tempfile.mkdtemp(prefix=os.path.basename(final) + ".tmp-", dir=cache_dir)
-    os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is an ordinary directory
+    follow_umask(tmp)  # mkdtemp makes it private; the cache is an ordinary directory
     try:
         stats = _build(tmp, vocab_size, max_corpus_mb)
         with open(os.path.join(tmp, MARKER), "w") as f:

@@ -1,123 +1,92 @@
-"""SentencePiece BPE tokenizer: training and a thin encode/decode wrapper.
+"""What a tokenizer is to the rest of megatronish, and the one loader that picks it by path.
 
-Models are trained lossless for source code and prose: identity normalisation, no dummy
-prefix, whitespace kept verbatim (runs of spaces may become pieces), byte fallback for
-anything unseen, so ``decode(encode(text)) == text``. Ids: 0 ``<unk>``, 1 ``<s>``, 2 ``</s>``
-(the end-of-document token).
+A tokenizer path (``data.tokenizer_model``, ``--tokenizer-model`` of tools/preprocess_data.py,
+``tokenizer_model=`` of generation, ``--tokenizer`` of tools/export_hf.py) is either
+
+- a sentencepiece ``.model`` file (tools/train_tokenizer.py trains one):
+  :class:`~megatronish.data.sentencepiece_tokenizer.SentencePieceTokenizer`;
+- a Hugging Face ``tokenizer.json`` or a directory holding one (an HF model directory, an export
+  of tools/export_hf.py): :class:`~megatronish.data.hf_tokenizer.HFTokenizer`.
+
+Both encode text as it is written: no BOS is added, and text that spells a special token
+(``</s>``, ``<|endoftext|>``) is ordinary text, so only the end-of-document id that
+tools/preprocess_data.py appends ever ends a document.
 """
 
 from __future__ import annotations
 
+import glob
 import os
 from collections.abc import Sequence
+from typing import Protocol
 
-import sentencepiece as spm
+from megatronish.data.hf_tokenizer import HF_TOKENIZER_FILE, HFTokenizer
+from megatronish.data.sentencepiece_tokenizer import SentencePieceTokenizer
 
-from megatronish.distributed.cpus import usable_cpus
 
+class Tokenizer(Protocol):
+    """Text <-> token ids, with the end-of-document id and the vocabulary size."""
 
-class Tokenizer:
-    """A trained sentencepiece ``.model`` file."""
-
-    def __init__(self, model_path: str) -> None:
-        self.model_path = os.path.expanduser(model_path)
-        if not os.path.isfile(self.model_path):
-            raise FileNotFoundError(
-                f"tokenizer model {self.model_path} does not exist; train one with "
-                "tools/train_tokenizer.py (see --help)"
-            )
-        try:
-            self._sp = spm.SentencePieceProcessor(model_file=self.model_path)
-        except (RuntimeError, OSError) as e:
-            raise ValueError(
-                f"{self.model_path} is not a valid sentencepiece model ({e}); "
-                "retrain it with tools/train_tokenizer.py"
-            ) from e
-        self.eod_id: int = self._sp.eos_id()
-        if self.eod_id < 0:
-            raise ValueError(
-                f"tokenizer {self.model_path} has no </s> (eos) piece, needed as end-of-document "
-                "token; retrain it with tools/train_tokenizer.py"
-            )
-
-    def special_token_ids(self) -> dict[str, int]:
-        """bos / eos / pad ids by their Hugging Face names (pieces the model lacks left out)."""
-        ids = {"bos_token_id": self._sp.bos_id(), "eos_token_id": self.eod_id,
-               "pad_token_id": self._sp.pad_id()}  # fmt: skip
-        return {k: v for k, v in ids.items() if v >= 0}
+    model_path: str  # the path it was loaded from
+    eod_id: int  # the end-of-document (eos) id
 
     @property
     def vocab_size(self) -> int:
-        """Number of pieces (ids are in ``[0, vocab_size)``)."""
-        return self._sp.get_piece_size()
+        """Ids are in ``[0, vocab_size)``."""
+        ...
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of ``text`` (no EOD appended)."""
-        return self._sp.encode(text, out_type=int)
+        """Token ids of ``text`` (no BOS, no EOD)."""
+        ...
 
     def encode_batch(self, texts: Sequence[str], num_threads: int = 1) -> list[list[int]]:
-        """Token ids of each text, encoded with ``num_threads`` native threads."""
-        return self._sp.encode(list(texts), out_type=int, num_threads=num_threads)
+        """Token ids of each text."""
+        ...
 
     def decode(self, ids: Sequence[int]) -> str:
-        """Text of ``ids`` (accepts lists, numpy arrays and tensors)."""
-        return self._sp.decode([int(i) for i in ids])
+        """Text of ``ids`` (lists, numpy arrays and tensors)."""
+        ...
 
-    def __repr__(self) -> str:
-        return f"Tokenizer({self.model_path!r}, vocab_size={self.vocab_size})"
+    def special_token_ids(self) -> dict[str, int]:
+        """``bos_token_id`` / ``eos_token_id`` / ``pad_token_id`` where the tokenizer has them."""
+        ...
 
 
-def train_sentencepiece(
-    text_files: list[str],
-    model_prefix: str,
-    vocab_size: int,
-    *,
-    input_sentence_size: int = 2_000_000,
-    num_threads: int | None = None,
-    max_sentence_length: int = 16384,
-) -> str:
-    """Train a byte-fallback BPE model on plain-text files (one sentence per line).
+def directory_problem(path: str) -> str | None:
+    """Why directory ``path`` is not a tokenizer (it holds no tokenizer.json), or None."""
+    if os.path.isfile(os.path.join(path, HF_TOKENIZER_FILE)):
+        return None
+    models = sorted(glob.glob(os.path.join(glob.escape(path), "*.model")))
+    hint = f"; for its sentencepiece model give {models[0]}" if models else ""
+    return (
+        f"{path} is a directory without a {HF_TOKENIZER_FILE}: give a sentencepiece .model "
+        f"file, a Hugging Face tokenizer.json or a directory holding one{hint}"
+    )
 
-    At most ``input_sentence_size`` lines are sampled. Returns the ``.model`` path
-    (``model_prefix + ".model"``; a ``.vocab`` file is written next to it).
-    """
-    missing = [f for f in text_files if not os.path.isfile(f)]
-    if missing or not text_files:
-        raise FileNotFoundError(f"tokenizer training input files not found: {missing or '[]'}")
-    if vocab_size < 260:
-        raise ValueError(f"vocab_size={vocab_size} too small: byte fallback alone needs 259 ids")
-    model_prefix = os.path.expanduser(model_prefix)
-    os.makedirs(os.path.dirname(os.path.abspath(model_prefix)), exist_ok=True)
-    try:
-        spm.SentencePieceTrainer.train(
-            input=",".join(text_files),
-            model_prefix=model_prefix,
-            vocab_size=vocab_size,
-            model_type="bpe",
-            byte_fallback=True,
-            character_coverage=1.0,
-            max_sentence_length=max_sentence_length,
-            input_sentence_size=input_sentence_size,
-            shuffle_input_sentence=True,
-            num_threads=num_threads or usable_cpus(),
-            normalization_rule_name="identity",
-            add_dummy_prefix=False,
-            remove_extra_whitespaces=False,
-            allow_whitespace_only_pieces=True,
-            split_digits=True,
-            minloglevel=2,
+
+def tokenizer_in(directory: str) -> str | None:
+    """The tokenizer of a model directory (an HF model, an export): the directory itself when it
+    holds a tokenizer.json, else its sentencepiece ``tokenizer.model``; None when it has neither."""
+    if os.path.isfile(os.path.join(directory, HF_TOKENIZER_FILE)):
+        return directory
+    model = os.path.join(directory, "tokenizer.model")
+    return model if os.path.isfile(model) else None
+
+
+def load_tokenizer(path: str) -> Tokenizer:
+    """The tokenizer at ``path``: a Hugging Face tokenizer for a ``.json`` file or a directory
+    (its ``tokenizer.json``), sentencepiece otherwise. FileNotFoundError when there is none
+    there, ValueError when the file is not a usable tokenizer (one line each, with the fix)."""
+    path = os.path.expanduser(str(path))
+    if os.path.isdir(path):
+        if (problem := directory_problem(path)) is not None:
+            raise FileNotFoundError(problem)
+    elif not os.path.exists(path):
+        raise FileNotFoundError(
+            f"tokenizer model {path} does not exist; give a sentencepiece .model file "
+            "(tools/train_tokenizer.py trains one), a Hugging Face tokenizer.json or a "
+            "directory holding one"
         )
-    except RuntimeError as e:
-        raise ValueError(
-            f"sentencepiece could not train a {vocab_size}-piece vocabulary from {text_files}: "
-            f"{str(e).rstrip('.')}. Use a smaller vocab size or more text."
-        ) from e
-    return model_prefix + ".model"
-
-
-def tokenizer_vocab_size(data_cfg) -> int:
-    """The vocabulary of ``data_cfg``'s tokenizer without building any data (dry runs, the
-    planner): an existing model's, or the size a built-in corpus tokenizer will be trained to."""
-    if data_cfg.source == "indexed" and data_cfg.tokenizer_model:
-        return Tokenizer(data_cfg.tokenizer_model).vocab_size
-    return data_cfg.vocab_size
+    if os.path.isdir(path) or path.endswith(".json"):
+        return HFTokenizer(path)
+    return SentencePieceTokenizer(path)

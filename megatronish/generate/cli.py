@@ -2,21 +2,9 @@
 
 Loads the model of any checkpoint (saved at any layout; it reshards on load) into this one
 process and continues the prompt, printing the prompt and its continuation on stdout and what
-was loaded and how fast it decoded on stderr. Options (``key=value``, as for train and plan):
-
-- ``checkpoint=PATH``: a ``checkpoint.dir`` (its latest step) or one ``step_XXXXXXX``
-  directory. Without it, the other arguments are the run's training overrides (as given to
-  ``megatronish.train``) and the run's ``checkpoint.dir`` is used;
-- ``prompt=TEXT`` (required): the text to continue; ``prompt=''`` starts a new document;
-- ``max_new_tokens=64``: tokens to add at most; generation stops earlier at the end-of-document
-  (EOS) token. Prompt and new tokens must fit the model's context (``model.seq_length``);
-- ``greedy=true|false``: the most likely token each step (the default unless a sampling option
-  is given) or a draw from the softmax; ``temperature=1.0``, ``top_k=0`` (0: off) and
-  ``top_p=1.0`` (1: off) shape the draw (each implies ``greedy=false``); ``seed=0`` seeds it;
-- ``device=auto|cpu|cuda``: ``auto`` takes the GPU when there is one;
-- ``tokenizer_model=PATH``: a sentencepiece model instead of the run's (found from the
-  checkpoint's data config: ``data.tokenizer_model``, or the built-in corpus's cached one);
-- ``verify=true|false``: check each shard's CRC32 while reading (default true).
+was loaded and how fast it decoded on stderr. The options (``key=value``, as for train and plan)
+are listed below and in docs/config.md; without ``checkpoint=PATH`` the other arguments are the
+run's training overrides and the run's ``checkpoint.dir`` is used.
 
 Greedy decoding gives, token for token, what ``transformers``' ``generate(do_sample=False)``
 gives on the checkpoint's Hugging Face export (``tools/export_hf.py``).
@@ -29,6 +17,8 @@ from __future__ import annotations
 
 import sys
 
+from megatronish.config.option_docs import help_text, options_help
+from megatronish.generate.option_docs import GENERATE_OPTION_DOCS
 from megatronish.generate.options import OPTIONS, Options, parse_options
 
 EXIT_OPTIONS = 2
@@ -60,8 +50,8 @@ def _checkpoint_path(options: Options) -> str:
         cfg = load_config(list(options.overrides))
     except Exception as e:  # noqa: BLE001 - Hydra/OmegaConf raise many types; one line out
         raise OptionError(
-            f"{composition_error_reason(e)} (without checkpoint=PATH, arguments other than "
-            f"{', '.join(OPTIONS)} are the run's training overrides)"
+            f"{composition_error_reason(e, OPTIONS)} (without checkpoint=PATH, arguments other "
+            f"than {', '.join(OPTIONS)} are the run's training overrides)"
         ) from e
     if not cfg.checkpoint.dir:
         raise OptionError(
@@ -96,7 +86,7 @@ def run(options: Options) -> int:
     from megatronish.distributed.launch import detect_launch
     from megatronish.generate.decode import generate
     from megatronish.generate.session import load_model
-    from megatronish.generate.tokenizer import load_tokenizer
+    from megatronish.generate.tokenizer import run_tokenizer
 
     try:
         if detect_launch().world_size > 1:
@@ -105,7 +95,8 @@ def run(options: Options) -> int:
         device = _device(options.device)
         path = _checkpoint_path(options)
         loaded = load_model(path, device, options.verify)
-        tokenizer = load_tokenizer(loaded.meta.config, options.tokenizer_model)
+        meta = loaded.meta
+        tokenizer = run_tokenizer(meta.config, meta.trainer, options.tokenizer_model)
         if tokenizer.vocab_size > loaded.spec.vocab_size:
             raise CheckpointError(
                 f"{tokenizer} has more pieces than the model's vocabulary "
@@ -137,10 +128,23 @@ def run(options: Options) -> int:
     return 0
 
 
+EXAMPLES = (
+    "python -m megatronish.generate checkpoint=outputs/tiny/checkpoints prompt='def '",
+    "python -m megatronish.generate +experiment=gpt_125m prompt='Once upon a time' "
+    "temperature=0.8 top_p=0.9 max_new_tokens=200",
+)
+
+
+def generate_help() -> str:
+    """What ``--help`` prints: the module docstring, every option, examples."""
+    title = "Options (key=value; others locate the run when checkpoint= is not given):"
+    return help_text(__doc__, [options_help(title, GENERATE_OPTION_DOCS)], EXAMPLES)
+
+
 def main(argv: list[str]) -> int:
     """Parse the options and run; returns the exit code (see the module docstring)."""
     if any(a in ("-h", "--help", "help") for a in argv):
-        print(__doc__)
+        print(generate_help(), end="")
         return 0
     options, errors = parse_options(argv)
     if errors:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from megatronish.config.cli_errors import repeated_keys_reason
 from megatronish.config.compose import parse_bool
+from megatronish.config.did_you_mean import closest_names, did_you_mean
 from megatronish.generate.sampling import Sampling
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -47,7 +48,7 @@ OPTIONS = {
     "top_p": (float, "a number in (0, 1], e.g. top_p=0.9 (1: off)"),
     "seed": (_seed, "a whole number in [0, 2**64), e.g. seed=0"),
     "device": (_device, "auto, cpu or cuda"),
-    "tokenizer_model": (_path, "a sentencepiece .model file"),
+    "tokenizer_model": (_path, "a sentencepiece .model, a tokenizer.json or a directory with one"),
     "verify": (parse_bool, "true or false"),
 }
 SAMPLING_KEYS = ("temperature", "top_k", "top_p")
@@ -120,7 +121,10 @@ def parse_options(argv: list[str]) -> tuple[Options | None, list[str]]:
             overrides.append(arg)
     if "checkpoint" in values and overrides:
         known = ", ".join(OPTIONS)
-        errors.append(f"unknown option {overrides[0]}; the options are: {known}")
+        meant = did_you_mean(closest_names(overrides[0].partition("=")[0].lstrip("+~"), OPTIONS))
+        errors.append(
+            f"unknown option {overrides[0]}; {meant + ' ' if meant else ''}the options are: {known}"
+        )
     if "prompt" not in values:
         errors.append("prompt=TEXT is required (prompt='' starts a new document)")
     sampling = _sampling(values, errors)

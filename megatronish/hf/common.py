@@ -26,7 +26,8 @@ drop them, imports add zero rows up to a multiple of 128. Both models use the ro
 convention and the same GQA head grouping, so q/k/v rows need no permutation. Linear biases
 megatronish does not have (gpt2 with ``bias=false``) are exported as zeros; biases HF has only on
 one side (llama ``attention_bias`` without ``mlp_bias``) are imported with zeros for the other.
-Everything in this package works on CPU tensors in memory; no files, no transformers import.
+The weight conversions work on CPU tensors in memory (no files, no transformers import);
+:mod:`megatronish.hf.tokenizer_files` writes an export's tokenizer files.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ world size. The model, the global batch, the precision and the bucket size stay 
 configured. Whether a candidate is valid is decided by
 :func:`megatronish.config.validate.config_errors` itself, on a copy of the config holding the
 candidate's values, so the list holds exactly the layouts ``python -m megatronish.train`` would
-start.
+start (the data section aside: the planner reads no data).
 
 Two reductions keep the list free of duplicates: without data (or context) parallelism every
 ZeRO stage is the same job, so only ZeRO 0 is listed; sequence parallelism needs tp > 1. Full
@@ -62,8 +62,9 @@ def _with_layout(view: SimpleNamespace, layout: Layout) -> SimpleNamespace:
 def layout_errors(
     view: SimpleNamespace, layout: Layout, vocab_size: int | None = None
 ) -> list[str]:
-    """What ``config_errors`` says about the config ``view`` run in ``layout``."""
-    return config_errors(_with_layout(view, layout), layout.world_size, vocab_size)
+    """What ``config_errors`` says about the config ``view`` run in ``layout`` (the data
+    section aside)."""
+    return config_errors(_with_layout(view, layout), layout.world_size, vocab_size, data=False)
 
 
 def expert_parallel_sizes(num_experts: int, dp_cp: int) -> list[int]:
@@ -127,8 +128,8 @@ def _base_config(cfg):
 
 
 def base_errors(cfg, vocab_size: int | None = None) -> list[str]:
-    """Problems of ``cfg`` that no layout can fix (model shape, optimizer, data, ...): the
-    rules checked on the one-rank job with micro batch 1."""
+    """Problems of ``cfg`` that no layout can fix (model shape, optimizer, ...): the rules
+    checked on the one-rank job with micro batch 1 (the data section's aside)."""
     view = config_view(_base_config(cfg))
     view.trainer.micro_batch_size = 1
-    return config_errors(view, 1, vocab_size)
+    return config_errors(view, 1, vocab_size, data=False)

@@ -1,39 +1,18 @@
 """``python -m megatronish.plan [+experiment=NAME] [key=value ...] [world_size=N] [options]``.
 
-Takes the same overrides as ``megatronish.train`` and prints, without allocating anything, what
-every rank of the layout will hold and do. Planner options (not part of the training config):
-
-- ``world_size=N``: ranks to plan for (default: tp * cp * pp * (parallel.dp or 1));
-- ``device=NAME``: a GPU of the table in ``megatronish/plan/devices.py`` (``h100``, ``h200``,
-  ``a100``, ``a100-40gb``, ...): its memory and peak for ``device_memory_gb`` and ``peak_tflops``
-  unless those are given;
-- ``device_memory_gb=G``: per-device memory to check against (default: this machine's GPU, or
-  its available RAM divided by the ranks on a CPU);
-- ``peak_tflops=T``: per-device peak for MFU lines (default: trainer.peak_tflops or the GPU table);
-- ``step_time_s=S``: report the MFU a step of S seconds would need;
-- ``advise=true``: instead, rank every valid layout of the model on ``world_size`` ranks that
-  fits, by an estimated step time, and optionally write the fastest as a ``parallel`` group
-  file (``advise_out=configs/parallel/advised.yaml``); ``docs/performance.md`` ("Choosing a
-  layout") explains it.
-
-For a mixture-of-experts model the plan also prints active and total parameters, the experts
-each rank holds (and their share of its states) and the all-to-all volume (docs/planning.md).
+Takes the same overrides as ``megatronish.train`` (every key: docs/config.md) and prints, without
+allocating anything, what every rank of the layout will hold and do: parameters, bytes of
+params, grads, optimizer state and activations, FLOPs, communication per group and the pipeline
+bubble. Its own options (not training keys, listed below and in docs/config.md) give the ranks,
+the device to fit and a step time to rate; ``advise=true`` ranks every valid layout that fits
+instead and can write the fastest as a ``parallel`` group file (docs/performance.md, "Choosing a
+layout"). For a mixture-of-experts model the plan also prints active and total parameters, the
+experts each rank holds (and their share of its states) and the all-to-all volume
+(docs/planning.md).
 
 Exit codes: 0 fits (or no memory given), 1 does not fit, 2 invalid config or option (one line
-on stderr per problem; a key or option given twice is one). ``--help`` prints this text.
-
-The advisor's options (besides ``device=NAME``, ``device_memory_gb`` and ``peak_tflops``):
-
-- ``gpus_per_node=8``: devices per node (tp and dp groups within a node use NVLink);
-- ``intra_node_gbps=450``, ``inter_node_gbps=50``: GB/s (bytes) per device and direction
-  inside a node and across nodes (400 Gb/s InfiniBand per GPU = 50);
-- ``latency_us=5``: per collective call or pipeline message;
-- ``efficiency=0.5``: the fraction of peak FLOP/s the matmuls reach;
-- ``top=10``: rows of the table;
-- ``advise_out=PATH``: write the fastest layout as a ``parallel`` group file, e.g.
-  ``configs/parallel/advised.yaml`` (then ``parallel=advised``).
-
-Exit codes with ``advise=true``: 0 a layout fits, 1 none fits, 2 invalid config or options.
+on stderr per problem; a key or option given twice is one); with ``advise=true``: 0 a layout
+fits, 1 none fits, 2 invalid config or options.
 """
 
 from __future__ import annotations
@@ -44,14 +23,16 @@ from pathlib import Path
 
 from megatronish.config.cli_errors import repeated_keys_reason
 from megatronish.config.compose import parse_bool
-from megatronish.config.validate import ConfigError, config_errors
+from megatronish.config.option_docs import help_text, options_help
+from megatronish.config.validate import ConfigError
 from megatronish.plan.devices import GiB, GPUModel, UnknownDevice, gpu_named, local_gpu
+from megatronish.plan.option_docs import ADVISOR_OPTION_DOCS, DEFAULT_TOP, PLAN_OPTION_DOCS
 from megatronish.plan.step_time import Hardware
 
 ADVISE_OPTIONS = {
     "advise": parse_bool, "gpus_per_node": int, "intra_node_gbps": float,
-    "inter_node_gbps": float, "latency_us": float, "efficiency": float, "top": int,
-    "advise_out": str,
+    "inter_node_gbps": float, "latency_us": float, "efficiency": float, "memory_gbps": float,
+    "top": int, "advise_out": str,
 }  # fmt: skip
 # What a value should look like, for the message about a bad one.
 OPTION_HINTS = {
@@ -63,10 +44,11 @@ OPTION_HINTS = {
     "step_time_s": "seconds per step, e.g. step_time_s=8",
     "efficiency": "a fraction of peak, e.g. efficiency=0.5",
     "latency_us": "microseconds, e.g. latency_us=5",
+    "memory_gbps": "GB/s of memory bandwidth per device, e.g. memory_gbps=3350",
 }
 # Options that must be > 0 (all numeric options must be finite).
 POSITIVE = ("device_memory_gb", "peak_tflops", "step_time_s", "gpus_per_node", "top",
-            "intra_node_gbps", "inter_node_gbps", "efficiency")  # fmt: skip
+            "intra_node_gbps", "inter_node_gbps", "efficiency", "memory_gbps")  # fmt: skip
 
 
 class OptionError(ValueError):
@@ -102,6 +84,7 @@ def hardware(options: dict, peak_tflops: float) -> Hardware:
     return Hardware(
         peak_flops=default.peak_flops,
         efficiency=options.get("efficiency", default.efficiency),
+        memory_bw=options.get("memory_gbps", default.memory_bw / 1e9) * 1e9,
         gpus_per_node=options.get("gpus_per_node", default.gpus_per_node),
         intra_node_bw=options.get("intra_node_gbps", default.intra_node_bw / 1e9) * 1e9,
         inter_node_bw=options.get("inter_node_gbps", default.inter_node_bw / 1e9) * 1e9,
@@ -143,12 +126,12 @@ def _refuse_options(lines: list[str]) -> int:
 
 def advise_main(cfg, overrides: list[str], options: dict) -> int:
     """Run the advisor on a composed config (see the module docstring)."""
-    from megatronish.data.tokenizer import tokenizer_vocab_size
     from megatronish.plan.advisor import advise
     from megatronish.plan.candidates import base_errors
     from megatronish.plan.devices import local_device_memory, runtime_bytes_for
     from megatronish.plan.layout import spec_of
     from megatronish.plan.report import advice_report, write_parallel_file
+    from megatronish.plan.vocab import VocabError, planned_vocab
 
     world = cfg.world_size
     errors = []
@@ -168,13 +151,18 @@ def advise_main(cfg, overrides: list[str], options: dict) -> int:
             errors.append(
                 "this machine's memory is unknown: give device=NAME or device_memory_gb=G"
             )
-    vocab = tokenizer_vocab_size(cfg.data)
-    errors += base_errors(cfg, vocab)
+    errors += base_errors(cfg)
     if errors:
         return _fail(errors)
+    try:
+        vocab = planned_vocab(cfg)
+    except VocabError as e:
+        return _fail([str(e)])
+    if errors := base_errors(cfg, vocab.tokenizer or vocab.size):
+        return _fail(errors)
     hw = hardware(options, peak)
-    top = options.get("top", 10)
-    spec = spec_of(cfg, vocab)
+    top = options.get("top", DEFAULT_TOP)
+    spec = spec_of(cfg, vocab.size)
     advice = advise(cfg, spec, world, hw, device_bytes, runtime, top)
     if not advice.valid:
         return _fail([
@@ -191,7 +179,7 @@ def advise_main(cfg, overrides: list[str], options: dict) -> int:
             file=sys.stderr,
         )
         return 1
-    print(advice_report(advice, hw, top, world, device_bytes, runtime))
+    print(advice_report(advice, hw, top, world, device_bytes, runtime, vocab))
     if "advise_out" in options:
         best = advice.ranked[0]
         summary = (
@@ -236,21 +224,23 @@ def world_size_errors(cfg) -> list[str]:
 
 
 def with_device(options: dict, precision: str, tf32: bool = False) -> tuple[dict, GPUModel | None]:
-    """``options`` with ``device_memory_gb`` and ``peak_tflops`` (for ``precision``; ``tf32``:
-    fp32 matmuls may use TF32) taken from ``device=NAME`` where not given explicitly, and the
-    named GPU. Raises :class:`~megatronish.plan.devices.UnknownDevice`."""
+    """``options`` with ``device_memory_gb``, ``peak_tflops`` (for ``precision``; ``tf32``:
+    fp32 matmuls may use TF32) and ``memory_gbps`` taken from ``device=NAME`` where not given
+    explicitly, and the named GPU. Raises :class:`~megatronish.plan.devices.UnknownDevice`."""
     if "device" not in options:
         return options, None
     gpu = gpu_named(options["device"])
-    filled = {"device_memory_gb": gpu.usable_gib, "peak_tflops": gpu.peak_tflops(precision, tf32)}
+    filled = {"device_memory_gb": gpu.usable_gib, "peak_tflops": gpu.peak_tflops(precision, tf32),
+              "memory_gbps": gpu.memory_tbps * 1e3}  # fmt: skip
     return {**filled, **options}, gpu
 
 
 def device_line(gpu: GPUModel, options: dict) -> str:
     """What ``device=NAME`` stands for, and the values the plan uses."""
     return (
-        f"device {gpu.name}: {gpu.title} (datasheet: {gpu.memory_gb:g} GB, dense TFLOP/s "
-        f"{gpu.bf16_tflops:g} bf16, {gpu.tf32_tflops:g} tf32, {gpu.fp32_tflops:g} fp32); "
+        f"device {gpu.name}: {gpu.title} (datasheet: {gpu.memory_gb:g} GB at "
+        f"{gpu.memory_tbps:g} TB/s, dense TFLOP/s {gpu.bf16_tflops:g} bf16, "
+        f"{gpu.tf32_tflops:g} tf32, {gpu.fp32_tflops:g} fp32); "
         f"planning with {options['device_memory_gb']:g} GiB and {options['peak_tflops']:g} "
         "TFLOP/s per device"
     )
@@ -275,7 +265,7 @@ def _parse(argv: list[str]) -> tuple[object, list[str], dict] | int:
     try:
         cfg = load_config(overrides)
     except Exception as e:  # noqa: BLE001 - Hydra/OmegaConf raise many types; one line out
-        print(f"invalid config: {composition_error_reason(e)}", file=sys.stderr)
+        print(f"invalid config: {composition_error_reason(e, PLAN_OPTIONS)}", file=sys.stderr)
         return 2
     if errors := world_size_errors(cfg):
         return _fail(errors)
@@ -285,15 +275,35 @@ def _parse(argv: list[str]) -> tuple[object, list[str], dict] | int:
     return cfg, overrides, options
 
 
+EXAMPLES = (
+    "python -m megatronish.plan +experiment=gpt_7b model.vocab_size=32000 world_size=64 "
+    "parallel.tp=4 parallel.pp=2 device=h100 step_time_s=8",
+    "python -m megatronish.plan +experiment=gpt_1b model.vocab_size=32000 world_size=8 "
+    "device=h200 advise=true advise_out=configs/parallel/advised.yaml",
+)
+
+
+def plan_help() -> str:
+    """What ``--help`` prints: the module docstring, every option, examples."""
+    sections = [
+        options_help("Options (key=value; any other key=value overrides the training config):",
+                     PLAN_OPTION_DOCS),
+        options_help("Advisor options (with advise=true; device, device_memory_gb and "
+                     "peak_tflops apply too):", ADVISOR_OPTION_DOCS),
+    ]  # fmt: skip
+    return help_text(__doc__, sections, EXAMPLES)
+
+
 def main(argv: list[str]) -> int:
     """Plan (or advise); returns the exit code (see the module docstring)."""
     from megatronish.plan.devices import local_device_memory, runtime_bytes_for
     from megatronish.plan.estimate import make_plan
     from megatronish.plan.layout import layout_from_config, spec_of
     from megatronish.plan.report import plan_report
+    from megatronish.plan.rules import planning_errors
 
     if any(a in ("-h", "--help", "help") for a in argv):
-        print(__doc__)
+        print(plan_help(), end="")
         return 0
     parsed = _parse(argv)
     if isinstance(parsed, int):
@@ -310,12 +320,10 @@ def main(argv: list[str]) -> int:
         return advise_main(cfg, overrides, options)
     p = cfg.parallel
     world = cfg.world_size or p.tp * p.cp * p.pp * (p.dp or 1)
-    errors = config_errors(cfg, world)
+    errors, vocab = planning_errors(cfg, world)
     if errors:
         return _fail(errors)
-    from megatronish.data.tokenizer import tokenizer_vocab_size
-
-    spec = spec_of(cfg, tokenizer_vocab_size(cfg.data))
+    spec = spec_of(cfg, vocab.size)
     layout = layout_from_config(cfg, world)
     plan = make_plan(spec, layout)
     if "device_memory_gb" in options:  # a GPU of that size
@@ -327,6 +335,7 @@ def main(argv: list[str]) -> int:
     print(
         plan_report(
             plan,
+            vocab=vocab,
             device_bytes=device_bytes,
             runtime_bytes=runtime,
             peak_flops=peak * 1e12 if peak else None,

@@ -4,7 +4,8 @@ use on this machine, and what the runtime itself takes.
 :data:`GPUS` is the one table of GPU models: ``metrics.device_peak_flops`` finds the running
 GPU in it by its CUDA name, the planner by the name given as ``device=NAME``. FLOP/s are the
 dense tensor-core peaks of the vendor datasheets (half the "with sparsity" figures); ``fp32``
-is the non-tensor-core rate (what fp32 matmuls run at unless TF32 is allowed).
+is the non-tensor-core rate (what fp32 matmuls run at unless TF32 is allowed). The memory
+bandwidth feeds the advisor's matmul efficiency (:mod:`megatronish.plan.matmul_efficiency`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ class GPUModel:
     fp32_tflops: float  # without tensor cores
     memory_gb: float  # on the datasheet
     usable_gib: float  # the device's total memory as CUDA reports it, rounded down
+    memory_tbps: float  # memory bandwidth on the datasheet, TB/s (the matmul efficiency model)
     words: tuple[str, ...]  # all appear in torch.cuda.get_device_name() (lower case)
     aliases: tuple[str, ...] = ()
 
@@ -46,19 +48,23 @@ class GPUModel:
         raise ValueError(f"no peak for precision {precision!r}: bf16, fp16, fp32 or tf32")
 
 
-# Vendor datasheets, dense (no sparsity). usable_gib: CUDA reports a little less total memory
-# than the datasheet size (ECC and driver reservations); these are that figure rounded down to a
-# whole GiB, to plan against.
+# Vendor datasheets, dense (no sparsity); memory bandwidth of the SXM board where a product
+# comes in several (the A100 80GB PCIe has 1.935 TB/s). usable_gib: CUDA reports a little less
+# total memory than the datasheet size (ECC and driver reservations); these are that figure
+# rounded down to a whole GiB, to plan against.
 GPUS: tuple[GPUModel, ...] = (
-    GPUModel("h100", "H100 SXM 80GB", 989.0, 494.5, 67.0, 80, 79.0, ("h100",), ("h100-sxm",)),
-    GPUModel("h100-pcie", "H100 PCIe 80GB", 756.0, 378.0, 51.0, 80, 79.0, ("h100", "pcie")),
-    GPUModel("h100-nvl", "H100 NVL 94GB", 835.5, 417.5, 60.0, 94, 93.0, ("h100", "nvl")),
-    GPUModel("h200", "H200 SXM 141GB", 989.0, 494.5, 67.0, 141, 139.0, ("h200",), ("h200-sxm",)),
-    GPUModel("h200-nvl", "H200 NVL 141GB", 835.5, 417.5, 60.0, 141, 139.0, ("h200", "nvl")),
-    GPUModel("a100", "A100 80GB", 312.0, 156.0, 19.5, 80, 79.0, ("a100",), ("a100-80gb",)),
-    GPUModel("a100-40gb", "A100 40GB", 312.0, 156.0, 19.5, 40, 39.0, ("a100", "40gb")),
-    GPUModel("b200", "B200 (HGX) 180GB", 2250.0, 1100.0, 75.0, 180, 178.0, ("b200",)),
-    GPUModel("l40s", "L40S 48GB", 362.0, 183.0, 91.6, 48, 44.0, ("l40s",)),
+    GPUModel("h100", "H100 SXM 80GB", 989.0, 494.5, 67.0, 80, 79.0, 3.35, ("h100",),
+             ("h100-sxm",)),
+    GPUModel("h100-pcie", "H100 PCIe 80GB", 756.0, 378.0, 51.0, 80, 79.0, 2.0, ("h100", "pcie")),
+    GPUModel("h100-nvl", "H100 NVL 94GB", 835.5, 417.5, 60.0, 94, 93.0, 3.9, ("h100", "nvl")),
+    GPUModel("h200", "H200 SXM 141GB", 989.0, 494.5, 67.0, 141, 139.0, 4.8, ("h200",),
+             ("h200-sxm",)),
+    GPUModel("h200-nvl", "H200 NVL 141GB", 835.5, 417.5, 60.0, 141, 139.0, 4.8, ("h200", "nvl")),
+    GPUModel("a100", "A100 80GB", 312.0, 156.0, 19.5, 80, 79.0, 2.039, ("a100",),
+             ("a100-80gb",)),
+    GPUModel("a100-40gb", "A100 40GB", 312.0, 156.0, 19.5, 40, 39.0, 1.555, ("a100", "40gb")),
+    GPUModel("b200", "B200 (HGX) 180GB", 2250.0, 1100.0, 75.0, 180, 178.0, 8.0, ("b200",)),
+    GPUModel("l40s", "L40S 48GB", 362.0, 183.0, 91.6, 48, 44.0, 0.864, ("l40s",)),
 )  # fmt: skip
 
 

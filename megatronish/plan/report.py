@@ -14,11 +14,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from megatronish.config import compose
+from megatronish.model.spec import ModelSpec
 from megatronish.plan.advisor import Advice, Ranked, reason
 from megatronish.plan.devices import GiB
 from megatronish.plan.estimate import Plan
 from megatronish.plan.layout import Layout
+from megatronish.plan.matmul_efficiency import model_efficiency
 from megatronish.plan.step_time import TERMS, Hardware
+from megatronish.plan.vocab import PlannedVocab
 
 # -- the plan of one layout
 
@@ -37,17 +40,20 @@ def _si(n: float) -> str:
 def plan_report(
     plan: Plan,
     *,
+    vocab: PlannedVocab | None = None,
     device_bytes: int | None = None,
     runtime_bytes: int = 0,
     peak_flops: float | None = None,
     step_time_s: float | None = None,
 ) -> str:
-    """The plan as printed by ``python -m megatronish.plan``."""
+    """The plan as printed by ``python -m megatronish.plan`` (``vocab``: where its vocabulary
+    comes from)."""
     lay, spec = plan.layout, plan.spec
     lines = [
         f"model: {spec.arch}, {plan.parameters:,} parameters ({spec.num_layers} layers, hidden "
         f"{spec.hidden_size}, {spec.num_heads} heads / {spec.num_kv_heads} kv, ffn "
-        f"{spec.ffn_hidden_size}, vocab {spec.padded_vocab_size}, seq {spec.seq_length})",
+        f"{spec.ffn_hidden_size}, seq {spec.seq_length})",
+        vocab_line(spec, vocab),
         *_moe_lines(plan),
         f"layout: {lay.describe()} on {lay.world_size} ranks, {lay.num_microbatches} microbatches "
         f"of {lay.micro_batch_size} per step, {lay.precision}",
@@ -95,6 +101,13 @@ def plan_report(
     return "\n".join(lines)
 
 
+def vocab_line(spec: ModelSpec, vocab: PlannedVocab | None) -> str:
+    """The vocabulary planned with, and where it comes from when known."""
+    if vocab is not None:
+        return vocab.line()
+    return f"vocab: {spec.vocab_size}, padded to {spec.padded_vocab_size}"
+
+
 def _moe_lines(plan: Plan) -> list[str]:
     """Active and total parameters, and how the experts are split (mixture of experts only)."""
     spec, lay = plan.spec, plan.layout
@@ -125,8 +138,9 @@ def hardware_line(hw: Hardware, world_size: int, device_bytes: int, runtime_byte
     )
     return (
         f"{world_size} ranks on {where}; {device_bytes / GiB:.2f} GiB per device "
-        f"(runtime {runtime_bytes / GiB:.2f} GiB); {hw.peak_flops / 1e12:g} TFLOP/s peak at "
-        f"{hw.efficiency:.0%}; intra-node {hw.intra_node_bw / 1e9:g} GB/s, inter-node "
+        f"(runtime {runtime_bytes / GiB:.2f} GiB); {hw.peak_flops / 1e12:g} TFLOP/s peak, "
+        f"matmuls at up to {hw.efficiency:.0%} of it (memory {hw.memory_bw / 1e9:g} GB/s); "
+        f"intra-node {hw.intra_node_bw / 1e9:g} GB/s, inter-node "
         f"{hw.inter_node_bw / 1e9:g} GB/s, latency {hw.latency_s * 1e6:g} us"
     )
 
@@ -139,13 +153,17 @@ def _terms(moe: bool) -> tuple[str, ...]:
 def _row(i: int, r: Ranked, nxt: Ranked | None, hw: Hardware) -> list[str]:
     lay, t = r.layout, r.time
     mfu = r.plan.model_flops_per_step / (t.total * hw.peak_flops * lay.world_size)
+    eff = model_efficiency(r.plan.spec, lay, hw)
     terms = [f"{t.terms()[k]:.3f}" for k in _terms(r.plan.spec.moe is not None)]
-    return [str(i), lay.describe(), f"{t.total:.3f}", f"{mfu:.1%}",
+    return [str(i), lay.describe(), f"{t.total:.3f}", f"{mfu:.1%}", f"{eff:.1%}",
             f"{r.plan.peak_bytes / GiB:.1f}", *terms, reason(r, nxt, hw)]  # fmt: skip
 
 
 def columns(moe: bool = False) -> list[str]:
-    return ["#", "layout", "step s", "MFU", "peak GiB", *(f"{k} s" for k in _terms(moe)), "why"]
+    """The table's columns: "eff" is the efficiency of the model's FLOPs at the layout's matmul
+    shapes (:func:`~megatronish.plan.matmul_efficiency.model_efficiency`)."""
+    terms = (f"{k} s" for k in _terms(moe))
+    return ["#", "layout", "step s", "MFU", "eff", "peak GiB", *terms, "why"]
 
 
 def markdown(columns: list[str], rows: list[list[str]]) -> str:
@@ -173,13 +191,22 @@ def _is_moe(advice: Advice) -> bool:
 
 
 def advice_report(
-    advice: Advice, hw: Hardware, top: int, world_size: int, device_bytes: int, runtime: int
+    advice: Advice,
+    hw: Hardware,
+    top: int,
+    world_size: int,
+    device_bytes: int,
+    runtime: int,
+    vocab: PlannedVocab | None = None,
 ) -> str:
-    """What ``python -m megatronish.plan ... advise=true`` prints."""
+    """What ``python -m megatronish.plan ... advise=true`` prints (``vocab``: the vocabulary
+    planned with, and where it comes from)."""
     best = advice.best_of_each_shape()
     skipped = advice.valid - advice.planned
     shape = "tp/cp/pp/ep" if _is_moe(advice) else "tp/cp/pp"
+    spec = advice.ranked[0].plan.spec
     lines = [
+        vocab_line(spec, vocab),
         hardware_line(hw, world_size, device_bytes, runtime),
         f"{advice.valid} valid layouts; {advice.planned} planned ({skipped} could not reach the "
         f"top {top}), {advice.too_big} of them do not fit, {len(advice.ranked)} do.",

@@ -6,8 +6,11 @@ The model (symbols: ``N`` ranks, ``t`` tp, ``p`` pp, ``v`` vpp, ``d`` dp, ``m`` 
 - **Compute.** Each pipeline stage does the FLOPs of its layers (and the head on the last
   stage) for the ``tokens / d`` tokens of its pipeline, split over its ``t c`` ranks (``c``
   cp; the load-balanced split gives every cp rank the same causal attention work), at
-  ``peak * efficiency``. Hardware FLOPs: recompute's repeated forward work is added (its part
-  is reported as ``recompute``). The busiest stage sets the pace; with even layers it is the
+  ``peak`` times the efficiency its matmuls' shapes allow
+  (:mod:`~megatronish.plan.matmul_efficiency`: it rises with the micro batch's token rows and
+  the tp-split weights' sizes and saturates at ``Hardware.efficiency``; recompute runs at the
+  stage's efficiency too). Hardware FLOPs: recompute's repeated forward work is added (its
+  part is reported as ``recompute``). The busiest stage sets the pace; with even layers it is the
   last one, which also computes the head. Mixture-of-experts blocks count their active weights
   (router, top-k and shared experts), as the model FLOPs do.
 - **Bubble.** 1F1B idles ``(p - 1) / (v m)`` of the busiest stage's work
@@ -60,6 +63,7 @@ from megatronish.pipeline.schedule import analytic_bubble
 from megatronish.plan import comm, moe
 from megatronish.plan.estimate import Plan, recompute_flops_per_token
 from megatronish.plan.layout import Layout
+from megatronish.plan.matmul_efficiency import efficiency
 
 TERMS = ("compute", "recompute", "bubble", "tp", "cp", "pp", "dp", "ep")
 
@@ -69,7 +73,8 @@ class Hardware:
     """What a rank's device and network can do."""
 
     peak_flops: float  # per device, dense, in the compute dtype
-    efficiency: float = 0.5  # fraction of peak the model's matmuls reach
+    efficiency: float = 0.5  # fraction of peak large matmuls reach (plan/matmul_efficiency.py)
+    memory_bw: float = 3.35e12  # bytes/s per device (an H100 SXM's HBM3): smaller matmuls' limit
     gpus_per_node: int = 8
     intra_node_bw: float = 450e9  # bytes/s per device and direction (NVLink)
     inter_node_bw: float = 50e9  # bytes/s per device and direction (one 400 Gb/s NIC per GPU)
@@ -136,20 +141,25 @@ def comm_time(layout: Layout, hw: Hardware, key: str, calls: int, nbytes: int) -
     return calls * hw.latency_s + ring_factor(op, n) * nbytes / bandwidth(span, hw)
 
 
+def stage_layers(spec: ModelSpec, layout: Layout, pp_rank: int) -> tuple[list[int], bool]:
+    """The blocks of stage ``pp_rank``'s chunks, and whether it computes the head."""
+    chunks = [pp_rank + v * layout.pp for v in range(layout.vpp)]
+    per_chunk = layout.chunk_layers(spec.num_layers)
+    ids = [i for c in chunks for i in range(sum(per_chunk[:c]), sum(per_chunk[: c + 1]))]
+    return ids, len(per_chunk) - 1 in chunks
+
+
 def stage_flops_per_token(spec: ModelSpec, layout: Layout, pp_rank: int) -> tuple[float, float]:
     """(model, recompute) FLOPs per token of the pipeline's tokens that stage ``pp_rank`` does."""
     L, s, h = spec.num_layers, spec.seq_length, spec.hidden_size
     head = spec.padded_vocab_size * h
     per_layer = 6.0 * (matmul_params(spec) - head) / L + 12.0 * s * h
-    chunks = [pp_rank + v * layout.pp for v in range(layout.vpp)]
-    per_chunk = layout.chunk_layers(L)
-    layers = sum(per_chunk[c] for c in chunks)
-    model = layers * per_layer + (6.0 * head if len(per_chunk) - 1 in chunks else 0.0)
+    ids, has_head = stage_layers(spec, layout, pp_rank)
+    model = len(ids) * per_layer + (6.0 * head if has_head else 0.0)
     if spec.moe is not None:  # blocks differ: the stage's own (active) weights
-        ids = [i for c in chunks for i in range(sum(per_chunk[:c]), sum(per_chunk[: c + 1]))]
         own = sum(6.0 * layer_matmul_params(spec, i) + 12.0 * s * h for i in ids)
-        model = own + (6.0 * head if len(per_chunk) - 1 in chunks else 0.0)
-    return model, recompute_flops_per_token(spec, layout) * layers / L
+        model = own + (6.0 * head if has_head else 0.0)
+    return model, recompute_flops_per_token(spec, layout) * len(ids) / L
 
 
 def bubble_share(bubble: float, layout: Layout, hw: Hardware) -> float:
@@ -186,7 +196,7 @@ def _stage_time(
 ) -> _Stage:
     """One stage's terms from its communication ``volume`` (``{"group/op": (calls, bytes)}``)."""
     slow = slowdown(layout, hw)
-    rate = hw.peak_flops * hw.efficiency / slow
+    rate = hw.peak_flops * efficiency(spec, layout, hw, *stage_layers(spec, layout, pp_rank)) / slow
     tokens = layout.global_batch_size * spec.seq_length / layout.dp
     model, extra = stage_flops_per_token(spec, layout, pp_rank)
     compute, recompute = (f * tokens / (layout.tp * layout.cp) / rate for f in (model, extra))

@@ -1,10 +1,13 @@
 """Stand-ins for ``srun``, ``scancel``, ``scontrol`` and ``sbatch`` on one machine, for tests.
 
 They let ``scripts/slurm/*.sh`` and ``train.sbatch`` run as they would in an allocation of one
-node: ``srun`` starts its tasks with ``SLURM_PROCID`` / ``SLURM_LOCALID`` / ``SLURM_NTASKS`` set,
-each in its own process group, and exits with the highest task exit code; ``scancel --signal``
-signals those process groups (as slurmstepd signals every process of a step); ``scontrol show
-hostnames`` splits a plain comma list; ``sbatch --parsable`` records its arguments and prints
+node: ``srun`` records its options, starts its tasks with ``SLURM_PROCID`` / ``SLURM_LOCALID`` /
+``SLURM_NTASKS`` (and ``SLURM_CPUS_PER_TASK`` from ``--cpus-per-task``) set, each in its own
+process group, and exits with the highest task exit code; ``scancel --signal`` on the running
+job signals those process groups (as slurmstepd signals every process of a step); other
+``scancel`` calls are only recorded; ``scontrol show hostnames`` splits a plain comma list and
+``scontrol show job`` says ``Requeue=$FAKE_SLURM_REQUEUE`` (default 0); ``sbatch --parsable``
+records its arguments (and, in ``sbatch.env``, the environment the last job would get) and prints
 job ids 1001, 1002, ... Everything they record goes to ``$FAKE_SLURM_DIR``.
 """
 
@@ -16,12 +19,16 @@ from pathlib import Path
 SRUN = r"""#!/usr/bin/env bash
 set -m  # every task in its own process group
 ntasks=${SLURM_NTASKS:-1}
+options=()
 while [[ $# -gt 0 && $1 == -* ]]; do
+  options+=("$1")
   case $1 in
     --ntasks=*|--ntasks-per-node=*) ntasks=${1#*=} ;;
+    --cpus-per-task=*) export SLURM_CPUS_PER_TASK=${1#*=} ;;
   esac
   shift
 done
+echo "${options[*]}" >> "$FAKE_SLURM_DIR/srun"
 pids=()
 for ((i = 0; i < ntasks; i++)); do
   SLURM_PROCID=$i SLURM_LOCALID=$i SLURM_NTASKS=$ntasks SLURM_STEP_ID=0 "$@" &
@@ -39,10 +46,15 @@ exit $rc
 
 SCANCEL = r"""#!/usr/bin/env bash
 sig=KILL
+running=0
 for arg in "$@"; do
-  case $arg in --signal=*) sig=${arg#*=} ;; esac
+  case $arg in
+    --signal=*) sig=${arg#*=} ;;
+    "$SLURM_JOB_ID") running=1 ;;
+  esac
 done
 echo "scancel $*" >> "$FAKE_SLURM_DIR/calls"
+if ((!running)); then exit 0; fi
 for pid in $(cat "$FAKE_SLURM_DIR/tasks" 2>/dev/null); do
   kill -s "$sig" -- "-$pid" 2>/dev/null || true
 done
@@ -52,11 +64,14 @@ SCONTROL = r"""#!/usr/bin/env bash
 echo "scontrol $*" >> "$FAKE_SLURM_DIR/calls"
 if [[ $1 == show && $2 == hostnames ]]; then
   tr ',' '\n' <<< "$3"
+elif [[ $1 == show && $2 == job ]]; then
+  echo "JobId=$3 JobName=megatronish Requeue=${FAKE_SLURM_REQUEUE:-0} Restarts=0 BatchFlag=1"
 fi
 """
 
 SBATCH = r"""#!/usr/bin/env bash
 echo "$*" >> "$FAKE_SLURM_DIR/sbatch"
+env > "$FAKE_SLURM_DIR/sbatch.env"
 echo $((1000 + $(wc -l < "$FAKE_SLURM_DIR/sbatch")))
 """
 

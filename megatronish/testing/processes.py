@@ -62,8 +62,11 @@ def cmdline(pid: int) -> str:
 
 
 def training_workers(pid: int) -> list[int]:
-    """The ``megatronish.train`` processes started (directly or not) by ``pid``."""
-    return [p for p in descendants(pid) if "megatronish.train" in cmdline(p)]
+    """The ``megatronish.train`` processes started (directly or not) by ``pid``: the innermost
+    ones, not a wrapper whose command line names the trainer it runs (torchrun's workers run
+    under ``scripts/lib/record_exit.sh``)."""
+    found = [p for p in descendants(pid) if "megatronish.train" in cmdline(p)]
+    return [p for p in found if not set(child_pids(p)) & set(found)]
 
 
 def kill_tree(proc: subprocess.Popen) -> None:

@@ -8,7 +8,7 @@ import torch
 
 from megatronish.config.compose import load_config
 from megatronish.config.derived import derive
-from megatronish.config.validate import check_config
+from megatronish.config.validate import ConfigError, config_errors
 from megatronish.distributed.topology import Topology
 from megatronish.model.spec import ModelSpec
 from megatronish.tensor_parallel.random import RNGTracker
@@ -62,8 +62,10 @@ class LayoutRun:
 
 
 def test_config(overrides: list[str], steps: int):
-    """The tiny test config with ``overrides`` (``model.arch=gpt2`` works too)."""
-    return load_config([*TINY_TEST_MODEL, f"trainer.max_steps={steps}", *overrides])
+    """The tiny test config with ``overrides`` (``model.arch=gpt2`` works too); no log file
+    unless ``overrides`` names one."""
+    base = [*TINY_TEST_MODEL, f"trainer.max_steps={steps}", "logging.log_file=null"]
+    return load_config([*base, *overrides])
 
 
 def build_trainer(
@@ -101,7 +103,8 @@ def layout_parts(cfg, rank: int, world: int, device: torch.device | None = None)
     """``(Topology, Derived, ModelSpec, RNGTracker)`` for the composed ``cfg`` in the current
     world: what :func:`~megatronish.training.job.build_model` takes. Collective when
     ``world > 1``."""
-    check_config(cfg, world)
+    if errors := config_errors(cfg, world, data=False):  # synthetic batches: no dataset
+        raise ConfigError(errors)
     d = derive(cfg, world)
     p = cfg.parallel
     topo = Topology.build(tp=p.tp, dp=d.dp, pp=p.pp, rank=rank, timeout_s=p.collective_timeout_s,

@@ -105,9 +105,10 @@ def build_model(cfg, topo: Topology, derived: Derived, spec: ModelSpec, rng: RNG
     return chunks
 
 
-def build_job(cfg, launch: LaunchEnv) -> Job:
-    """Everything a run needs, for a config the entry point validated (``config_errors``).
-    Collective when the world has more than one rank."""
+def start_topology(cfg, launch: LaunchEnv) -> tuple[Derived, Topology]:
+    """Threads, device, precision switches, process groups and the Topology, for a config the
+    entry point validated (``config_errors``). Collective when the world has more than one rank;
+    the caller closes the Topology (and destroys the process groups)."""
     set_threads(cfg, launch)
     derived = derive(cfg, launch.world_size)
     device = pick_device(cfg.trainer.device, launch.local_rank, task_bound=launch.kind == "slurm")
@@ -117,14 +118,11 @@ def build_job(cfg, launch: LaunchEnv) -> Job:
     p = cfg.parallel
     topo = Topology.build(tp=p.tp, dp=derived.dp, pp=p.pp, rank=launch.rank, device=device,
                           timeout_s=p.collective_timeout_s, cp=p.cp, ep=p.ep)  # fmt: skip
-    try:
-        return _build_on(cfg, launch, topo, derived)
-    except BaseException:
-        topo.close()  # the caller destroys the process groups
-        raise
+    return derived, topo
 
 
-def _build_on(cfg, launch: LaunchEnv, topo: Topology, derived: Derived) -> Job:
+def build_on(cfg, launch: LaunchEnv, topo: Topology, derived: Derived) -> Job:
+    """Data, tokenizer, model and RNG streams of a run on ``topo``. Collective."""
     if topo.rank == 0:
         print(rank_map_table(topo.tp, topo.dp, topo.pp, topo.cp, topo.ep), flush=True)
 

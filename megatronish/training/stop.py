@@ -11,6 +11,7 @@ all-reduce per step, hidden while the GPU has the step's work queued).
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 import time
@@ -23,6 +24,9 @@ from megatronish.distributed.comm import ParallelGroup, all_reduce
 
 # Reason codes, ordered: when ranks disagree the all-reduce MAX picks the highest.
 NO_STOP, DEADLINE, SIGNAL = 0, 1, 2
+CTRL_C_NOTICE = (
+    "Ctrl-C: stopping after this step with a checkpoint (Ctrl-C again to abort without saving)\n"
+)
 
 
 def parse_signals(names: Sequence[str]) -> list[signal.Signals]:
@@ -62,6 +66,7 @@ class StopRequest:
         signals: Sequence[signal.Signals] = (),
         exit_after_minutes: float | None = None,
         clock: Callable[[], float] = time.monotonic,
+        notice: bool = True,
     ):
         if exit_after_minutes is not None and exit_after_minutes <= 0:
             raise ConfigError(
@@ -75,13 +80,18 @@ class StopRequest:
         self.clock = clock
         self.deadline = deadline_after(clock(), exit_after_minutes)
         self.received: str | None = None  # name of the first stop signal this process got
+        self.notice = notice  # print the Ctrl-C notice (one rank per job does)
+        self._sigints = 0  # Ctrl-C presses so far
         self.reason: str | None = None  # why the ranks agreed to stop; None while training
         self._previous: dict[signal.Signals, object] = {}
 
     @classmethod
-    def from_config(cls, trainer_cfg, clock: Callable[[], float] = time.monotonic) -> StopRequest:
+    def from_config(
+        cls, trainer_cfg, clock: Callable[[], float] = time.monotonic, notice: bool = True
+    ) -> StopRequest:
         """From ``trainer.stop_signals`` and ``trainer.exit_after_minutes``."""
-        return cls(parse_signals(trainer_cfg.stop_signals), trainer_cfg.exit_after_minutes, clock)
+        signals = parse_signals(trainer_cfg.stop_signals)
+        return cls(signals, trainer_cfg.exit_after_minutes, clock, notice)
 
     # -- signal handlers (main thread only) ---------------------------------------------------
     def install(self) -> None:
@@ -110,6 +120,13 @@ class StopRequest:
 
     def _on_signal(self, signum, frame) -> None:
         # Runs between bytecodes of the main thread: only record, act at the step boundary.
+        # A second Ctrl-C aborts: KeyboardInterrupt, as without a handler.
+        if signum == signal.SIGINT:
+            self._sigints += 1
+            if self._sigints > 1:
+                raise KeyboardInterrupt
+            if self.notice:  # os.write: print() may be mid-write in the main thread
+                os.write(2, CTRL_C_NOTICE.encode())
         if self.received is None:
             self.received = signal.Signals(signum).name
 

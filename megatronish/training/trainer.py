@@ -408,7 +408,8 @@ class Trainer:
                 "loss": r.loss,
                 "lr": r.lr,
                 "grad_norm": r.grad_norm,
-                "tokens_per_s": tokens_per_s,
+                "tokens_per_s": tokens_per_s,  # global: every rank's tokens
+                "tokens_per_s_per_device": tokens_per_s / self.topo.world_size,
                 "mfu": mfu,
                 "step_time_s": step_time,
                 "peak_memory": self.memory.take(),

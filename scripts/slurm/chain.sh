@@ -6,7 +6,9 @@
 # batch script (default scripts/slurm/train.sbatch), JOB_NAME names the jobs (default
 # megatronish). DEPENDENCY=afterany (default): job k+1 starts when job k has ended, however it
 # ended. DEPENDENCY=singleton: SLURM runs at most one job of this name and user at a time.
-# Jobs that start after the run has reached trainer.max_steps resume, find nothing to do and exit 0.
+# The job ids go to CHAIN_DIR (default outputs/chains, visible from the compute nodes), one file
+# per chain: the job that ends the run (trainer.max_steps reached, or found already reached)
+# cancels the chain's later jobs, which would have nothing to do.
 set -euo pipefail
 cd "$(dirname "$0")/../.."  # the jobs' SLURM_SUBMIT_DIR: the repository root
 n=${1:?usage: scripts/slurm/chain.sh N [key=value ...]}
@@ -22,6 +24,12 @@ if [[ $dependency != afterany && $dependency != singleton ]]; then
   exit 2
 fi
 
+chain_dir=${CHAIN_DIR:-outputs/chains}
+mkdir -p "$chain_dir"
+chain_file=$(cd "$chain_dir" && pwd)/$(date +%Y%m%d-%H%M%S)-$$.jobs
+export MEGATRONISH_CHAIN_FILE=$chain_file  # sbatch passes it on to every job (train.sbatch)
+: >"$chain_file"
+
 prev=""
 for ((i = 1; i <= n; i++)); do
   dep=()
@@ -34,5 +42,7 @@ for ((i = 1; i <= n; i++)); do
   out=$(sbatch --parsable --job-name="${JOB_NAME:-megatronish}" "${dep[@]}" ${SBATCH_ARGS:-} \
     "$script" "$@")
   prev=${out%%;*}  # --parsable prints "jobid" or "jobid;cluster"
+  echo "$prev" >>"$chain_file"
   echo "job $i/$n: $prev ${dep[*]}"
 done
+echo "job ids: $chain_file"

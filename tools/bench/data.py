@@ -14,8 +14,8 @@ from pathlib import Path
 from common import cli, median, table
 
 from megatronish.data import preprocess
+from megatronish.data.sentencepiece_tokenizer import SentencePieceTokenizer
 from megatronish.data.stdlib_corpus import ensure_stdlib_corpus
-from megatronish.data.tokenizer import Tokenizer
 
 CACHE = "~/.cache/megatronish"  # the default run's tokenizer (built once if missing)
 
@@ -35,7 +35,7 @@ def corpus(path: Path, limit_mb: float) -> list[str]:
 
 def run(quick: bool) -> dict:
     _, model = ensure_stdlib_corpus(CACHE, 4096, 8.0)
-    tok = Tokenizer(model)
+    tok = SentencePieceTokenizer(model)
     with tempfile.TemporaryDirectory() as tmp:
         texts = corpus(Path(tmp) / "corpus.jsonl", 8 if quick else 32)
         tokens = sum(len(d) + 1 for d in tok.encode_batch(texts))  # with the eod ids

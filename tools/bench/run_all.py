@@ -1,5 +1,11 @@
 """Run every benchmark in its own process (a failure does not stop the others; one that fails
 or is not run keeps its stored result), then render docs/benchmarks.md (``make bench``).
+
+Each benchmark (tools/bench/NAME.py) writes docs/bench/NAME.json; exit 1 names the failed ones.
+
+Examples:
+    make bench                                              # all of them
+    python tools/bench/run_all.py --quick --only tp pp      # a smoke run of two
 """
 
 from __future__ import annotations
@@ -14,7 +20,9 @@ from render import ORDER, render
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--quick", action="store_true", help="fewer repeats (a smoke run)")
     parser.add_argument("--only", nargs="+", choices=ORDER, metavar="NAME",
                         help=f"run only these ({', '.join(ORDER)})")  # fmt: skip

@@ -36,7 +36,7 @@ from megatronish.config.cli_errors import composition_error_reason, repeated_key
 from megatronish.config.compose import CONFIG_DIR
 from megatronish.config.derived import derive, pad_vocab
 from megatronish.config.schema import register_configs
-from megatronish.config.sweep import job_dir_name, swept_keys
+from megatronish.config.sweep import sweep_job_dir, swept_keys
 from megatronish.config.validate import ConfigError, config_errors
 from megatronish.config.value_rules import config_notes
 from megatronish.distributed.agree import PeerError, agree
@@ -171,6 +171,7 @@ def _fit_and_save(cfg, job, plan, run_id: str, logger, stop: StopRequest | None)
     from megatronish.checkpoint.resume import load_with_fallback
     from megatronish.checkpoint.save import Saving
     from megatronish.training.peaks import device_peak_flops
+    from megatronish.training.startup import log_startup
     from megatronish.training.trainer import Trainer
 
     topo, ckpt = job.topo, cfg.checkpoint
@@ -184,7 +185,7 @@ def _fit_and_save(cfg, job, plan, run_id: str, logger, stop: StopRequest | None)
         logger=logger, peak_flops=peak, saving=saving, stop=stop,
     )  # fmt: skip
     load_with_fallback(trainer, plan, job.rng, cfg.trainer.seed, log=logger.info)
-    _log_startup(cfg, job, trainer, logger)
+    log_startup(cfg, job, trainer, logger)
     with stop or contextlib.nullcontext():
         try:
             history = trainer.fit()
@@ -205,28 +206,6 @@ def _fit_and_save(cfg, job, plan, run_id: str, logger, stop: StopRequest | None)
             if final and (path := trainer.saver.save(blocking=True)) is not None:
                 logger.info(f"saved checkpoint {path}")
     return history
-
-
-def _log_startup(cfg, job, trainer, logger) -> None:
-    """Model size, planned memory, data epochs and what the step lines report."""
-    from megatronish.training import startup
-
-    if not logger.enabled:
-        return
-    topo, t = job.topo, cfg.trainer
-    plan = startup.planned(cfg, topo.world_size, job.spec.vocab_size, topo.device.type)
-    rank_params = sum(p.numel() for c in job.chunks for p in c.parameters())
-    logger.info(startup.model_line(plan, job.spec.arch, rank_params))
-    logger.info(startup.memory_line(plan))
-    if not hasattr(job.train_data, "describe"):  # a blend lists its datasets' epochs itself
-        read = t.max_steps * t.global_batch_size
-        logger.info(startup.epochs_line("train", len(job.train_data), read))
-    left = t.max_steps - trainer.state.step
-    logger.info(
-        f"training for {left} steps (step {trainer.state.step} -> {t.max_steps}), "
-        f"{job.derived.tokens_per_step:,} tokens/step, device {topo.device}; "
-        + startup.throughput_note(topo.world_size)
-    )
 
 
 def main_with_config(cfg, launch: LaunchEnv | None = None) -> int:
@@ -344,18 +323,6 @@ def _end_process_groups(cfg, code: int, prefix: str) -> None:
     os._exit(code)
 
 
-def _sweep_job_dir(out_dir: str, swept: set[str] | None) -> str | None:
-    """In a Hydra multirun, the job's run directory below ``out_dir``
-    (``megatronish/config/sweep.py``); None otherwise."""
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
-
-    hydra_cfg = HydraConfig.get()
-    if hydra_cfg.mode != RunMode.MULTIRUN:
-        return None
-    return os.path.join(out_dir, job_dir_name(list(hydra_cfg.overrides.task), swept))
-
-
 def main() -> None:
     """Compose with Hydra and run; a composition error is one line on stderr and exit 2."""
     register_configs()
@@ -368,7 +335,7 @@ def main() -> None:
     swept = swept_keys(sys.argv[1:])
 
     def task(cfg) -> None:
-        sweep_job = _sweep_job_dir(cfg.out_dir, swept)
+        sweep_job = sweep_job_dir(cfg.out_dir, swept)
         if sweep_job is not None:  # a -m sweep: this job's own run directory
             cfg.out_dir = sweep_job
         OmegaConf.resolve(cfg)  # an interpolation error is a composition error

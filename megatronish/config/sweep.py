@@ -10,6 +10,7 @@ where it stopped (or says it is complete).
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 from collections.abc import Sequence
 
@@ -46,3 +47,15 @@ def job_dir_name(job_overrides: Sequence[str], swept: set[str] | None) -> str:
         digest = hashlib.sha1(text.encode()).hexdigest()[:10]
         name = f"{name[: MAX_NAME - 11]}-{digest}"
     return name
+
+
+def sweep_job_dir(out_dir: str, swept: set[str] | None) -> str | None:
+    """Inside a Hydra job: in a multirun, the job's run directory below ``out_dir``; None
+    otherwise."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    hydra_cfg = HydraConfig.get()
+    if hydra_cfg.mode != RunMode.MULTIRUN:
+        return None
+    return os.path.join(out_dir, job_dir_name(list(hydra_cfg.overrides.task), swept))

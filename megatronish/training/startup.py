@@ -58,3 +58,23 @@ def throughput_note(world_size: int) -> str:
         f"step lines: tok/s is global (all {world_size} ranks), tok/s/dev = tok/s / "
         f"{world_size}; MFU is per device"
     )
+
+
+def log_startup(cfg, job, trainer, logger) -> None:
+    """Log what the run is before its first step (on the rank that logs): model size, planned
+    memory, data epochs, the steps left and what the step lines report."""
+    if not logger.enabled:
+        return
+    topo, t = job.topo, cfg.trainer
+    plan = planned(cfg, topo.world_size, job.spec.vocab_size, topo.device.type)
+    rank_params = sum(p.numel() for c in job.chunks for p in c.parameters())
+    logger.info(model_line(plan, job.spec.arch, rank_params))
+    logger.info(memory_line(plan))
+    if not hasattr(job.train_data, "describe"):  # a blend lists its datasets' epochs itself
+        logger.info(epochs_line("train", len(job.train_data), t.max_steps * t.global_batch_size))
+    left = t.max_steps - trainer.state.step
+    logger.info(
+        f"training for {left} steps (step {trainer.state.step} -> {t.max_steps}), "
+        f"{job.derived.tokens_per_step:,} tokens/step, device {topo.device}; "
+        + throughput_note(topo.world_size)
+    )

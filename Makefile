@@ -48,9 +48,9 @@ docs-check: $(STAMP)
 # on torch's, oneDNN's and MKL's baseline kernels: a test that holds only on the instruction set
 # of the machine it was written on fails here on any machine.
 BASELINE_KERNELS := ATEN_CPU_CAPABILITY=default ONEDNN_MAX_CPU_ISA=SSE41 MKL_ENABLE_INSTRUCTIONS=SSE4_2
-KERNEL_TESTS ?= tests/test_bf16.py tests/test_moe.py tests/test_moe_experts.py \
-	tests/test_context_parallel.py tests/test_reference_parity.py \
-	tests/test_linear_cross_entropy.py tests/test_head_main_grad.py tests/test_rms_norm_kernel.py
+KERNEL_TESTS ?= tests/model/test_bf16.py tests/moe/test_moe.py tests/moe/test_moe_experts.py \
+	tests/context_parallel/test_context_parallel.py tests/training/test_reference_parity.py \
+	tests/model/test_linear_cross_entropy.py tests/model/test_head_main_grad.py tests/model/test_rms_norm_kernel.py
 test-kernels: $(STAMP)
 	$(BASELINE_KERNELS) WANDB_MODE=disabled $(PY) -m pytest $(KERNEL_TESTS) $(XDIST) $(PYTEST_ARGS)
 
@@ -66,7 +66,7 @@ mutants-check: $(STAMP)
 	$(PY) tools/mutants.py --check
 
 # docs/config.md from the config schema, configs/ and the planner's and generate's options
-# (tests/test_config_reference.py fails while the page is stale).
+# (tests/tools/test_config_reference.py fails while the page is stale).
 config-docs: $(STAMP)
 	$(PY) tools/config_reference.py
 

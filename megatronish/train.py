@@ -142,8 +142,10 @@ def _start_logging(cfg, topo, run_id: str):
     try:
         logger = ProgressLogger(cfg, enabled=loss_rank, run_dir=cfg.out_dir, run_id=run_id)
     except OSError as e:
-        error = (f"cannot write logging.log_file={cfg.logging.log_file} ({e.strerror}); give a "
-                 "writable path, or null for no log file")  # fmt: skip
+        error = (
+            f"cannot write logging.log_file={cfg.logging.log_file} ({e.strerror}); give a "
+            "writable path, or null for no log file"
+        )
     try:
         agree(error, topo.world_group)
     except PeerError:
@@ -181,9 +183,18 @@ def _fit_and_save(cfg, job, plan, run_id: str, logger, stop: StopRequest | None)
         tokens = job.tokenizer.special_token_ids() if job.tokenizer is not None else None
         saving = Saving(job.rng, run_id, tokens)
     trainer = Trainer(
-        cfg, topo, job.spec, job.derived, job.chunks, job.train_data, job.valid_data,
-        logger=logger, peak_flops=peak, saving=saving, stop=stop,
-    )  # fmt: skip
+        cfg,
+        topo,
+        job.spec,
+        job.derived,
+        job.chunks,
+        job.train_data,
+        job.valid_data,
+        logger=logger,
+        peak_flops=peak,
+        saving=saving,
+        stop=stop,
+    )
     load_with_fallback(trainer, plan, job.rng, cfg.trainer.seed, log=logger.info)
     log_startup(cfg, job, trainer, logger)
     with stop or contextlib.nullcontext():
@@ -283,8 +294,12 @@ def _run_and_report(cfg, stop: StopRequest, launch: LaunchEnv, prefix: str) -> i
             )
         return EXIT_COMPLETE
     except KeyboardInterrupt:
-        print(f"{prefix}aborted (a second Ctrl-C, or one during start-up): nothing saved since "
-              "the last checkpoint", file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"{prefix}aborted (a second Ctrl-C, or one during start-up): nothing saved since "
+            "the last checkpoint",
+            file=sys.stderr,
+            flush=True,
+        )
         return EXIT_ABORTED
     except (PeerError, FileNotFoundError, CheckpointError) as e:
         print(f"{prefix}error: {e}", file=sys.stderr, flush=True)
@@ -317,8 +332,11 @@ def _end_process_groups(cfg, code: int, prefix: str) -> None:
         traceback.print_exc()
     if cfg.trainer.profile.steps:
         why += " (torch's profiler keeps the groups whose ops it recorded)"
-    print(f"{prefix}note: {why}; exiting with code {code} without finalizing the interpreter",
-          file=sys.stderr, flush=True)  # fmt: skip
+    print(
+        f"{prefix}note: {why}; exiting with code {code} without finalizing the interpreter",
+        file=sys.stderr,
+        flush=True,
+    )
     sys.stdout.flush()
     os._exit(code)
 

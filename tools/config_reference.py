@@ -9,7 +9,7 @@ differs from the schema's. The planner's and generate's options come from their 
 (megatronish/plan/option_docs.py, megatronish/generate/option_docs.py).
 
 --check writes nothing and exits 1 when the page differs from what would be written (CI and
-tests/test_config_reference.py run it that way).
+tests/tools/test_config_reference.py run it that way).
 
 Exit codes: 0 written (or current), 1 stale page (--check) or a key without a comment,
 2 a bad argument. Each error is one line on stderr.
@@ -40,7 +40,7 @@ HEADER = """\
 
 <!-- Written by `python tools/config_reference.py` (`make config-docs`) from
 megatronish/config/schema.py, configs/ and the planner's and generate's option records: edit
-those and regenerate; tests/test_config_reference.py fails while this page is stale. -->
+those and regenerate; tests/tools/test_config_reference.py fails while this page is stale. -->
 
 Every key of the training config, as `python -m megatronish.train`, `python -m megatronish.plan`
 and `python -m megatronish.generate` take it on the command line (`key=value`). The default is
@@ -179,8 +179,9 @@ def key_table(section: Section, job: dict) -> list[str]:
         default = f"`{value_text(k.default)}`"
         if (ours := _lookup(job, k.key)) != k.default:
             default += f" (default job: `{value_text(ours)}`)"
-        rows.append(f"| `{k.key}` | {_cell(type_text(k.type))} | {_cell(default)} | "
-                    f"{_cell(k.meaning)} |")  # fmt: skip
+        rows.append(
+            f"| `{k.key}` | {_cell(type_text(k.type))} | {_cell(default)} | {_cell(k.meaning)} |"
+        )
     return rows
 
 
@@ -193,11 +194,16 @@ def group_table() -> list[str]:
         if group.name == "hydra":  # Hydra's own settings (the --help template)
             continue
         for option in sorted(group.glob("*.yaml")):
-            comment = next((ln.lstrip("#").strip() for ln in option.read_text().splitlines()
-                            if ln.startswith("#") and "@package" not in ln), "")  # fmt: skip
+            comment = next(
+                (
+                    ln.lstrip("#").strip()
+                    for ln in option.read_text().splitlines()
+                    if ln.startswith("#") and "@package" not in ln
+                ),
+                "",
+            )
             plus = "+" if group.name == "experiment" else ""
-            rows.append(f"| {group.name} | `{plus}{group.name}={option.stem}` | "
-                        f"{_cell(comment)} |")  # fmt: skip
+            rows.append(f"| {group.name} | `{plus}{group.name}={option.stem}` | {_cell(comment)} |")
     return rows
 
 
@@ -220,21 +226,38 @@ def render() -> str:
 
     sections = schema_sections(TrainConfig, field_comments(SCHEMA.read_text()))
     job = default_job()
-    out = [HEADER, "## Config groups", "",
-           "`configs/<group>/<option>.yaml`; `configs/train.yaml` picks the default job's.", "",
-           *group_table()]  # fmt: skip
+    out = [
+        HEADER,
+        "## Config groups",
+        "",
+        "`configs/<group>/<option>.yaml`; `configs/train.yaml` picks the default job's.",
+        "",
+        *group_table(),
+    ]
     for section in sections:
         out += ["", f"## {section.key or 'Top level'}", "", *key_table(section, job)]
-    out += ["", "## Planner options", "",
-            "`python -m megatronish.plan` takes these besides the training config "
-            "([planning.md](planning.md)).", "", *option_table(PLAN_OPTION_DOCS),
-            "", "### Advisor options", "",
-            "With `advise=true` ([performance.md](performance.md), \"Choosing a layout\").", "",
-            *option_table(ADVISOR_OPTION_DOCS),
-            "", "## Generation options", "",
-            "`python -m megatronish.generate` takes these; without `checkpoint=PATH` its other "
-            "arguments are the run's training overrides.", "",
-            *option_table(GENERATE_OPTION_DOCS)]  # fmt: skip
+    out += [
+        "",
+        "## Planner options",
+        "",
+        "`python -m megatronish.plan` takes these besides the training config "
+        "([planning.md](planning.md)).",
+        "",
+        *option_table(PLAN_OPTION_DOCS),
+        "",
+        "### Advisor options",
+        "",
+        'With `advise=true` ([performance.md](performance.md), "Choosing a layout").',
+        "",
+        *option_table(ADVISOR_OPTION_DOCS),
+        "",
+        "## Generation options",
+        "",
+        "`python -m megatronish.generate` takes these; without `checkpoint=PATH` its other "
+        "arguments are the run's training overrides.",
+        "",
+        *option_table(GENERATE_OPTION_DOCS),
+    ]
     return "\n".join(out) + "\n"
 
 
@@ -255,14 +278,19 @@ def main(argv: list[str] | None = None) -> int:
     try:
         page = render()
     except MissingComments as e:
-        print(f"{SCHEMA.relative_to(ROOT)}: no comment says what {', '.join(e.args[0])} "
-              "mean(s); add `# meaning` after each field", file=sys.stderr)  # fmt: skip
+        print(
+            f"{SCHEMA.relative_to(ROOT)}: no comment says what {', '.join(e.args[0])} "
+            "mean(s); add `# meaning` after each field",
+            file=sys.stderr,
+        )
         return EXIT_STALE
     current = args.out.read_text() if args.out.is_file() else None
     if args.check:
         if current != page:
-            print(f"{args.out} is stale: run `make config-docs` (python tools/config_reference.py)",
-                  file=sys.stderr)  # fmt: skip
+            print(
+                f"{args.out} is stale: run `make config-docs` (python tools/config_reference.py)",
+                file=sys.stderr,
+            )
             return EXIT_STALE
         return 0
     if current != page:

@@ -173,18 +173,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--list", action="store_true", help="print each command's class and reason; run nothing"
     )
     parser.add_argument(
-        "--in-place", action="store_true",
+        "--in-place",
+        action="store_true",
         help="run in this tree, not a copy (writes outputs/, hf_model/, tok.model, ... here)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--after-train", type=Path, metavar="DIR",
+        "--after-train",
+        type=Path,
+        metavar="DIR",
         help=f"copy this run directory of an earlier make train to the sandbox's {TRAIN_RUN} "
         "instead of running make train",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--timeout", type=float, default=TIMEOUTS["run"], metavar="S",
+        "--timeout",
+        type=float,
+        default=TIMEOUTS["run"],
+        metavar="S",
         help=f"seconds per run command (default {TIMEOUTS['run']:.0f})",
-    )  # fmt: skip
+    )
     parser.add_argument("--keep", action="store_true", help="keep the sandbox directory")
     args = parser.parse_args(argv)
     if args.after_train is not None and not (args.after_train / "checkpoints").is_dir():

@@ -66,10 +66,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=DTYPES, default="float32", help="weights dtype (float32)")
     p.add_argument("--verify", action="store_true", help="check every shard's CRC32 while reading")
     p.add_argument(
-        "--tokenizer", metavar="PATH", default=None,
+        "--tokenizer",
+        metavar="PATH",
+        default=None,
         help="tokenizer to write beside the model (sentencepiece .model, tokenizer.json or a "
         "directory holding one); default: the run's",
-    )  # fmt: skip
+    )
     args = p.parse_args(argv)
     if args.vocab_size is not None and args.vocab_size < 1:
         p.error(f"--vocab-size {args.vocab_size} must be >= 1 (the real vocabulary size)")
@@ -138,9 +140,14 @@ def export_tokenizer(meta, override: str | None, vocab: int | None):
     return tok, None
 
 
-def export(ckpt: str, out_dir: str, vocab_size: int | None = None, dtype: str = "float32",
-           verify: bool = False,
-           tokenizer: str | None = None) -> tuple[dict, str | None]:  # fmt: skip
+def export(
+    ckpt: str,
+    out_dir: str,
+    vocab_size: int | None = None,
+    dtype: str = "float32",
+    verify: bool = False,
+    tokenizer: str | None = None,
+) -> tuple[dict, str | None]:
     """Write ``out_dir/config.json``, ``out_dir/model.safetensors`` and the tokenizer's files
     (``tokenizer``, default the run's); returns the HF config and the line saying which
     tokenizer was written (None: none)."""
@@ -179,18 +186,23 @@ def export(ckpt: str, out_dir: str, vocab_size: int | None = None, dtype: str = 
         if name.startswith("model/")
     }
     try:
-        config, state = to_hf(tensors, meta.config["model"], vocab, getattr(torch, dtype),
-                              special_tokens=special)  # fmt: skip
+        config, state = to_hf(
+            tensors, meta.config["model"], vocab, getattr(torch, dtype), special_tokens=special
+        )
     except (ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"{step_dir} cannot be exported: {e}") from None
     text = json.dumps(config, indent=2, sort_keys=True) + "\n"
     remove_tokenizer_files(out_dir)  # an earlier export's is never left beside this model
-    write_atomic(os.path.join(out_dir, "model.safetensors"),
-                  lambda p: save_safetensors(state, p, metadata={"format": "pt"}))  # fmt: skip
+    write_atomic(
+        os.path.join(out_dir, "model.safetensors"),
+        lambda p: save_safetensors(state, p, metadata={"format": "pt"}),
+    )
     write_atomic(os.path.join(out_dir, "config.json"), lambda p: Path(p).write_text(text))
     if tok is None:
-        print(f"warning: no tokenizer written: {no_tokenizer}; pass --tokenizer PATH to write one",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"warning: no tokenizer written: {no_tokenizer}; pass --tokenizer PATH to write one",
+            file=sys.stderr,
+        )
         return config, None
     return config, write_tokenizer(tok, out_dir)
 
@@ -203,8 +215,9 @@ def main(argv: list[str] | None = None) -> int:
     from megatronish.checkpoint.format import CheckpointError
 
     try:
-        config, tokenizer = export(args.ckpt, args.out_dir, args.vocab_size, args.dtype,
-                                   args.verify, args.tokenizer)  # fmt: skip
+        config, tokenizer = export(
+            args.ckpt, args.out_dir, args.vocab_size, args.dtype, args.verify, args.tokenizer
+        )
     except ArgumentError as e:
         print(f"invalid argument: {e}", file=sys.stderr)
         return EXIT_ARGS

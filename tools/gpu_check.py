@@ -79,17 +79,24 @@ def main(argv: list[str] | None = None) -> int:
     try:
         device = pick_device(args.device or ("cpu" if args.smoke else "cuda"), 0)
     except ValueError:
-        print("no CUDA device here: run on a GPU machine, or `--smoke` for the CPU dry run",
-              file=sys.stderr)  # fmt: skip
+        print(
+            "no CUDA device here: run on a GPU machine, or `--smoke` for the CPU dry run",
+            file=sys.stderr,
+        )
         return 2
     budget = args.budget_s or DEFAULT_BUDGET_S[args.smoke]
     ctx = CheckContext(device, args.smoke, budget, args.peak_tflops, args.device_memory_gb)
-    print(f"gpu check on {device} ({ctx.precision}), budget {budget:.0f} s"
-          + (", smoke run at toy size" if args.smoke else ""), flush=True)  # fmt: skip
+    print(
+        f"gpu check on {device} ({ctx.precision}), budget {budget:.0f} s"
+        + (", smoke run at toy size" if args.smoke else ""),
+        flush=True,
+    )
     results = run_all(ctx)
     failed = [r.name for r in results if not r.passed]
-    summary = (f"{len(results) - len(failed)} of {len(results)} sections passed in "
-               f"{ctx.elapsed():.0f} s (budget {budget:.0f} s), {ctx.precision}")  # fmt: skip
+    summary = (
+        f"{len(results) - len(failed)} of {len(results)} sections passed in "
+        f"{ctx.elapsed():.0f} s (budget {budget:.0f} s), {ctx.precision}"
+    )
     path = report_path(args)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(render(results, environment(device, ROOT), summary, args.smoke))

@@ -60,9 +60,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("hf_dir", metavar="HF_DIR", help="local HF model directory")
     p.add_argument("ckpt_dir", metavar="CKPT_DIR", help="checkpoint directory to create")
     p.add_argument(
-        "--seq-length", type=int, default=None,
+        "--seq-length",
+        type=int,
+        default=None,
         help="model.seq_length to record (default: the HF model's max positions)",
-    )  # fmt: skip
+    )
     p.add_argument(
         "--force", action="store_true", help="replace the checkpoints already in CKPT_DIR"
     )
@@ -125,8 +127,9 @@ def read_hf_dir(hf_dir: str) -> tuple[dict, dict]:
     return config, state
 
 
-def write_checkpoint(ckpt_dir: str, model_cfg: dict, tensors: dict, source: str,
-                     special_tokens: dict | None = None) -> str:  # fmt: skip
+def write_checkpoint(
+    ckpt_dir: str, model_cfg: dict, tensors: dict, source: str, special_tokens: dict | None = None
+) -> str:
     """Publish ``tensors`` as the weights-only step 0 of ``ckpt_dir``; returns the step dir."""
     from megatronish.checkpoint.format import TMP_PREFIX, step_dir_name
     from megatronish.checkpoint.save import merge_and_publish, write_rank_files
@@ -138,8 +141,16 @@ def write_checkpoint(ckpt_dir: str, model_cfg: dict, tensors: dict, source: str,
     for name, t in tensors.items():
         key = f"model/{name}"
         group[key] = t
-        index.append({"name": key, "key": key, "offsets": [[0, n] for n in t.shape],
-                      "shape": list(t.shape), "dtype": "float32", "file": "model"})  # fmt: skip
+        index.append(
+            {
+                "name": key,
+                "key": key,
+                "offsets": [[0, n] for n in t.shape],
+                "shape": list(t.shape),
+                "dtype": "float32",
+                "file": "model",
+            }
+        )
     try:
         write_rank_files(tmp_dir, 0, {"model": group}, index)
     except BaseException:  # a full disk: nothing half-written stays behind
@@ -156,14 +167,14 @@ def write_checkpoint(ckpt_dir: str, model_cfg: dict, tensors: dict, source: str,
             "sp": False,
             "zero_stage": 0,
             "world_size": 1,
-        },  # fmt: skip
+        },
         "config": {"model": model_cfg},
         "trainer": {
             "optimizer_steps": 0,
             "skipped_steps": 0,
             "run_id": None,
             "imported_from": os.path.abspath(source),
-        },  # fmt: skip
+        },
         "tokenizer": dict(special_tokens or {}),
     }
     return merge_and_publish(ckpt_dir, tmp_dir, 0, 1, header, keep_last=None)
@@ -216,8 +227,9 @@ def convert(config: dict, state: dict, seq_length: int | None) -> tuple[dict, di
         raise InputError(f"cannot convert the model: {e}") from None
 
 
-def import_hf(hf_dir: str, ckpt_dir: str, seq_length: int | None = None,
-              force: bool = False) -> tuple[dict, str]:  # fmt: skip
+def import_hf(
+    hf_dir: str, ckpt_dir: str, seq_length: int | None = None, force: bool = False
+) -> tuple[dict, str]:
     """Convert ``hf_dir`` into ``ckpt_dir``; returns ``(model config, step dir)``."""
     ckpt_dir = os.path.expanduser(ckpt_dir)
     found = check_ckpt_dir(ckpt_dir, force)
@@ -245,9 +257,12 @@ def usable_tokenizer(hf_dir: str, vocab: int):
         print(f"warning: the model's tokenizer cannot be used: {e}", file=sys.stderr)
         return None
     if tok.vocab_size > vocab:
-        print(f"warning: {tok} has {tok.vocab_size} tokens, more than the model's vocabulary "
-              f"({vocab}): ids from {vocab} on have no embedding; tokenize the data with the "
-              "tokenizer the model was trained with", file=sys.stderr)  # fmt: skip
+        print(
+            f"warning: {tok} has {tok.vocab_size} tokens, more than the model's vocabulary "
+            f"({vocab}): ids from {vocab} on have no embedding; tokenize the data with the "
+            "tokenizer the model was trained with",
+            file=sys.stderr,
+        )
         return None
     return (hf_dir if os.path.isdir(path) else path), tok
 
@@ -259,15 +274,19 @@ def print_next_steps(ckpt_dir: str, model_cfg: dict, tokenizer) -> None:
     data = []
     if tokenizer is not None:
         path, tok = tokenizer
-        print(f"tokenize the data with the model's tokenizer ({tok.vocab_size} tokens, "
-              f"end-of-document id {tok.eod_id}):")  # fmt: skip
+        print(
+            f"tokenize the data with the model's tokenizer ({tok.vocab_size} tokens, "
+            f"end-of-document id {tok.eod_id}):"
+        )
         print(f"  python tools/preprocess_data.py --input DATA.jsonl --tokenizer-model {path} \\")
         print("    --output-prefix data/corpus")
         data = ["data=indexed", "data.prefix=data/corpus", f"data.tokenizer_model={path}"]
         print("continue pretraining with these model overrides:")
     else:
-        print("continue pretraining with these model overrides (and data tokenized like the HF "
-              "model):")  # fmt: skip
+        print(
+            "continue pretraining with these model overrides (and data tokenized like the HF "
+            "model):"
+        )
     print(f"  python -m megatronish.train checkpoint.resume={ckpt_dir} \\")
     print("    " + " ".join([*override_args(model_cfg), *data]))
     print(f"(or checkpoint.dir={ckpt_dir} instead of checkpoint.resume: new checkpoints are")
@@ -286,8 +305,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_DATA
     except OSError as e:  # writing the checkpoint: a full disk, a file size limit
-        print(f"error: writing the checkpoint into {args.ckpt_dir} failed ({e.strerror or e}); "
-              "nothing was published: free space and run it again", file=sys.stderr)  # fmt: skip
+        print(
+            f"error: writing the checkpoint into {args.ckpt_dir} failed ({e.strerror or e}); "
+            "nothing was published: free space and run it again",
+            file=sys.stderr,
+        )
         return EXIT_DATA
     print(f"wrote {step_dir} (weights only, step 0)")
     tokenizer = usable_tokenizer(args.hf_dir, model_cfg["vocab_size"])

@@ -34,44 +34,45 @@ class Mutant:
     name: str
     what: str
     file: str
-    edits: tuple[tuple[str, str], ...]  # (exact text, its replacement): each text occurs once
+    # (text, its replacement): each text occurs once, verbatim or re-laid-out by the formatter
+    edits: tuple[tuple[str, str], ...]
     tests: tuple[str, ...]  # pytest node ids or files, run in order with -x
 
 
-REF = "tests/test_reference_parity.py"
-BLEND = "tests/test_data_blend.py"
-GATHER = "tests/test_zero_gather.py"
-GENERATE = "tests/test_generate.py"
-MOE = "tests/test_moe.py"
-SYNCS = "tests/test_host_syncs.py"
+REF = "tests/training/test_reference_parity.py"
+BLEND = "tests/data/test_data_blend.py"
+GATHER = "tests/data_parallel/test_zero_gather.py"
+GENERATE = "tests/generate/test_generate.py"
+MOE = "tests/moe/test_moe.py"
+SYNCS = "tests/training/test_host_syncs.py"
 MUTANTS = [
     Mutant(
         "tp-all-reduce",
         "row-parallel output not summed over tp (a dropped all-reduce)",
         "megatronish/tensor_parallel/mappings.py",
         (("        return all_reduce(x.clone(), group)", "        return x.clone()"),),
-        ("tests/test_tp_layers.py::test_row_parallel_linear_matches_linear",),
+        ("tests/tensor_parallel/test_tp_layers.py::test_row_parallel_linear_matches_linear",),
     ),
     Mutant(
         "tied-embedding-reduce",
         "tied embedding / head grads not summed across pp stages",
-        "megatronish/optim/zero.py",
+        "megatronish/data_parallel/zero.py",
         (("        flat_all_reduce(tied, self.topo.embedding_group)", "        pass"),),
-        ("tests/test_pp_parity.py::test_pipeline_matches_serial",),
+        ("tests/pipeline/test_pp_parity.py::test_pipeline_matches_serial",),
     ),
     Mutant(
         "grad-norm-all-reduce",
         "grad norm's squares not summed across ranks",
-        "megatronish/optim/zero.py",
+        "megatronish/data_parallel/zero.py",
         (("            all_reduce(sq, group)\n", "            pass\n"),),
-        ("tests/test_tp_parity.py::test_tp_sp_matches_serial",),
+        ("tests/tensor_parallel/test_tp_parity.py::test_tp_sp_matches_serial",),
     ),
     Mutant(
         "grad-norm-replicas",
         "tp-replicated params (norms) counted once per tp rank in the norm",
-        "megatronish/optim/zero.py",
+        "megatronish/data_parallel/zero.py",
         (("lambda n, p: counts_in_norm(n, p, self.topo)", "lambda n, p: True"),),
-        ("tests/test_tp_parity.py::test_tp_sp_matches_serial",),
+        ("tests/tensor_parallel/test_tp_parity.py::test_tp_sp_matches_serial",),
     ),
     Mutant(
         "1f1b-warmup",
@@ -83,7 +84,7 @@ MUTANTS = [
                 "return min(pp - rank, num_microbatches)",
             ),
         ),
-        ("tests/test_pipeline_schedule.py",),
+        ("tests/pipeline/test_pipeline_schedule.py",),
     ),
     Mutant(
         "loss-scale",
@@ -100,9 +101,9 @@ MUTANTS = [
     Mutant(
         "zero2-accumulate",
         "ZeRO-2 shard overwritten by each microbatch instead of summed",
-        "megatronish/optim/zero.py",
+        "megatronish/data_parallel/zero.py",
         (("accumulate=rounds > 0, group=b.group)", "accumulate=False, group=b.group)"),),
-        ("tests/test_zero.py::test_zero_dp_matches_serial",),
+        ("tests/data_parallel/test_zero.py::test_zero_dp_matches_serial",),
     ),
     Mutant(
         "unsharded-adam",
@@ -113,13 +114,13 @@ MUTANTS = [
                 "[shard.numel() for shard, _, _ in self.zero.optimizer_shards()]",
                 "[b.numel for b in self.zero.buckets]",
             ),
-        ),  # fmt: skip
-        ("tests/test_zero_accounting.py::test_state_bytes_follow_the_zero_formulas",),
+        ),
+        ("tests/data_parallel/test_zero_accounting.py::test_state_bytes_follow_the_zero_formulas",),
     ),
     Mutant(
         "decay-on-norms",
         "weight decay applied to norm weights",
-        "megatronish/optim/zero.py",
+        "megatronish/data_parallel/zero.py",
         (("lambda n, p: param_info(p).weight_decay", "lambda n, p: True"),),
         (REF,),
     ),
@@ -142,14 +143,16 @@ MUTANTS = [
         "RNG streams not restored on resume",
         "megatronish/checkpoint/load.py",
         (("    if same and os.path.exists(path):", "    if False:"),),
-        ("tests/test_resume_dropout.py::test_same_layout_resume_with_dropout_is_bit_identical",),
+        (
+            "tests/checkpoint/test_resume_dropout.py::test_same_layout_resume_with_dropout_is_bit_identical",
+        ),
     ),
     Mutant(
         "adam-step-restore",
         "Adam's step count (bias correction) not restored on resume",
         "megatronish/checkpoint/load.py",
         (('opt.step_count = int(meta.trainer.get("optimizer_steps", 0))', "opt.step_count = 0"),),
-        ("tests/test_checkpoint.py::test_exact_resume_single_process_is_bit_identical",),
+        ("tests/checkpoint/test_checkpoint.py::test_exact_resume_single_process_is_bit_identical",),
     ),
     Mutant(
         "sampler-restore",
@@ -160,8 +163,8 @@ MUTANTS = [
                 "trainer.state.consumed_samples = meta.consumed_samples",
                 "trainer.state.consumed_samples = 0",
             ),
-        ),  # fmt: skip
-        ("tests/test_checkpoint.py::test_exact_resume_single_process_is_bit_identical",),
+        ),
+        ("tests/checkpoint/test_checkpoint.py::test_exact_resume_single_process_is_bit_identical",),
     ),
     Mutant(
         "export-rope-theta",
@@ -170,15 +173,15 @@ MUTANTS = [
         (
             ('"rope_theta": spec.rope_theta,', '"rope_theta": 10000.0,'),
             ('"rope_theta": spec.rope_theta}', '"rope_theta": 10000.0}'),
-        ),  # fmt: skip
-        ("tests/test_hf_export.py::test_export_matches_transformers_and_imports_back",),
+        ),
+        ("tests/hf/test_hf_export.py::test_export_matches_transformers_and_imports_back",),
     ),
     Mutant(
         "model-rope-theta",
         "the model's rotary tables ignore rope_theta",
         "megatronish/model/gpt.py",
         (("self.spec.head_dim, self.spec.rope_theta, device", "self.spec.head_dim, 1e4, device"),),
-        ("tests/test_hf_export.py::test_export_matches_transformers_and_imports_back",),
+        ("tests/hf/test_hf_export.py::test_export_matches_transformers_and_imports_back",),
     ),
     Mutant(
         "precision-ignored",
@@ -186,27 +189,27 @@ MUTANTS = [
         "megatronish/training/trainer.py",
         (("self.param_dtype = DTYPES[cfg.trainer.precision]", "self.param_dtype = torch.float32"),),
         (
-            "tests/test_bf16.py::test_every_matmul_and_attention_kernel_runs_in_the_configured_precision",
+            "tests/model/test_bf16.py::test_every_matmul_and_attention_kernel_runs_in_the_configured_precision",
         ),
     ),
     Mutant(
         "sp-norm-grad-sum",
         "sequence-parallel norm grads not summed over tp",
-        "megatronish/optim/buckets.py",
+        "megatronish/data_parallel/buckets.py",
         (("return param_info(p).sequence_parallel or tied", "return tied"),),
-        ("tests/test_tp_parity.py::test_tp_sp_matches_serial",),
+        ("tests/tensor_parallel/test_tp_parity.py::test_tp_sp_matches_serial",),
     ),
     Mutant(
         "dp-same-samples",
         "every dp rank reads the same samples",
         "megatronish/training/trainer.py",
         (("start = first_sample + self.topo.coords.dp * per_rank", "start = first_sample"),),
-        ("tests/test_training.py::test_data_parallel_matches_one_process",),
+        ("tests/training/test_training.py::test_data_parallel_matches_one_process",),
     ),
     Mutant(
         "grads-not-zeroed",
         "grads of the last step not zeroed before the next",
-        "megatronish/optim/zero.py",
+        "megatronish/data_parallel/zero.py",
         (("                b.grad_flat.zero_()\n", "                pass\n"),),
         (REF,),
     ),
@@ -215,7 +218,7 @@ MUTANTS = [
         "recomputed forward draws new dropout masks",
         "megatronish/model/recompute.py",
         (("        rng.load_state_dict(snapshot)\n", "        pass\n"),),
-        ("tests/test_recompute.py",),
+        ("tests/model/test_recompute.py",),
     ),
     Mutant(
         "eval-in-train-mode",
@@ -227,7 +230,9 @@ MUTANTS = [
                 "        for c in self.chunks:\n            c.train()",
             ),
         ),
-        ("tests/test_training.py::test_evaluation_runs_without_dropout_and_leaves_training_on",),
+        (
+            "tests/training/test_training.py::test_evaluation_runs_without_dropout_and_leaves_training_on",
+        ),
     ),
     Mutant(
         "gpt2-gelu-exact",
@@ -241,28 +246,28 @@ MUTANTS = [
         "reported loss summed over dp ranks, not averaged",
         "megatronish/training/trainer.py",
         (("return mean / self.topo.dp_cp", "return mean"),),
-        ("tests/test_training.py::test_data_parallel_matches_one_process",),
+        ("tests/training/test_training.py::test_data_parallel_matches_one_process",),
     ),
     Mutant(
         "cp-grad-group",
         "grads averaged over dp only, not over dp x cp",
-        "megatronish/optim/zero.py",
+        "megatronish/data_parallel/zero.py",
         (("dp = topo.dp_cp_group  # the ranks", "dp = topo.dp_group  # the ranks"),),
-        ("tests/test_context_parallel.py::test_cp_matches_serial",),
+        ("tests/context_parallel/test_context_parallel.py::test_cp_matches_serial",),
     ),
     Mutant(
         "cp-rope-positions",
         "RoPE tables not indexed by the cp rank's positions",
         "megatronish/model/gpt.py",
         (("cos, sin = cos[pos], sin[pos]", "cos, sin = cos[: pos.numel()], sin[: pos.numel()]"),),
-        ("tests/test_context_parallel.py::test_cp_matches_serial",),
+        ("tests/context_parallel/test_context_parallel.py::test_cp_matches_serial",),
     ),
     Mutant(
         "blend-order",
         "blending error measured at g + 1 instead of Megatron's max(g, 1)",
         "megatronish/data/blend.py",
         (("t = g if g > 1 else 1", "t = g + 1"),),
-        ("tests/test_data_blend.py",),
+        ("tests/data/test_data_blend.py",),
     ),
     Mutant(
         "prefetch-next",
@@ -274,28 +279,28 @@ MUTANTS = [
                 "self._pool.submit(self.read, first + 1)",
             ),
         ),
-        ("tests/test_prefetch.py",),
+        ("tests/data/test_prefetch.py",),
     ),
     Mutant(
         "expert-grad-group",
         "expert grads reduced over dp x cp (other ranks' experts) instead of edp",
-        "megatronish/optim/zero.py",
+        "megatronish/data_parallel/zero.py",
         (("b.group = edp if b.expert else dp", "b.group = dp"),),
-        ("tests/test_moe.py::test_expert_parallel_matches_one_process",),
+        ("tests/moe/test_moe.py::test_expert_parallel_matches_one_process",),
     ),
     Mutant(
         "moe-aux-cp-scale",
         "cp ranks' parts of the balancing loss not scaled for the mean over cp",
         "megatronish/moe/layer.py",
         (("(self.loss_scale * cp.size)", "self.loss_scale"),),
-        ("tests/test_moe.py::test_expert_parallel_matches_one_process[ep4-cp2-dp2]",),
+        ("tests/moe/test_moe.py::test_expert_parallel_matches_one_process[ep4-cp2-dp2]",),
     ),
     Mutant(
         "moe-aux-loss-scale",
         "balancing and z losses not scaled like the microbatch's loss",
         "megatronish/moe/layer.py",
         (("(self.loss_scale * cp.size)", "cp.size"),),
-        ("tests/test_moe.py::test_balancing_and_z_losses_are_in_the_gradient",),
+        ("tests/moe/test_moe.py::test_balancing_and_z_losses_are_in_the_gradient",),
     ),
     Mutant(
         "moe-combine-order",
@@ -303,7 +308,7 @@ MUTANTS = [
         "megatronish/moe/dispatch.py",
         (("outputs.index_select(0, back)", "outputs.index_select(0, record.regroup)"),),
         (
-            "tests/test_moe.py::test_dispatch_delivers_every_token_to_its_expert_and_combine"
+            "tests/moe/test_moe.py::test_dispatch_delivers_every_token_to_its_expert_and_combine"
             "_restores_order",
         ),
     ),
@@ -329,14 +334,14 @@ MUTANTS = [
     Mutant(
         "zero3-no-backward-prefetch",
         "ZeRO-3 backward does not prefetch the next unit (gathered on demand instead)",
-        "megatronish/optim/param_gather.py",
+        "megatronish/data_parallel/param_gather.py",
         (("self.start_gather(visits[i - 1].unit)", "pass"),),
         (f"{GATHER}::test_zero3_backward_prefetches_the_next_unit_while_the_current_one_runs",),
     ),
     Mutant(
         "zero3-prefetch-wrong-unit",
         "ZeRO-3 backward prefetches two units ahead (wrapping to the head at the first block)",
-        "megatronish/optim/param_gather.py",
+        "megatronish/data_parallel/param_gather.py",
         (("self.start_gather(visits[i - 1].unit)", "self.start_gather(visits[i - 2].unit)"),),
         (f"{GATHER}::test_zero3_backward_prefetches_the_next_unit_while_the_current_one_runs",),
     ),
@@ -369,14 +374,14 @@ MUTANTS = [
                 "        offsets[0][0] = 0\n        offsets[shard.dim]",
             ),
         ),
-        ("tests/test_moe_checkpoint.py::test_experts_are_keyed_by_global_index",),
+        ("tests/checkpoint/test_moe_checkpoint.py::test_experts_are_keyed_by_global_index",),
     ),
     Mutant(
         "piece-fused-block",
         "checkpoint pieces of a fused param (gate|up) all cut from its first block",
         "megatronish/checkpoint/pieces.py",
         (("Rect(offsets, shard.dim, local, n, first)", "Rect(offsets, shard.dim, 0, n, first)"),),
-        ("tests/test_moe_checkpoint.py::test_experts_are_keyed_by_global_index",),
+        ("tests/checkpoint/test_moe_checkpoint.py::test_experts_are_keyed_by_global_index",),
     ),
     Mutant(
         "moe-stats-tp-copies",
@@ -414,7 +419,7 @@ MUTANTS = [
         "grouped matmul's backward given an expanded (stride-0) incoming gradient",
         "megatronish/moe/grouped_mm.py",
         (("        out.register_hook(_contiguous_aligned)", "        pass"),),
-        ("tests/test_moe_experts.py::test_experts_equal_a_per_expert_loop",),
+        ("tests/moe/test_moe_experts.py::test_experts_equal_a_per_expert_loop",),
     ),
     Mutant(
         "head-padding-in-softmax",
@@ -422,7 +427,7 @@ MUTANTS = [
         "megatronish/model/linear_cross_entropy.py",
         (('        logits[:, vocab_size:] = float("-inf")', "        pass"),),
         (
-            "tests/test_linear_cross_entropy.py::"
+            "tests/model/test_linear_cross_entropy.py::"
             "test_logits_use_the_padded_width_and_padding_never_reaches_the_softmax",
         ),
     ),
@@ -435,29 +440,31 @@ MUTANTS = [
                 '        return AttentionKernel("efficient", expand_kv=gqa)',
                 '        return AttentionKernel("efficient", expand_kv=False)',
             ),
-        ),  # fmt: skip
-        ("tests/test_attention_kernel.py",),
+        ),
+        ("tests/model/test_attention_kernel.py",),
     ),
     Mutant(
         "async-writer-reads-early",
         "the checkpoint writer reads host buffers before their device copies completed",
         "megatronish/checkpoint/save.py",
         (("                shot.copied.wait()\n", "                pass\n"),),
-        ("tests/test_async_save_streams.py",),
+        ("tests/checkpoint/test_async_save_streams.py",),
     ),
     Mutant(
         "zero3-built-whole",
         "ZeRO 3 builds every rank's whole chunk before sharding it",
         "megatronish/training/job.py",
         (("deferred=cfg.parallel.zero_stage == 3,", "deferred=False,"),),
-        ("tests/test_sharded_build.py::test_zero3_build_holds_at_most_one_unit_beyond_its_shards",),
+        (
+            "tests/data_parallel/test_sharded_build.py::test_zero3_build_holds_at_most_one_unit_beyond_its_shards",
+        ),
     ),
     Mutant(
         "head-grad-bf16-product",
         "the bf16 head's weight-grad product rounded to bf16 before its fp32 sum",
         "megatronish/model/linear_cross_entropy.py",
         (("    return torch.mm(a.float(), b.float())", "    return torch.mm(a, b).float()"),),
-        ("tests/test_head_main_grad.py",),
+        ("tests/model/test_head_main_grad.py",),
     ),
     Mutant(
         "blend-cache-crc",
@@ -470,7 +477,7 @@ MUTANTS = [
             ),
         ),
         (
-            "tests/test_tool_inputs_data.py::test_blend_cache_with_an_edited_in_range_entry_is_rebuilt",
+            "tests/tools/test_tool_inputs_data.py::test_blend_cache_with_an_edited_in_range_entry_is_rebuilt",
         ),
     ),
     Mutant(
@@ -478,14 +485,14 @@ MUTANTS = [
         "a key given twice on the command line silently keeps the last",
         "megatronish/config/cli_errors.py",
         (("        if len(given) > 1:", "        if len(given) > 2:"),),
-        ("tests/test_tool_inputs_cli.py",),
+        ("tests/tools/test_tool_inputs_cli.py",),
     ),
     Mutant(
         "latest-not-a-step",
         "a `latest` that holds no step name is followed",
         "megatronish/checkpoint/format.py",
         (("    if step_of(name) is None:\n", "    if not name:\n"),),
-        ("tests/test_tool_inputs_checkpoint.py",),
+        ("tests/tools/test_tool_inputs_checkpoint.py",),
     ),
     Mutant(
         "skip-decided-on-host",
@@ -528,17 +535,23 @@ MUTANTS = [
         "a non-string text value is tokenized",
         "megatronish/data/preprocess.py",
         (("        if not isinstance(text, str):", "        if text is None:"),),
-        ("tests/test_tool_inputs_data.py",),
+        ("tests/tools/test_tool_inputs_data.py",),
     ),
 ]
 
 
 def copy_repo(dest: Path) -> None:
     """The tracked and untracked-but-not-ignored files (no .venv, caches or outputs)."""
-    files = subprocess.run(
-        ["git", "ls-files", "-co", "--exclude-standard", "-z"],
-        cwd=REPO, capture_output=True, check=True,
-    ).stdout.decode().split("\0")  # fmt: skip
+    files = (
+        subprocess.run(
+            ["git", "ls-files", "-co", "--exclude-standard", "-z"],
+            cwd=REPO,
+            capture_output=True,
+            check=True,
+        )
+        .stdout.decode()
+        .split("\0")
+    )
     for name in filter(None, files):
         src = REPO / name
         if src.is_file():
@@ -551,11 +564,47 @@ def apply(root: Path, m: Mutant) -> str:
     path = root / m.file
     original = text = path.read_text()
     for old, new in m.edits:
-        if text.count(old) != 1:
-            raise ValueError(f"{m.name}: {old!r} occurs {text.count(old)} times in {m.file}")
-        text = text.replace(old, new)
+        spans = anchor_spans(text, old)
+        if len(spans) != 1:
+            raise ValueError(f"{m.name}: {old!r} occurs {len(spans)} times in {m.file}")
+        text = replace_anchor(text, spans[0], old, new)
     path.write_text(text)
     return original
+
+
+def _anchor_pattern(old: str) -> re.Pattern[str]:
+    """``old`` with its layout made free: any whitespace (line breaks and indentation included)
+    between its characters, and the trailing comma a formatter adds before a closing bracket."""
+    parts = []
+    for c in old.strip():
+        if c.isspace():
+            continue
+        parts.append((r",?\s*" if c in ")]}" else "") + re.escape(c))
+    return re.compile(r"\s*".join(parts))
+
+
+def anchor_spans(text: str, old: str) -> list[tuple[int, int]]:
+    """Where ``old`` occurs in ``text``: verbatim if it does, else as the same characters laid
+    out differently (a mutant's anchor survives ``ruff format`` re-wrapping its line)."""
+    if old in text:
+        starts = [m.start() for m in re.finditer(re.escape(old), text)]
+        return [(i, i + len(old)) for i in starts]
+    return [m.span() for m in _anchor_pattern(old).finditer(text)]
+
+
+def replace_anchor(text: str, span: tuple[int, int], old: str, new: str) -> str:
+    """``text`` with ``span`` (where ``old`` matched) replaced by ``new``. A verbatim match is
+    replaced as it is; a re-laid-out one by ``new`` less the indentation and trailing whitespace
+    ``old`` carries (the matched code keeps its own)."""
+    start, end = span
+    if text[start:end] == old:
+        return text[:start] + new + text[end:]
+    indent = len(old) - len(old.lstrip())
+    core = new[indent:] if new[:indent].isspace() or not new[:indent] else new.lstrip()
+    trail = len(old) - len(old.rstrip())
+    if trail and core.endswith(old[len(old) - trail :]):
+        core = core[: len(core) - trail]
+    return text[:start] + core + text[end:]
 
 
 def run_tests(root: Path, tests: tuple[str, ...], timeout: float) -> tuple[str | None, float]:
@@ -577,8 +626,14 @@ def run_tests(root: Path, tests: tuple[str, ...], timeout: float) -> tuple[str |
 def check_imports(root: Path) -> None:
     """The scratch copy, not the installed checkout, must be what the tests import."""
     env = dict(os.environ, PYTHONPATH=str(root))
-    out = subprocess.run([sys.executable, "-c", "import megatronish; print(megatronish.__file__)"],
-                         cwd=root, env=env, capture_output=True, text=True, check=True)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", "import megatronish; print(megatronish.__file__)"],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     if not out.stdout.strip().startswith(str(root)):
         raise SystemExit(f"the tests would import {out.stdout.strip()}, not the scratch copy")
 
@@ -592,10 +647,10 @@ def edit_problems(m: Mutant, root: Path = REPO) -> list[str]:
     for old, new in m.edits:
         if old == new:
             problems.append(f"{m.name}: the edit of {old!r} changes nothing")
-        elif text.count(old) != 1:
-            problems.append(f"{m.name}: {old!r} occurs {text.count(old)} times in {m.file}")
+        elif len(spans := anchor_spans(text, old)) != 1:
+            problems.append(f"{m.name}: {old!r} occurs {len(spans)} times in {m.file}")
         else:
-            text = text.replace(old, new)
+            text = replace_anchor(text, spans[0], old, new)
     return problems
 
 
@@ -604,11 +659,25 @@ def collected_ids(files: list[str]) -> tuple[set[str], list[str]]:
     if not files:
         return set(), []
     env = dict(os.environ, WANDB_MODE="disabled")
-    cmd = [sys.executable, "-m", "pytest", "--collect-only", "-o", "addopts=", "-q",
-           "-p", "no:cacheprovider", "--continue-on-collection-errors", *files]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "--collect-only",
+        "-o",
+        "addopts=",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "--continue-on-collection-errors",
+        *files,
+    ]
     r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
-    ids = {line.strip() for line in r.stdout.splitlines() if "::" in line and " " not in
-           line.split("::", 1)[0]}  # fmt: skip
+    ids = {
+        line.strip()
+        for line in r.stdout.splitlines()
+        if "::" in line and " " not in line.split("::", 1)[0]
+    }
     errors = re.findall(r"^ERROR (\S+.*)$", r.stdout, flags=re.M)
     if r.returncode not in (0, 1) and not ids:
         errors.append(f"pytest --collect-only exit {r.returncode}: {r.stdout.strip()[-300:]}")
@@ -628,8 +697,11 @@ def check(mutants: list[Mutant]) -> list[str]:
     no test runs (pytest only collects the named test files)."""
     problems = []
     names = [m.name for m in mutants]
-    problems += [f"{n}: the name is used by {names.count(n)} mutants"
-                 for n in sorted(set(names)) if names.count(n) > 1]  # fmt: skip
+    problems += [
+        f"{n}: the name is used by {names.count(n)} mutants"
+        for n in sorted(set(names))
+        if names.count(n) > 1
+    ]
     for m in mutants:
         problems += edit_problems(m)
         if not m.tests:
@@ -653,9 +725,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--only", nargs="+", metavar="NAME", help="run these mutants only")
     parser.add_argument("--list", action="store_true", help="list the mutants and exit")
-    parser.add_argument("--check", action="store_true",
-                        help="only check that every edit applies once and every named test "
-                        "exists (no test runs; for CI)")  # fmt: skip
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="only check that every edit applies once and every named test "
+        "exists (no test runs; for CI)",
+    )
     parser.add_argument("--timeout", type=float, default=300, help="seconds per mutant")
     args = parser.parse_args(argv)
     chosen = [m for m in MUTANTS if not args.only or m.name in args.only]

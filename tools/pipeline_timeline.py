@@ -134,15 +134,20 @@ def main(argv: list[str] | None = None) -> None:
     from megatronish.testing.multiproc import run_world
 
     overrides, world = job_overrides(args)
-    print(f"running pp={args.pp} vpp={args.vpp} m={args.microbatches} on {world} ranks: "
-          f"{' '.join(overrides)}", flush=True)  # fmt: skip
+    print(
+        f"running pp={args.pp} vpp={args.vpp} m={args.microbatches} on {world} ranks: "
+        f"{' '.join(overrides)}",
+        flush=True,
+    )
     t0 = time.perf_counter()
     results = run_world(_rank, world, overrides, args.steps, timeout=args.timeout)
     timelines = dict(r for r in results if r is not None)
     out = args.out
     trace = write_chrome_trace(Path(f"{out}.json"), timelines)
-    title = (f"Interleaved 1F1B, pp={args.pp} vpp={args.vpp}, {args.microbatches} microbatches "
-             f"(one CPU thread per rank, gloo)")  # fmt: skip
+    title = (
+        f"Interleaved 1F1B, pp={args.pp} vpp={args.vpp}, {args.microbatches} microbatches "
+        f"(one CPU thread per rank, gloo)"
+    )
     if args.vpp == 1:
         title = title.replace("Interleaved 1F1B", "1F1B")
     png = gantt_png(Path(f"{out}.png"), timelines, title)

@@ -56,29 +56,39 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--input", nargs="+", required=True, help="files or quoted globs")
     p.add_argument("--json-key", default="text", help="text column of jsonl/parquet/arrow (text)")
     p.add_argument(
-        "--txt-sample-by", choices=["document", "paragraph", "line"], default="document",
+        "--txt-sample-by",
+        choices=["document", "paragraph", "line"],
+        default="document",
         help="what one .txt document is: the whole file, a blank-line separated paragraph, "
         "or a line (document)",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--tokenizer-model", required=True,
+        "--tokenizer-model",
+        required=True,
         help="sentencepiece .model file, Hugging Face tokenizer.json or a directory holding one",
-    )  # fmt: skip
+    )
     p.add_argument(
         "--output-prefix", required=True, help="writes PREFIX.bin and PREFIX.idx (atomically)"
     )
     p.add_argument(
-        "--output-per-input", action="store_true",
+        "--output-per-input",
+        action="store_true",
         help="one PREFIX_<input file stem>.bin/.idx per input instead of one for all",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--workers", "--num-proc", type=int, default=1, dest="workers",
+        "--workers",
+        "--num-proc",
+        type=int,
+        default=1,
+        dest="workers",
         help="tokenizer processes (1); the output does not depend on it",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--append-eod", action=argparse.BooleanOptionalAction, default=True,
+        "--append-eod",
+        action=argparse.BooleanOptionalAction,
+        default=True,
         help="append the end-of-document id to every document (on)",
-    )  # fmt: skip
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
     if args.workers < 1:
@@ -142,10 +152,16 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         written = preprocess.preprocess(
-            files, tok.model_path, args.output_prefix, key=args.json_key,
-            txt_sample_by=args.txt_sample_by, append_eod=args.append_eod, workers=args.workers,
-            per_input=args.output_per_input, progress=progress,
-        )  # fmt: skip
+            files,
+            tok.model_path,
+            args.output_prefix,
+            key=args.json_key,
+            txt_sample_by=args.txt_sample_by,
+            append_eod=args.append_eod,
+            workers=args.workers,
+            per_input=args.output_per_input,
+            progress=progress,
+        )
     except preprocess.InputError as e:
         return _refuse(EXIT_DATA, str(e))
     except ValueError as e:

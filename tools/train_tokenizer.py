@@ -40,8 +40,19 @@ EXIT_ARGS = 2
 EXIT_DATA = 3
 JSON_LINES = (".jsonl", ".json")
 # Not text: tokenize them with tools/preprocess_data.py, or export their text first.
-NOT_TEXT = (".parquet", ".arrow", ".gz", ".bz2", ".xz", ".zst", ".zip", ".bin", ".idx", ".npy",
-            ".model")  # fmt: skip
+NOT_TEXT = (
+    ".parquet",
+    ".arrow",
+    ".gz",
+    ".bz2",
+    ".xz",
+    ".zst",
+    ".zip",
+    ".bin",
+    ".idx",
+    ".npy",
+    ".model",
+)
 MIN_VOCAB = 260  # byte fallback alone takes 259 ids
 TOO_HIGH = re.compile(r"Vocabulary size too high \(\d+\)\. Please set it to a value <= (\d+)")
 
@@ -80,10 +91,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     args = p.parse_args(argv)
     if args.vocab_size < MIN_VOCAB:
-        p.error(f"--vocab-size {args.vocab_size} is too small: byte fallback alone takes 259 ids; "
-                f"use at least {MIN_VOCAB}")  # fmt: skip
-    for flag, value in (("--input-sentence-size", args.input_sentence_size),
-                        ("--num-threads", args.num_threads)):  # fmt: skip
+        p.error(
+            f"--vocab-size {args.vocab_size} is too small: byte fallback alone takes 259 ids; "
+            f"use at least {MIN_VOCAB}"
+        )
+    for flag, value in (
+        ("--input-sentence-size", args.input_sentence_size),
+        ("--num-threads", args.num_threads),
+    ):
         if value < 1:
             p.error(f"{flag} {value} must be >= 1")
     return args
@@ -154,9 +169,13 @@ def train(args: argparse.Namespace, tmp: str) -> str:
     prefix = os.path.expanduser(args.model_prefix)
     staging = f"{prefix}.{os.getpid()}.tmp"
     try:
-        train_sentencepiece(text_files, staging, args.vocab_size,
-                            input_sentence_size=args.input_sentence_size,
-                            num_threads=args.num_threads)  # fmt: skip
+        train_sentencepiece(
+            text_files,
+            staging,
+            args.vocab_size,
+            input_sentence_size=args.input_sentence_size,
+            num_threads=args.num_threads,
+        )
         check_written(staging)
         os.replace(staging + ".vocab", prefix + ".vocab")
         os.replace(staging + ".model", prefix + ".model")
@@ -211,9 +230,12 @@ def main(argv: list[str] | None = None) -> int:
         return _refuse(EXIT_DATA, " ".join(str(e).split()))
     except (OSError, WriteError) as e:
         why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
-        return _refuse(EXIT_DATA, f"writing {args.model_prefix}.model failed ({why}); nothing "
-                       "half-written was published: free space (or raise the file size limit) "
-                       "and run it again")  # fmt: skip
+        return _refuse(
+            EXIT_DATA,
+            f"writing {args.model_prefix}.model failed ({why}); nothing "
+            "half-written was published: free space (or raise the file size limit) "
+            "and run it again",
+        )
     tok = SentencePieceTokenizer(model)
     print(
         f"wrote {model} (vocab {tok.vocab_size}, eod id {tok.eod_id}) "

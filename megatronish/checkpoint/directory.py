@@ -72,9 +72,10 @@ def prune(ckpt_dir: str, keep_last: int | None, keep: str | None = None) -> None
     if keep_last is None:
         return
     steps = sorted(
-        d for d in os.listdir(ckpt_dir)
+        d
+        for d in os.listdir(ckpt_dir)
         if step_of(d) is not None and d != keep and os.path.isdir(os.path.join(ckpt_dir, d))
-    )  # fmt: skip
+    )
     kept = max(keep_last - (keep is not None), 0)
     for old in steps[: len(steps) - kept]:
         # Renamed first: a crash during the removal leaves a .tmp_ directory, not a partial step.
@@ -231,7 +232,8 @@ class RunLock:
 def _read_holder(fd: int) -> str:
     try:
         info = json.loads(os.pread(fd, 4096, 0).decode())
-        return (f"host {info['host']}, pid {info['pid']}, started {info['started']}"
-                + (f", run {info['run_id']}" if info.get("run_id") else ""))  # fmt: skip
+        return f"host {info['host']}, pid {info['pid']}, started {info['started']}" + (
+            f", run {info['run_id']}" if info.get("run_id") else ""
+        )
     except (OSError, ValueError, KeyError, TypeError):
         return "holder unknown"

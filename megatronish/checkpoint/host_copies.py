@@ -20,8 +20,8 @@ the process, so an async-saving rank holds between 12 and 24 bytes of pinned mem
 parameter it writes (``docs/operations.md``).
 
 Tests inject a layer whose copies complete only once an event covering them is waited for, and
-whose destinations hold nan until then (``tests/test_async_save_streams.py``): a missing wait
-shows on CPU as it would on a GPU.
+whose destinations hold nan until then (``tests/checkpoint/test_async_save_streams.py``): a
+missing wait shows on CPU as it would on a GPU.
 """
 
 from __future__ import annotations

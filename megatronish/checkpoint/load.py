@@ -29,9 +29,19 @@ from megatronish.model.spec import ModelSpec
 # Never allowed to differ: they decide which tensors there are and their shapes, and arch also
 # the norm (RMSNorm / LayerNorm) and the activation (SwiGLU / GELU). FUNCTION_KEYS change what the
 # same tensors compute: refused unless checkpoint.allow_model_changes names them.
-SHAPE_KEYS = ("arch", "num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
-              "ffn_hidden_size", "bias", "tie_embeddings", "moe.num_experts", "moe.layer_freq",
-              "moe.shared_experts")  # fmt: skip
+SHAPE_KEYS = (
+    "arch",
+    "num_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "ffn_hidden_size",
+    "bias",
+    "tie_embeddings",
+    "moe.num_experts",
+    "moe.layer_freq",
+    "moe.shared_experts",
+)
 
 
 def _saved_model_values(saved: dict) -> dict:
@@ -59,17 +69,30 @@ def check_compatible(
     tensors compute (:data:`FUNCTION_KEYS`, except those in ``allowed``) differs from ``spec``."""
     saved = _saved_model_values(meta.config.get("model", {}))
     mine = {
-        "arch": spec.arch, "num_layers": spec.num_layers, "hidden_size": spec.hidden_size,
-        "num_attention_heads": spec.num_heads, "num_query_groups": spec.num_kv_heads,
-        "ffn_hidden_size": spec.ffn_hidden_size, "rope_theta": spec.rope_theta,
-        "norm_eps": spec.norm_eps, "vocab_size": spec.vocab_size, "bias": spec.bias,
-        "tie_embeddings": spec.tie_embeddings, "moe.num_experts": 0,
-    }  # fmt: skip
+        "arch": spec.arch,
+        "num_layers": spec.num_layers,
+        "hidden_size": spec.hidden_size,
+        "num_attention_heads": spec.num_heads,
+        "num_query_groups": spec.num_kv_heads,
+        "ffn_hidden_size": spec.ffn_hidden_size,
+        "rope_theta": spec.rope_theta,
+        "norm_eps": spec.norm_eps,
+        "vocab_size": spec.vocab_size,
+        "bias": spec.bias,
+        "tie_embeddings": spec.tie_embeddings,
+        "moe.num_experts": 0,
+    }
     if spec.moe is not None:
         m = spec.moe
-        mine.update({"moe.num_experts": m.num_experts, "moe.layer_freq": m.layer_freq,
-                     "moe.shared_experts": m.shared_experts, "moe.top_k": m.top_k,
-                     "moe.router.renormalize": m.renormalize})  # fmt: skip
+        mine.update(
+            {
+                "moe.num_experts": m.num_experts,
+                "moe.layer_freq": m.layer_freq,
+                "moe.shared_experts": m.shared_experts,
+                "moe.top_k": m.top_k,
+                "moe.router.renormalize": m.renormalize,
+            }
+        )
     keys = [*SHAPE_KEYS, *(k for k in FUNCTION_KEYS if k not in allowed)]
     if spec.arch != "llama":
         keys = [k for k in keys if k != "rope_theta"]  # no rotary embedding
@@ -104,8 +127,11 @@ def check_tensor_shapes(meta: Metadata, trainer, where: str) -> None:
     full = build_chunks(trainer.spec, TPContext(), [trainer.spec.num_layers], device="meta")[0]
     wanted = {f"model/{n}": list(p.shape) for n, p in full.named_parameters()}
     stored = {n: e.shape for n, e in meta.tensors.items() if n.startswith("model/")}
-    wrong = [f"{n[6:]}: checkpoint {stored[n]}, model {shape}"
-             for n, shape in wanted.items() if n in stored and stored[n] != shape]  # fmt: skip
+    wrong = [
+        f"{n[6:]}: checkpoint {stored[n]}, model {shape}"
+        for n, shape in wanted.items()
+        if n in stored and stored[n] != shape
+    ]
     missing = sorted(n[6:] for n in wanted if n not in stored)
     extra = sorted(n[6:] for n in stored if n not in wanted)
     if wrong or missing or extra:
@@ -177,8 +203,13 @@ def _fill(reader: ShardReader, ranges: list[tuple], topo) -> None:
 
 def _restore_rng(rng, step_dir: str, meta: Metadata, topo, vpp: int, seed: int) -> None:
     layout = meta.layout
-    saved = (layout.get("tp"), layout.get("cp", 1), layout.get("pp"), layout.get("dp"),
-             layout.get("vpp"))  # fmt: skip
+    saved = (
+        layout.get("tp"),
+        layout.get("cp", 1),
+        layout.get("pp"),
+        layout.get("dp"),
+        layout.get("vpp"),
+    )
     same = saved == (topo.tp, topo.cp, topo.pp, topo.dp, vpp)
     path = os.path.join(step_dir, f"rng-rank{topo.rank:05d}.safetensors")
     if same and os.path.exists(path):

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from megatronish.data_parallel.buckets import Bucket
 from megatronish.distributed.comm import all_gather_into
-from megatronish.optim.buckets import Bucket
 from megatronish.tensor_parallel.sharding import global_shape, param_info
 
 
@@ -90,8 +90,9 @@ def flat_rects(shape: Sequence[int], lo: int, hi: int) -> list[tuple[list[list[i
     out = within(r0, c0, row) if c0 else []
     first_whole = r0 + bool(c0)
     if r1 > first_whole:
-        out.append(([[first_whole, r1 - first_whole]] + [[0, n] for n in shape[1:]],
-                    first_whole * row))  # fmt: skip
+        out.append(
+            ([[first_whole, r1 - first_whole]] + [[0, n] for n in shape[1:]], first_whole * row)
+        )
     return out + (within(r1, 0, c1) if c1 else [])
 
 

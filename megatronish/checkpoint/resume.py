@@ -80,9 +80,13 @@ def auto_candidates(ckpt_dir: str, log: Callable[[str], None] = print) -> list[i
     if not os.path.isdir(ckpt_dir):
         return []
     published = sorted(
-        (s for d in os.listdir(ckpt_dir) if (s := step_of(d)) is not None
-         and os.path.isdir(os.path.join(ckpt_dir, d))), reverse=True,
-    )  # fmt: skip
+        (
+            s
+            for d in os.listdir(ckpt_dir)
+            if (s := step_of(d)) is not None and os.path.isdir(os.path.join(ckpt_dir, d))
+        ),
+        reverse=True,
+    )
     try:
         latest = step_of(latest_step_name(ckpt_dir) or "")
     except CheckpointError as e:
@@ -136,8 +140,10 @@ def open_checkpoint_dir(ckpt_dir: str, group: ParallelGroup, label: str | None) 
         except CheckpointError as e:
             error = str(e)
         except OSError as e:
-            error = (f"cannot use checkpoint.dir={ckpt_dir} ({e.strerror}); fix its permissions "
-                     "or set checkpoint.dir to a writable directory")  # fmt: skip
+            error = (
+                f"cannot use checkpoint.dir={ckpt_dir} ({e.strerror}); fix its permissions "
+                "or set checkpoint.dir to a writable directory"
+            )
     _agree_or_unlock(error, group, lock)
     nonce = _share_ints([random.getrandbits(48)], group)[0]
     _agree_or_unlock(write_probe(ckpt_dir, nonce, group.rank), group, lock)
@@ -189,8 +195,9 @@ def start_run(plan: ResumePlan, current: dict, group: ParallelGroup) -> str:
     code, step = _share_ints([code, step], group)
     where = os.path.dirname(plan.candidates[0]) if plan.candidates else "checkpoint.dir"
     if code == _CHANGED:
-        raise ConfigChanged(message or f"the config differs from the run saved in {where} "
-                            "(rank 0 lists how)")  # fmt: skip
+        raise ConfigChanged(
+            message or f"the config differs from the run saved in {where} (rank 0 lists how)"
+        )
     if code == _COMPLETE:
         raise RunComplete(step, plan.candidates[0])
     if code == _FAILED:
@@ -303,8 +310,9 @@ def _set_aside(damaged: list[tuple[str, str]], loaded: str, group: ParallelGroup
         try:
             for path, reason in damaged:  # ``latest`` may name a step that is gone: 0
                 exists = os.path.isdir(path)
-                suffixes.append(set_aside_damaged(ckpt_dir, os.path.basename(path), reason)
-                                if exists else 0)  # fmt: skip
+                suffixes.append(
+                    set_aside_damaged(ckpt_dir, os.path.basename(path), reason) if exists else 0
+                )
             write_latest(ckpt_dir, os.path.basename(loaded))
         except OSError as e:
             error = f"setting aside the damaged checkpoints in {ckpt_dir} failed: {e}"

@@ -20,16 +20,35 @@ from typing import Any
 
 # Keys (or sections) that may differ between a saved run and its resume.
 ALWAYS_ALLOWED = (
-    "name", "out_dir", "world_size", "parallel", "checkpoint", "logging",
-    "trainer.max_steps", "trainer.micro_batch_size", "trainer.device", "trainer.num_threads",
-    "trainer.eval_interval", "trainer.eval_iters", "trainer.dry_run", "trainer.exit_after_minutes",
-    "trainer.stop_signals", "trainer.peak_tflops", "trainer.check_memory",
-    "trainer.max_skipped_steps", "trainer.profile", "trainer.recompute", "trainer.recompute_method",
-    "trainer.recompute_num_layers", "trainer.tf32", "trainer.deterministic",
-    "data.prefetch", "data.cache_dir",
+    "name",
+    "out_dir",
+    "world_size",
+    "parallel",
+    "checkpoint",
+    "logging",
+    "trainer.max_steps",
+    "trainer.micro_batch_size",
+    "trainer.device",
+    "trainer.num_threads",
+    "trainer.eval_interval",
+    "trainer.eval_iters",
+    "trainer.dry_run",
+    "trainer.exit_after_minutes",
+    "trainer.stop_signals",
+    "trainer.peak_tflops",
+    "trainer.check_memory",
+    "trainer.max_skipped_steps",
+    "trainer.profile",
+    "trainer.recompute",
+    "trainer.recompute_method",
+    "trainer.recompute_num_layers",
+    "trainer.tf32",
+    "trainer.deterministic",
+    "data.prefetch",
+    "data.cache_dir",
     # The saved value is the tokenizer's real size; a mismatch is checked with the tensors.
     "model.vocab_size",
-)  # fmt: skip
+)
 
 
 class ConfigChanged(ValueError):

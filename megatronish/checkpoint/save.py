@@ -97,8 +97,9 @@ def write_rank_files(tmp_dir: str, rank: int, tensors, index) -> None:
         raise OSError(write_failure(path, e)) from e
 
 
-def merge_and_publish(ckpt_dir: str, tmp_dir: str, step: int, world: int, header: dict,
-                      keep_last: int) -> str:  # fmt: skip
+def merge_and_publish(
+    ckpt_dir: str, tmp_dir: str, step: int, world: int, header: dict, keep_last: int
+) -> str:
     """Rank 0: build metadata.json from the indexes, rename, update ``latest``, prune."""
     tensors: dict[str, TensorEntry] = {}
     for rank in range(world):
@@ -176,14 +177,22 @@ class Saving:
 class CheckpointSaver:
     """Periodic, final and asynchronous saves of a Trainer's state."""
 
-    def __init__(self, cfg, trainer, rng=None, run_id: str | None = None,
-                 special_tokens: dict | None = None, copies: HostCopies | None = None):  # fmt: skip
+    def __init__(
+        self,
+        cfg,
+        trainer,
+        rng=None,
+        run_id: str | None = None,
+        special_tokens: dict | None = None,
+        copies: HostCopies | None = None,
+    ):
         """``copies``: the device->host copy layer of every save (default: the one for the
         trainer's device and ``checkpoint.async_save``, see
         :func:`~megatronish.checkpoint.host_copies.host_copies_for`)."""
         self.cfg, self.trainer, self.rng = cfg, trainer, rng
-        self.copies = copies or host_copies_for(trainer.topo.device,
-                                                bool(cfg.checkpoint.async_save))  # fmt: skip
+        self.copies = copies or host_copies_for(
+            trainer.topo.device, bool(cfg.checkpoint.async_save)
+        )
         self.special_tokens = dict(special_tokens or {})  # the tokenizer's, recorded for exports
         self.dir = os.path.expanduser(cfg.checkpoint.dir)
         self.run_id = run_id
@@ -202,15 +211,25 @@ class CheckpointSaver:
         return {
             "step": t.state.step,
             "consumed_samples": t.state.consumed_samples,
-            "layout": {"tp": t.topo.tp, "cp": t.topo.cp, "pp": t.topo.pp, "dp": t.topo.dp,
-                       "vpp": p.vpp, "ep": t.topo.ep,
-                       "sp": bool(p.sp), "zero_stage": p.zero_stage,
-                       "world_size": t.topo.world_size},  # fmt: skip
+            "layout": {
+                "tp": t.topo.tp,
+                "cp": t.topo.cp,
+                "pp": t.topo.pp,
+                "dp": t.topo.dp,
+                "vpp": p.vpp,
+                "ep": t.topo.ep,
+                "sp": bool(p.sp),
+                "zero_stage": p.zero_stage,
+                "world_size": t.topo.world_size,
+            },
             "config": self.config_dict,
-            "trainer": {"skipped_steps": t.state.skipped_steps,
-                        "optimizer_steps": optimizer_steps, "run_id": self.run_id},
+            "trainer": {
+                "skipped_steps": t.state.skipped_steps,
+                "optimizer_steps": optimizer_steps,
+                "run_id": self.run_id,
+            },
             "tokenizer": self.special_tokens,
-        }  # fmt: skip
+        }
 
     def save(self, blocking: bool | None = None) -> str | None:
         """Save the current step. Collective. Returns the published path (None while async).
@@ -295,9 +314,11 @@ class CheckpointSaver:
             self.pending = None
             topo = self.trainer.topo
             prefix = f"[rank {topo.rank}] " if topo.world_size > 1 else ""
-            line = (f"{prefix}note: checkpoint step {pending.step} was not saved: its "
-                    f"device-to-host copies did not complete within {wait_s:g} s (a GPU stream "
-                    f"is stuck); {pending.tmp_dir} stays unpublished")  # fmt: skip
+            line = (
+                f"{prefix}note: checkpoint step {pending.step} was not saved: its "
+                f"device-to-host copies did not complete within {wait_s:g} s (a GPU stream "
+                f"is stuck); {pending.tmp_dir} stays unpublished"
+            )
             print(line, file=sys.stderr, flush=True)
             return line
         pending.thread.join()
@@ -311,8 +332,9 @@ class CheckpointSaver:
         path, error = os.path.join(self.dir, step_dir_name(step)), None
         if topo.rank == 0:
             try:
-                path = merge_and_publish(self.dir, tmp_dir, step, topo.world_size, header,
-                                         self.cfg.checkpoint.keep_last)  # fmt: skip
+                path = merge_and_publish(
+                    self.dir, tmp_dir, step, topo.world_size, header, self.cfg.checkpoint.keep_last
+                )
             except OSError as e:
                 error = f"publishing checkpoint step {step} failed: {e}"
         self._agree(error, tmp_dir)  # published before anyone reads it

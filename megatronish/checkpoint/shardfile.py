@@ -24,10 +24,17 @@ import torch
 from megatronish.checkpoint.format import CheckpointError, Shard
 
 DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-    "U8": torch.uint8, "BOOL": torch.bool,
-}  # fmt: skip
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
 MAX_HEADER = 100 << 20  # bytes; safetensors itself refuses larger headers
 STAGING_SLAB = 32 << 20  # bytes of file read per staged slab (a longer single row still fits)
 
@@ -92,8 +99,9 @@ class Piece(NamedTuple):
 def piece(file: ShardFile, shard: Shard, src: tuple[slice, ...], out: torch.Tensor) -> Piece:
     st = file.stored(shard.key)
     first, count = region_span(st, src)
-    return Piece(file, shard, src, out, st.start + first * st.dtype.itemsize,
-                 count * st.dtype.itemsize)  # fmt: skip
+    return Piece(
+        file, shard, src, out, st.start + first * st.dtype.itemsize, count * st.dtype.itemsize
+    )
 
 
 def split_runs(pieces: list[Piece], parts: int) -> list[list[Piece]]:
@@ -228,9 +236,13 @@ class ShardFile:
         return buf.view(st.dtype).view(st.shape)
 
     def _staged(
-        self, key: str, st: StoredTensor, src: tuple[slice, ...], out: torch.Tensor,
+        self,
+        key: str,
+        st: StoredTensor,
+        src: tuple[slice, ...],
+        out: torch.Tensor,
         staging: Staging,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """Read slabs of rows (along the region's first dim longer than 1) into ``staging`` and
         copy each slab's strided view into ``out``."""
         lengths = [s.stop - s.start for s in src]

@@ -88,8 +88,9 @@ def start_snapshot(trainer, rng, copies: HostCopies) -> Snapshot:
     copies.follow_training()
     steps = copies.to_host(trainer.optimizer.steps_on_device, "optimizer_steps")
     with copy_threads():
-        buffers = _snapshot_buckets(trainer.zero, trainer.optimizer, trainer.topo, copies,
-                                    tensors, index)  # fmt: skip
+        buffers = _snapshot_buckets(
+            trainer.zero, trainer.optimizer, trainer.topo, copies, tensors, index
+        )
     event = copies.record()
     trainer.optimizer.before_next_update(functools.partial(copies.training_waits, event))
     if rng is not None:
@@ -154,9 +155,16 @@ def _snapshot_buckets(zero, optimizer, topo, copies: HostCopies, tensors, index)
                     key = f"{kind}/{gname}@{r}"
                     piece = copies.to_host(rect.take(local), key)
                     tensors["model" if kind == "model" else "optim"][key] = piece
-                    index.append({"name": f"{kind}/{gname}", "key": key, "offsets": rect.offsets,
-                                  "shape": list(global_shape(p, topo.tp)), "dtype": "float32",
-                                  "file": "model" if kind == "model" else "optim"})  # fmt: skip
+                    index.append(
+                        {
+                            "name": f"{kind}/{gname}",
+                            "key": key,
+                            "offsets": rect.offsets,
+                            "shape": list(global_shape(p, topo.tp)),
+                            "dtype": "float32",
+                            "file": "model" if kind == "model" else "optim",
+                        }
+                    )
         if ring is not None:
             ring.copied(i)
     return [] if ring is None else ring.buffers()

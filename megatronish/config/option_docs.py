@@ -38,8 +38,11 @@ def options_help(title: str, options: Sequence[OptionDoc]) -> str:
             lines.append(head)
             head = ""
         indent = " " * KEY_COLUMN
-        lines.append(textwrap.fill(meaning, WIDTH, initial_indent=head.ljust(KEY_COLUMN),
-                                   subsequent_indent=indent))  # fmt: skip
+        lines.append(
+            textwrap.fill(
+                meaning, WIDTH, initial_indent=head.ljust(KEY_COLUMN), subsequent_indent=indent
+            )
+        )
     return "\n".join(lines)
 
 

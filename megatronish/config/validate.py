@@ -102,19 +102,49 @@ def config_errors(
         if v is not None and v not in allowed:
             errors.append(f"{key}={v!r} is not one of {', '.join(allowed)} (or null)")
 
-    _positive(cfg, ["parallel.tp", "parallel.cp", "parallel.pp", "parallel.vpp", "parallel.dp",
-                    "trainer.num_threads", "trainer.peak_tflops", "data.max_corpus_mb",
-                    "data.vocab_size",
-                    "model.num_layers", "model.hidden_size", "model.num_attention_heads",
-                    "model.num_query_groups", "model.ffn_hidden_size", "model.seq_length",
-                    "model.vocab_size", "model.make_vocab_size_divisible_by",
-                    "trainer.micro_batch_size", "trainer.global_batch_size",
-                    "logging.log_interval", "trainer.recompute_num_layers",
-                    "parallel.bucket_size_mb", "parallel.collective_timeout_s"],
-              errors)  # fmt: skip
-    _positive(cfg, ["trainer.max_steps", "trainer.eval_interval", "trainer.eval_iters",
-                    "checkpoint.interval", "scheduler.warmup_steps", "trainer.max_skipped_steps",
-                    "trainer.seed"], errors, allow_zero=True)  # fmt: skip
+    _positive(
+        cfg,
+        [
+            "parallel.tp",
+            "parallel.cp",
+            "parallel.pp",
+            "parallel.vpp",
+            "parallel.dp",
+            "trainer.num_threads",
+            "trainer.peak_tflops",
+            "data.max_corpus_mb",
+            "data.vocab_size",
+            "model.num_layers",
+            "model.hidden_size",
+            "model.num_attention_heads",
+            "model.num_query_groups",
+            "model.ffn_hidden_size",
+            "model.seq_length",
+            "model.vocab_size",
+            "model.make_vocab_size_divisible_by",
+            "trainer.micro_batch_size",
+            "trainer.global_batch_size",
+            "logging.log_interval",
+            "trainer.recompute_num_layers",
+            "parallel.bucket_size_mb",
+            "parallel.collective_timeout_s",
+        ],
+        errors,
+    )
+    _positive(
+        cfg,
+        [
+            "trainer.max_steps",
+            "trainer.eval_interval",
+            "trainer.eval_iters",
+            "checkpoint.interval",
+            "scheduler.warmup_steps",
+            "trainer.max_skipped_steps",
+            "trainer.seed",
+        ],
+        errors,
+        allow_zero=True,
+    )
     errors += not_finite(cfg)
     errors += value_errors(cfg)
     if world_size < 1:
@@ -124,8 +154,9 @@ def config_errors(
 
     # Layout.
     model_ranks = p.tp * p.cp * p.pp  # ranks of one data-parallel replica
-    names, sizes = ("tp*cp*pp", f"{p.tp}*{p.cp}*{p.pp}") if p.cp > 1 else (
-        "tp*pp", f"{p.tp}*{p.pp}")  # fmt: skip
+    names, sizes = (
+        ("tp*cp*pp", f"{p.tp}*{p.cp}*{p.pp}") if p.cp > 1 else ("tp*pp", f"{p.tp}*{p.pp}")
+    )
     if world_size % model_ranks:
         errors.append(
             f"world size {world_size} is not divisible by {names} = {sizes}; launch a multiple "
@@ -178,8 +209,11 @@ def config_errors(
             "model.seq_length or parallel.cp"
         )
     elif p.sp and (m.seq_length // p.cp) % p.tp:
-        local = f"model.seq_length/cp = {m.seq_length // p.cp}" if p.cp > 1 else (
-            f"model.seq_length={m.seq_length}")  # fmt: skip
+        local = (
+            f"model.seq_length/cp = {m.seq_length // p.cp}"
+            if p.cp > 1
+            else (f"model.seq_length={m.seq_length}")
+        )
         errors.append(
             f"{local} is not divisible by parallel.tp={p.tp}, "
             "which sequence parallelism (parallel.sp=true) needs"

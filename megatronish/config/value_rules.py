@@ -69,8 +69,9 @@ def value_errors(cfg) -> list[str]:
             "every step or N >= 1 to keep the newest N"
         )
     resume = str(c.resume)
-    if resume not in RESUME_WORDS and (resume.lower() in (*RESUME_WORDS, "none", "null", "false",
-                                                          "no", "off", "true", "")):  # fmt: skip
+    if resume not in RESUME_WORDS and (
+        resume.lower() in (*RESUME_WORDS, "none", "null", "false", "no", "off", "true", "")
+    ):
         errors.append(
             f"checkpoint.resume={resume!r} reads like a keyword, not a path: use auto (resume "
             "from checkpoint.dir's latest step), never (start from scratch) or a checkpoint path"

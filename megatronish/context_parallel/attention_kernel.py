@@ -95,9 +95,13 @@ def _sdp_switches() -> tuple:
     """The global settings torch's checks read besides the tensors."""
     cuda = torch.backends.cuda
     cudnn = getattr(cuda, "cudnn_sdp_enabled", lambda: False)
-    return (cuda.flash_sdp_enabled(), cuda.mem_efficient_sdp_enabled(), cudnn(),
-            torch.are_deterministic_algorithms_enabled(),
-            torch.is_deterministic_algorithms_warn_only_enabled())  # fmt: skip
+    return (
+        cuda.flash_sdp_enabled(),
+        cuda.mem_efficient_sdp_enabled(),
+        cudnn(),
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+    )
 
 
 def _layout(t: torch.Tensor) -> tuple:
@@ -142,16 +146,29 @@ class SDPAChecks:
         the memory-efficient kernel only)."""
         if params is None:
             return None
-        kernels = [("flash", self.flash), ("cudnn", None if bias else self.cudnn),
-                   ("efficient", self.efficient)]  # fmt: skip
+        kernels = [
+            ("flash", self.flash),
+            ("cudnn", None if bias else self.cudnn),
+            ("efficient", self.efficient),
+        ]
         return next((name for name, can_use in kernels if can_use and can_use(params)), None)
 
     def kernel(self, q, k, v, mask, attn_mask, dropout_p, is_causal) -> AttentionKernel:
         """The kernel for these inputs and whether K/V must be expanded for it."""
         extra = () if mask != "tensor" else (attn_mask.dtype, _layout(attn_mask))
-        key = (q.dtype, q.device, _layout(q), _layout(k), _layout(v), mask, extra,
-               float(dropout_p), bool(is_causal), torch.is_grad_enabled(),
-               self.switches())  # fmt: skip
+        key = (
+            q.dtype,
+            q.device,
+            _layout(q),
+            _layout(k),
+            _layout(v),
+            mask,
+            extra,
+            float(dropout_p),
+            bool(is_causal),
+            torch.is_grad_enabled(),
+            self.switches(),
+        )
         hit = self.cache.get(key)
         if hit is None:
             try:
@@ -196,9 +213,10 @@ def torch_checks() -> SDPAChecks | None:
     if not all(hasattr(cuda, n) for n in names):
         return None
     return SDPAChecks(
-        cuda.can_use_flash_attention, cuda.can_use_efficient_attention,
+        cuda.can_use_flash_attention,
+        cuda.can_use_efficient_attention,
         getattr(cuda, "can_use_cudnn_attention", None),
-    )  # fmt: skip
+    )
 
 
 TORCH_CHECKS = torch_checks()
@@ -239,8 +257,16 @@ def kernel_for(
 def _by_table(device_type: str, q, k, v, mask: str, dropout_p: float) -> AttentionKernel:
     """:func:`attention_kernel` for these tensors, as if on ``device_type``."""
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    return attention_kernel(device_type, q.dtype, k.shape[1] != q.shape[1], dropout_p, mask,
-                            q.shape[-1], _capability(q.device), grad)  # fmt: skip
+    return attention_kernel(
+        device_type,
+        q.dtype,
+        k.shape[1] != q.shape[1],
+        dropout_p,
+        mask,
+        q.shape[-1],
+        _capability(q.device),
+        grad,
+    )
 
 
 def expand_kv_heads(x: torch.Tensor, heads: int) -> torch.Tensor:

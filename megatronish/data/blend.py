@@ -94,18 +94,24 @@ def _read_cache(paths: tuple[str, str], crc_path: str, size: int, log):
             crcs = json.load(f)
         for path in paths:
             if file_crc32(path) != crcs[os.path.basename(path)]:
-                log(f"[data] blend index cache {path} does not match its CRC32 in {crc_path} "
-                    "(damaged or edited); rebuilding it")  # fmt: skip
+                log(
+                    f"[data] blend index cache {path} does not match its CRC32 in {crc_path} "
+                    "(damaged or edited); rebuilding it"
+                )
                 return None
         datasets, samples = (np.load(p, allow_pickle=False) for p in paths)
     except (OSError, ValueError, KeyError, TypeError) as e:
-        log(f"[data] blend index cache {crc_path} is damaged ({type(e).__name__}: {e}); "
-            "rebuilding it")  # fmt: skip
+        log(
+            f"[data] blend index cache {crc_path} is damaged ({type(e).__name__}: {e}); "
+            "rebuilding it"
+        )
         return None
     if datasets.shape == samples.shape == (size,):
         return datasets, samples
-    log(f"[data] blend index cache {paths[0]} has shape {datasets.shape}, not ({size},); "
-        "rebuilding it")  # fmt: skip
+    log(
+        f"[data] blend index cache {paths[0]} has shape {datasets.shape}, not ({size},); "
+        "rebuilding it"
+    )
     return None
 
 

@@ -101,8 +101,10 @@ class HFTokenizer:
     def _special_ids(self) -> dict[str, int]:
         """bos / eos / pad ids (see the module docstring): a file naming a token this tokenizer
         lacks is refused for eos, passed over for bos and pad (not needed to train)."""
-        files = {name: read_json_object(os.path.join(self.directory, name))
-                 for name in TOKEN_FILES + ID_FILES}  # fmt: skip
+        files = {
+            name: read_json_object(os.path.join(self.directory, name))
+            for name in TOKEN_FILES + ID_FILES
+        }
         ids: dict[str, int] = {}
         for role in ROLES:
             for name, named, token_id in self._named(files, role):
@@ -115,8 +117,9 @@ class HFTokenizer:
                         f"{self.json_path} ({self._vocab_size} ids) does not have; fix {name}"
                     )
         if "eos_token_id" not in ids:
-            special = {t.content for t in self._tok.get_added_tokens_decoder().values()
-                       if t.special}  # fmt: skip
+            special = {
+                t.content for t in self._tok.get_added_tokens_decoder().values() if t.special
+            }
             named = [name for name in EOS_NAMES if name in special]
             if len(named) == 1:
                 ids["eos_token_id"] = self._tok.token_to_id(named[0])
@@ -128,8 +131,10 @@ class HFTokenizer:
 
     def special_tokens(self) -> dict[str, str]:
         """bos / eos / pad tokens as text (``eos_token``: ``<|endoftext|>``)."""
-        return {f"{key.removesuffix('_id')}": self._tok.id_to_token(i)
-                for key, i in self._special.items()}  # fmt: skip
+        return {
+            f"{key.removesuffix('_id')}": self._tok.id_to_token(i)
+            for key, i in self._special.items()
+        }
 
     @property
     def vocab_size(self) -> int:

@@ -26,8 +26,13 @@ import numpy as np
 from megatronish.data.indexed import IndexedDatasetWriter, dtype_for_vocab
 from megatronish.data.tokenizer import Tokenizer, load_tokenizer
 
-BUILDERS = {".jsonl": "json", ".json": "json", ".txt": "text", ".parquet": "parquet",
-            ".arrow": "arrow"}  # fmt: skip
+BUILDERS = {
+    ".jsonl": "json",
+    ".json": "json",
+    ".txt": "text",
+    ".parquet": "parquet",
+    ".arrow": "arrow",
+}
 CHUNK_DOCS = 512  # documents per task: big enough to amortise the hand-off, small for order
 
 
@@ -103,8 +108,9 @@ def _rows(path: str, builder: str, kwargs: dict) -> Iterator[dict]:
 
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its errors are ours to report
     try:
-        ds = datasets.load_dataset(builder, data_files=[path], split="train", streaming=True,
-                                   **kwargs)  # fmt: skip
+        ds = datasets.load_dataset(
+            builder, data_files=[path], split="train", streaming=True, **kwargs
+        )
         yield from ds
     except Exception as e:  # noqa: BLE001 - pyarrow, json, codecs and datasets raise many types
         raise InputError(
@@ -219,8 +225,9 @@ def preprocess(
             with IndexedDatasetWriter(prefix, dtype) as writer:
                 for path in (f for f, p in zip(files, prefixes) if p == prefix):
                     docs = iter_documents(path, key, txt_sample_by)
-                    for flat, lengths in ordered_map(work, _chunks(docs, CHUNK_DOCS), pool,
-                                                     4 * workers):  # fmt: skip
+                    for flat, lengths in ordered_map(
+                        work, _chunks(docs, CHUNK_DOCS), pool, 4 * workers
+                    ):
                         ids = np.frombuffer(flat, dtype=np.int32)
                         lens = np.frombuffer(lengths, dtype=np.int64)
                         writer.add_documents(ids, lens)

@@ -43,8 +43,11 @@ class SentencePieceTokenizer:
 
     def special_token_ids(self) -> dict[str, int]:
         """bos / eos / pad ids by their Hugging Face names (pieces the model lacks left out)."""
-        ids = {"bos_token_id": self._sp.bos_id(), "eos_token_id": self.eod_id,
-               "pad_token_id": self._sp.pad_id()}  # fmt: skip
+        ids = {
+            "bos_token_id": self._sp.bos_id(),
+            "eos_token_id": self.eod_id,
+            "pad_token_id": self._sp.pad_id(),
+        }
         return {k: v for k, v in ids.items() if v >= 0}
 
     @property

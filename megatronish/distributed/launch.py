@@ -109,12 +109,14 @@ def gpu_for_local_rank(
     from megatronish.config.validate import ConfigError  # omegaconf: only when refusing
 
     bind = "; srun: --gpus-per-task=1 gives each task its own" if task_bound else ""
-    raise ConfigError([
-        f"local rank {local_rank} has no GPU of its own: this node shows {device_count} GPU(s) "
-        f"(CUDA_VISIBLE_DEVICES={env.get('CUDA_VISIBLE_DEVICES', 'unset')}); start at "
-        f"most {device_count} rank(s) per node (torchrun --nproc-per-node, srun "
-        f"--ntasks-per-node){bind} or use trainer.device=cpu"
-    ])  # fmt: skip
+    raise ConfigError(
+        [
+            f"local rank {local_rank} has no GPU of its own: this node shows {device_count} GPU(s) "
+            f"(CUDA_VISIBLE_DEVICES={env.get('CUDA_VISIBLE_DEVICES', 'unset')}); start at "
+            f"most {device_count} rank(s) per node (torchrun --nproc-per-node, srun "
+            f"--ntasks-per-node){bind} or use trainer.device=cpu"
+        ]
+    )
 
 
 def pick_device(requested: str, local_rank: int, task_bound: bool = False) -> torch.device:

@@ -29,25 +29,44 @@ if TYPE_CHECKING:
 
 # torch's OpType names (opTypeToString) -> the op names megatronish uses.
 OP_NAMES = {
-    "ALLREDUCE": "all_reduce", "ALLREDUCE_COALESCED": "all_reduce",
-    "_ALLREDUCE_SPARSE": "all_reduce", "ALLGATHER": "all_gather", "_ALLGATHER_BASE": "all_gather",
-    "ALLGATHER_COALESCED": "all_gather", "REDUCE_SCATTER": "reduce_scatter",
-    "_REDUCE_SCATTER_BASE": "reduce_scatter", "REDUCE_SCATTER_TENSOR_COALESCED": "reduce_scatter",
-    "BROADCAST": "broadcast", "REDUCE": "reduce", "GATHER": "gather", "SCATTER": "scatter",
-    "ALLTOALL": "all_to_all", "ALLTOALL_BASE": "all_to_all", "SEND": "send", "RECV": "recv",
-    "RECVANYSOURCE": "recv", "BARRIER": "barrier", "COALESCED": "batched send/recv",
-}  # fmt: skip
+    "ALLREDUCE": "all_reduce",
+    "ALLREDUCE_COALESCED": "all_reduce",
+    "_ALLREDUCE_SPARSE": "all_reduce",
+    "ALLGATHER": "all_gather",
+    "_ALLGATHER_BASE": "all_gather",
+    "ALLGATHER_COALESCED": "all_gather",
+    "REDUCE_SCATTER": "reduce_scatter",
+    "_REDUCE_SCATTER_BASE": "reduce_scatter",
+    "REDUCE_SCATTER_TENSOR_COALESCED": "reduce_scatter",
+    "BROADCAST": "broadcast",
+    "REDUCE": "reduce",
+    "GATHER": "gather",
+    "SCATTER": "scatter",
+    "ALLTOALL": "all_to_all",
+    "ALLTOALL_BASE": "all_to_all",
+    "SEND": "send",
+    "RECV": "recv",
+    "RECVANYSOURCE": "recv",
+    "BARRIER": "barrier",
+    "COALESCED": "batched send/recv",
+}
 GROUP_OF_DESC = {"default_pg": "world"}  # init_process_group's fixed description
 
 # (text that shows it, kind): NCCL's result codes and ncclGetErrorString's words for them.
 _CODES = (
-    ("ncclRemoteError", "remote"), ("remote process exited", "remote"),
-    ("ncclSystemError", "system"), ("unhandled system error", "system"),
-    ("ncclInternalError", "internal"), ("internal error", "internal"),
-    ("ncclUnhandledCudaError", "cuda"), ("unhandled cuda error", "cuda"),
-    ("ncclInvalidUsage", "usage"), ("invalid usage", "usage"),
-    ("ncclInvalidArgument", "usage"), ("invalid argument", "usage"),
-)  # fmt: skip
+    ("ncclRemoteError", "remote"),
+    ("remote process exited", "remote"),
+    ("ncclSystemError", "system"),
+    ("unhandled system error", "system"),
+    ("ncclInternalError", "internal"),
+    ("internal error", "internal"),
+    ("ncclUnhandledCudaError", "cuda"),
+    ("unhandled cuda error", "cuda"),
+    ("ncclInvalidUsage", "usage"),
+    ("invalid usage", "usage"),
+    ("ncclInvalidArgument", "usage"),
+    ("invalid argument", "usage"),
+)
 _PG_PREFIX = re.compile(r"\[PG ID \d+ PG GUID [^\s(\]]*(?:\((?P<desc>[^)]*)\))? Rank \d+\]\s*")
 _NOISE = re.compile(r"\[Rank \d+\]\s*|^(?:torch\.distributed\.)?Dist\w*Error:\s*")
 _WORK = re.compile(r"WorkNCCL\(SeqNum=(?P<seq>\d+), OpType=(?P<op>\w+)")

@@ -93,7 +93,7 @@ def group_ranks(tp: int, dp: int, pp: int, cp: int = 1, ep: int = 1) -> dict[str
             for d in range(dp)
             for c in range(cp)
             for t in range(tp)
-        ],  # fmt: skip
+        ],
         "world": [list(range(tp * cp * dp * pp))],
     }
 

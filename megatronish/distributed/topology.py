@@ -165,9 +165,13 @@ class Topology:
             if len(ranks) == 1:
                 mine = None
             groups[name] = ParallelGroup(
-                name=name, ranks=tuple(ranks), rank=ranks.index(rank), pg=mine, stats=stats,
+                name=name,
+                ranks=tuple(ranks),
+                rank=ranks.index(rank),
+                pg=mine,
+                stats=stats,
                 timeout_s=timeout_s,
-            )  # fmt: skip
+            )
         return cls(
             tp=tp,
             dp=dp,

@@ -90,8 +90,10 @@ def run(options: Options) -> int:
 
     try:
         if detect_launch().world_size > 1:
-            raise OptionError("generation runs in one process: start it with python -m, not "
-                              "torchrun or srun with several tasks")  # fmt: skip
+            raise OptionError(
+                "generation runs in one process: start it with python -m, not "
+                "torchrun or srun with several tasks"
+            )
         device = _device(options.device)
         path = _checkpoint_path(options)
         loaded = load_model(path, device, options.verify)
@@ -109,13 +111,21 @@ def run(options: Options) -> int:
     except (CheckpointError, FileNotFoundError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_FILES
-    print(f"[generate] {loaded.describe()}; {options.sampling.describe()} on {device}",
-          file=sys.stderr, flush=True)  # fmt: skip
+    print(
+        f"[generate] {loaded.describe()}; {options.sampling.describe()} on {device}",
+        file=sys.stderr,
+        flush=True,
+    )
     generator = torch.Generator(device=device).manual_seed(options.seed)
     out = generate(
-        loaded.model, torch.tensor([ids], device=device), options.max_new_tokens,
-        options.sampling, tokenizer.eod_id, generator, tokenizer.vocab_size,
-    )  # fmt: skip
+        loaded.model,
+        torch.tensor([ids], device=device),
+        options.max_new_tokens,
+        options.sampling,
+        tokenizer.eod_id,
+        generator,
+        tokenizer.vocab_size,
+    )
     print(tokenizer.decode(out.ids[0].tolist()), flush=True)
     why = (
         "the end-of-document token"
@@ -123,8 +133,11 @@ def run(options: Options) -> int:
         else f"max_new_tokens={options.max_new_tokens}"
     )
     rate = out.new_tokens / out.seconds if out.seconds > 0 else float("inf")
-    print(f"[generate] {out.new_tokens} tokens in {out.seconds:.2f} s ({rate:.0f} tokens/s), "
-          f"stopped at {why}", file=sys.stderr)  # fmt: skip
+    print(
+        f"[generate] {out.new_tokens} tokens in {out.seconds:.2f} s ({rate:.0f} tokens/s), "
+        f"stopped at {why}",
+        file=sys.stderr,
+    )
     return 0
 
 

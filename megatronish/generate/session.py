@@ -62,8 +62,11 @@ def _check_tensors(model: GPTChunk, meta: Metadata, where: str) -> None:
     """Every parameter is in the checkpoint with its shape, and no model tensor is left over."""
     stored = {n[6:]: e.shape for n, e in meta.tensors.items() if n.startswith("model/")}
     wanted = {n: list(p.shape) for n, p in model.named_parameters()}
-    wrong = [f"{n}: checkpoint {stored[n]}, model {s}"
-             for n, s in wanted.items() if n in stored and stored[n] != s]  # fmt: skip
+    wrong = [
+        f"{n}: checkpoint {stored[n]}, model {s}"
+        for n, s in wanted.items()
+        if n in stored and stored[n] != s
+    ]
     missing = sorted(set(wanted) - set(stored))
     extra = sorted(set(stored) - set(wanted))
     parts = wrong + [f"missing: {', '.join(missing)}"] * bool(missing)
@@ -80,8 +83,9 @@ def load_model(path: str, device: torch.device | str = "cpu", verify: bool = Tru
     step_dir = resolve_step_dir(path)
     meta = read_metadata(step_dir)
     spec = spec_of(meta, step_dir)
-    model = GPTChunk(spec, TPContext(), range(spec.num_layers), first=True, last=True,
-                     device=device)  # fmt: skip
+    model = GPTChunk(
+        spec, TPContext(), range(spec.num_layers), first=True, last=True, device=device
+    )
     _check_tensors(model, meta, step_dir)
     with ShardReader(step_dir, meta, verify=verify) as reader:
         reader.read_many([(f"model/{n}", None, p.data) for n, p in model.named_parameters()])

@@ -27,8 +27,9 @@ def run_tokenizer_path(config: dict, trainer: dict | None = None) -> str | None:
     return os.path.join(os.path.expanduser(data["cache_dir"]), name, TOKENIZER_NAME + ".model")
 
 
-def run_tokenizer(config: dict, trainer: dict | None = None,
-                  override: str | None = None) -> Tokenizer:  # fmt: skip
+def run_tokenizer(
+    config: dict, trainer: dict | None = None, override: str | None = None
+) -> Tokenizer:
     """``override`` (``tokenizer_model=PATH``) or the run's tokenizer (see
     :func:`run_tokenizer_path`); FileNotFoundError with what to do when it cannot be found."""
     if override:

@@ -45,8 +45,14 @@ GPT2_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")  # all the tan
 # Exports of checkpoints that do not record their tokenizer's ids use these.
 DEFAULT_SPECIAL_TOKENS = {"bos_token_id": 1, "eos_token_id": 2}
 # The model.moe and model.moe.router keys an import records (and prints as overrides).
-MOE_KEYS = ("num_experts", "top_k", "layer_freq", "ffn_hidden_size", "shared_experts",
-            "capacity_factor")  # fmt: skip
+MOE_KEYS = (
+    "num_experts",
+    "top_k",
+    "layer_freq",
+    "ffn_hidden_size",
+    "shared_experts",
+    "capacity_factor",
+)
 ROUTER_KEYS = ("renormalize", "aux_loss_coef", "z_loss_coef")
 
 
@@ -80,9 +86,20 @@ def own_copy(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
 
 def override_args(model_cfg: dict) -> list[str]:
     """The ``model.*`` command-line overrides that rebuild ``model_cfg``'s model exactly."""
-    keys = ["arch", "num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
-            "ffn_hidden_size", "seq_length", "vocab_size", "max_position_embeddings", "norm_eps",
-            "bias", "tie_embeddings"]  # fmt: skip
+    keys = [
+        "arch",
+        "num_layers",
+        "hidden_size",
+        "num_attention_heads",
+        "num_query_groups",
+        "ffn_hidden_size",
+        "seq_length",
+        "vocab_size",
+        "max_position_embeddings",
+        "norm_eps",
+        "bias",
+        "tie_embeddings",
+    ]
     if model_cfg["arch"] == "llama":
         keys.insert(-2, "rope_theta")
     args = [f"model.{k}={_fmt(model_cfg[k])}" for k in keys]

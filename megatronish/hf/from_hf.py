@@ -60,8 +60,13 @@ def from_hf(
 
 def _model_cfg(arch: str, hf: dict, **values) -> dict:
     base = dataclasses.asdict(ModelConfig())
-    base.update(arch=arch, vocab_size=hf["vocab_size"], make_vocab_size_divisible_by=VOCAB_MULTIPLE,
-                init_std=hf.get("initializer_range", base["init_std"]), **values)  # fmt: skip
+    base.update(
+        arch=arch,
+        vocab_size=hf["vocab_size"],
+        make_vocab_size_divisible_by=VOCAB_MULTIPLE,
+        init_std=hf.get("initializer_range", base["init_std"]),
+        **values,
+    )
     return base
 
 
@@ -79,18 +84,22 @@ def _llama_model_cfg(hf: dict, defaults: dict = LLAMA_DEFAULTS, name: str = "Lla
     if problems:
         raise ValueError(f"this {name} model cannot be represented: " + "; ".join(problems))
     return _model_cfg(
-        "llama", hf,
-        num_layers=hf["num_hidden_layers"], hidden_size=hidden, num_attention_heads=heads,
+        "llama",
+        hf,
+        num_layers=hf["num_hidden_layers"],
+        hidden_size=hidden,
+        num_attention_heads=heads,
         num_query_groups=hf.get("num_key_value_heads") or heads,
         ffn_hidden_size=hf["intermediate_size"],
-        max_position_embeddings=hf.get("max_position_embeddings",
-                                       defaults["max_position_embeddings"]),
+        max_position_embeddings=hf.get(
+            "max_position_embeddings", defaults["max_position_embeddings"]
+        ),
         norm_eps=hf.get("rms_norm_eps", defaults["rms_norm_eps"]),
         rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", defaults["rope_theta"]))),
         attention_dropout=hf.get("attention_dropout", 0.0),
         bias=bool(hf.get("attention_bias") or hf.get("mlp_bias")),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-    )  # fmt: skip
+    )
 
 
 def _gpt2_model_cfg(hf: dict) -> dict:
@@ -106,13 +115,20 @@ def _gpt2_model_cfg(hf: dict) -> dict:
         raise ValueError("this GPT-2 model cannot be represented: " + "; ".join(problems))
     hidden = hf["n_embd"]
     return _model_cfg(
-        "gpt2", hf,
-        num_layers=hf["n_layer"], hidden_size=hidden, num_attention_heads=hf["n_head"],
-        num_query_groups=hf["n_head"], ffn_hidden_size=hf.get("n_inner") or 4 * hidden,
-        max_position_embeddings=hf["n_positions"], norm_eps=hf.get("layer_norm_epsilon", 1e-5),
-        hidden_dropout=hf.get("resid_pdrop", 0.0), attention_dropout=hf.get("attn_pdrop", 0.0),
-        bias=True, tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
-    )  # fmt: skip
+        "gpt2",
+        hf,
+        num_layers=hf["n_layer"],
+        hidden_size=hidden,
+        num_attention_heads=hf["n_head"],
+        num_query_groups=hf["n_head"],
+        ffn_hidden_size=hf.get("n_inner") or 4 * hidden,
+        max_position_embeddings=hf["n_positions"],
+        norm_eps=hf.get("layer_norm_epsilon", 1e-5),
+        hidden_dropout=hf.get("resid_pdrop", 0.0),
+        attention_dropout=hf.get("attn_pdrop", 0.0),
+        bias=True,
+        tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
+    )
 
 
 # Buffers some HF checkpoints carry that are recomputed, never learned.
@@ -189,8 +205,12 @@ def _gpt2_from_hf(s: _Source, cfg: dict) -> dict:
         "embedding.word.weight": s.take("wte.weight"),
         "embedding.position": s.take("wpe.weight"),
     }
-    linears = {"attn.qkv": "attn.c_attn", "attn.proj": "attn.c_proj", "mlp.fc1": "mlp.c_fc",
-               "mlp.fc2": "mlp.c_proj"}  # fmt: skip
+    linears = {
+        "attn.qkv": "attn.c_attn",
+        "attn.proj": "attn.c_proj",
+        "mlp.fc1": "mlp.c_fc",
+        "mlp.fc2": "mlp.c_proj",
+    }
     for i in range(cfg["num_layers"]):
         src, dst = f"h.{i}.", f"layers.{i}."
         for ours, theirs in (("attn_norm", "ln_1"), ("mlp_norm", "ln_2")):

@@ -44,8 +44,9 @@ def sentencepiece_to_hf(model_path: str) -> tokenizers.Tokenizer:
                 ranked.append((-sp.get_score(i), i, left, right))
     merges = [(left, right) for *_, left, right in sorted(ranked)]
     unk = sp.id_to_piece(sp.unk_id())
-    tok = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=unk,
-                                          fuse_unk=True, byte_fallback=True))  # fmt: skip
+    tok = tokenizers.Tokenizer(
+        models.BPE(vocab=vocab, merges=merges, unk_token=unk, fuse_unk=True, byte_fallback=True)
+    )
     tok.normalizer = normalizers.Replace(" ", SPACE)
     tok.decoder = decoders.Sequence(
         [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
@@ -59,8 +60,11 @@ def sentencepiece_to_hf(model_path: str) -> tokenizers.Tokenizer:
 
 def probe_texts(sp: spm.SentencePieceProcessor) -> list[str]:
     """:data:`PROBES`, the text of every piece, and of every three neighbouring pieces."""
-    pieces = [sp.id_to_piece(i).replace(SPACE, " ")
-              for i in range(sp.get_piece_size()) if _is_normal(sp, i)]  # fmt: skip
+    pieces = [
+        sp.id_to_piece(i).replace(SPACE, " ")
+        for i in range(sp.get_piece_size())
+        if _is_normal(sp, i)
+    ]
     return [*PROBES, *pieces, *("".join(pieces[i : i + 3]) for i in range(len(pieces)))]
 
 
@@ -83,8 +87,12 @@ def special_tokens(model_path: str) -> dict[str, str]:
     """``unk_token`` / ``bos_token`` / ``eos_token`` / ``pad_token`` pieces the model has, by
     their ``tokenizer_config.json`` names."""
     sp = spm.SentencePieceProcessor(model_file=model_path)
-    ids = {"unk_token": sp.unk_id(), "bos_token": sp.bos_id(), "eos_token": sp.eos_id(),
-           "pad_token": sp.pad_id()}  # fmt: skip
+    ids = {
+        "unk_token": sp.unk_id(),
+        "bos_token": sp.bos_id(),
+        "eos_token": sp.eos_id(),
+        "pad_token": sp.pad_id(),
+    }
     return {name: sp.id_to_piece(i) for name, i in ids.items() if i >= 0}
 
 

@@ -129,17 +129,23 @@ def _llama_to_hf(t: dict, spec: ModelSpec, vocab: int) -> dict:
             out.update(moe_to_hf(t, i, spec.moe.num_experts, spec.moe.ffn_hidden_size))
         for kind in kinds:
             q, k, v = t[f"{src}attn.qkv.{kind}"].split(qkv_rows)
-            out.update({
-                f"{dst}self_attn.q_proj.{kind}": q, f"{dst}self_attn.k_proj.{kind}": k,
-                f"{dst}self_attn.v_proj.{kind}": v,
-                f"{dst}self_attn.o_proj.{kind}": t[f"{src}attn.proj.{kind}"],
-            })  # fmt: skip
+            out.update(
+                {
+                    f"{dst}self_attn.q_proj.{kind}": q,
+                    f"{dst}self_attn.k_proj.{kind}": k,
+                    f"{dst}self_attn.v_proj.{kind}": v,
+                    f"{dst}self_attn.o_proj.{kind}": t[f"{src}attn.proj.{kind}"],
+                }
+            )
             if not moe:
                 gate, up = t[f"{src}mlp.fc1.{kind}"].split([f, f])
-                out.update({
-                    f"{dst}mlp.gate_proj.{kind}": gate, f"{dst}mlp.up_proj.{kind}": up,
-                    f"{dst}mlp.down_proj.{kind}": t[f"{src}mlp.fc2.{kind}"],
-                })  # fmt: skip
+                out.update(
+                    {
+                        f"{dst}mlp.gate_proj.{kind}": gate,
+                        f"{dst}mlp.up_proj.{kind}": up,
+                        f"{dst}mlp.down_proj.{kind}": t[f"{src}mlp.fc2.{kind}"],
+                    }
+                )
     out["model.norm.weight"] = t["head.norm.weight"]
     if not spec.tie_embeddings:
         out["lm_head.weight"] = t["head.weight"][:vocab]
@@ -152,8 +158,12 @@ def _gpt2_to_hf(t: dict, spec: ModelSpec, vocab: int) -> dict:
         "transformer.wte.weight": t["embedding.word.weight"][:vocab],
         "transformer.wpe.weight": t["embedding.position"],
     }
-    linears = {"attn.qkv": ("attn.c_attn", 3 * h), "attn.proj": ("attn.c_proj", h),
-               "mlp.fc1": ("mlp.c_fc", f), "mlp.fc2": ("mlp.c_proj", h)}  # fmt: skip
+    linears = {
+        "attn.qkv": ("attn.c_attn", 3 * h),
+        "attn.proj": ("attn.c_proj", h),
+        "mlp.fc1": ("mlp.c_fc", f),
+        "mlp.fc2": ("mlp.c_proj", h),
+    }
     for i in range(spec.num_layers):
         src, dst = f"layers.{i}.", f"transformer.h.{i}."
         for ours, theirs in (("attn_norm", "ln_1"), ("mlp_norm", "ln_2")):

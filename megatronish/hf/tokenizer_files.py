@@ -28,8 +28,14 @@ from megatronish.file_modes import write_atomic
 CONFIG_FILE = "tokenizer_config.json"
 SPM_FILE = "tokenizer.model"
 # The files of an HF tokenizer directory that are copied (config.json is the model's, not these).
-COMPANIONS = ("special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt",
-              SPM_FILE, "chat_template.jinja")  # fmt: skip
+COMPANIONS = (
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    SPM_FILE,
+    "chat_template.jinja",
+)
 TOKENIZER_FILES = (HF_TOKENIZER_FILE, CONFIG_FILE, *COMPANIONS)
 FAST_CLASS = "PreTrainedTokenizerFast"  # tokenizer.json as it is, in transformers 4 and 5
 
@@ -85,9 +91,13 @@ def _write_hf(tok: HFTokenizer, out_dir: str) -> list[str]:
 def _spm_config(model_path: str, tokenizer_class: str) -> dict:
     from megatronish.hf.sentencepiece_json import special_tokens
 
-    return {"tokenizer_class": tokenizer_class, **special_tokens(model_path),
-            "add_bos_token": False, "add_eos_token": False,
-            "clean_up_tokenization_spaces": False}  # fmt: skip
+    return {
+        "tokenizer_class": tokenizer_class,
+        **special_tokens(model_path),
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+    }
 
 
 def _write_sentencepiece(tok: Tokenizer, out_dir: str) -> tuple[list[str], str]:

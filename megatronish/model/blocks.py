@@ -38,14 +38,18 @@ class Norm(nn.Module):
         sp = tp.sequence_parallel
         self.weight = mark_param(
             nn.Parameter(torch.empty(spec.hidden_size, device=device)),
-            init="ones", sequence_parallel=sp, weight_decay=False,
-        )  # fmt: skip
+            init="ones",
+            sequence_parallel=sp,
+            weight_decay=False,
+        )
         self.bias = None
         if not self.rms:
             self.bias = mark_param(
                 nn.Parameter(torch.empty(spec.hidden_size, device=device)),
-                init="zeros", sequence_parallel=sp, weight_decay=False,
-            )  # fmt: skip
+                init="zeros",
+                sequence_parallel=sp,
+                weight_decay=False,
+            )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.rms:  # bf16: computed in fp32, rounded once (rms_norm_kernel picks how)
@@ -108,13 +112,24 @@ class Attention(nn.Module):
         out_std = spec.init_std / math.sqrt(2 * spec.num_layers)
         blocks = (spec.num_heads * d, spec.num_kv_heads * d, spec.num_kv_heads * d)
         self.qkv = ColumnParallelLinear(
-            h, sum(blocks), tp.group, bias=spec.bias, sequence_parallel=sp, blocks=blocks,
-            init_std=spec.init_std, device=device,
-        )  # fmt: skip
+            h,
+            sum(blocks),
+            tp.group,
+            bias=spec.bias,
+            sequence_parallel=sp,
+            blocks=blocks,
+            init_std=spec.init_std,
+            device=device,
+        )
         self.proj = RowParallelLinear(
-            spec.num_heads * d, h, tp.group, bias=spec.bias, sequence_parallel=sp,
-            init_std=out_std, device=device,
-        )  # fmt: skip
+            spec.num_heads * d,
+            h,
+            tp.group,
+            bias=spec.bias,
+            sequence_parallel=sp,
+            init_std=out_std,
+            device=device,
+        )
         self.core_runner = None  # selective recompute wraps the attention core
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -181,9 +196,15 @@ class MLP(nn.Module):
         out_std = spec.init_std / math.sqrt(2 * spec.num_layers)
         blocks = (f, f) if self.llama else (f,)
         self.fc1 = ColumnParallelLinear(
-            h, sum(blocks), tp.group, bias=spec.bias, sequence_parallel=sp, blocks=blocks,
-            init_std=spec.init_std, device=device,
-        )  # fmt: skip
+            h,
+            sum(blocks),
+            tp.group,
+            bias=spec.bias,
+            sequence_parallel=sp,
+            blocks=blocks,
+            init_std=spec.init_std,
+            device=device,
+        )
         self.fc2 = RowParallelLinear(
             f, h, tp.group, bias=spec.bias, sequence_parallel=sp, init_std=out_std, device=device
         )

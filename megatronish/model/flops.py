@@ -83,8 +83,9 @@ def count_parameters(spec: ModelSpec) -> int:
     if spec.moe is None:
         per_layer = L * (_layer_matmul_dense(spec) + _layer_bias(spec, 0))
     else:
-        per_layer = sum(layer_matmul_params(spec, i, active=False) + _layer_bias(spec, i)
-                        for i in range(L))  # fmt: skip
+        per_layer = sum(
+            layer_matmul_params(spec, i, active=False) + _layer_bias(spec, i) for i in range(L)
+        )
     total = per_layer + L * 2 * norm + norm + spec.padded_vocab_size * h
     if not spec.tie_embeddings:
         total += spec.padded_vocab_size * h

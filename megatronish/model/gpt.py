@@ -29,16 +29,22 @@ class Embedding(nn.Module):
         super().__init__()
         self.spec, self.tp = spec, tp
         self.word = VocabParallelEmbedding(
-            spec.padded_vocab_size, spec.hidden_size, tp.group,
-            sequence_parallel=tp.sequence_parallel, init_std=spec.init_std, device=device,
-        )  # fmt: skip
+            spec.padded_vocab_size,
+            spec.hidden_size,
+            tp.group,
+            sequence_parallel=tp.sequence_parallel,
+            init_std=spec.init_std,
+            device=device,
+        )
         self.position = None
         if not spec.is_llama:
             self.position = mark_param(
-                nn.Parameter(torch.empty(spec.max_position_embeddings, spec.hidden_size,
-                                         device=device)),
-                std=spec.init_std, sequence_parallel=tp.sequence_parallel,
-            )  # fmt: skip
+                nn.Parameter(
+                    torch.empty(spec.max_position_embeddings, spec.hidden_size, device=device)
+                ),
+                std=spec.init_std,
+                sequence_parallel=tp.sequence_parallel,
+            )
 
     def forward(self, ids: torch.Tensor, offset: int = 0) -> torch.Tensor:
         """``offset``: the position of the first token (decoding after cached tokens)."""
@@ -72,10 +78,12 @@ class Head(nn.Module):
         self.weight = None
         if self.embedding is None:
             self.weight = mark_param(
-                nn.Parameter(torch.empty(spec.padded_vocab_size // tp.size, spec.hidden_size,
-                                         device=device)),
-                shard=TPShard(dim=0, blocks=(spec.padded_vocab_size,)), std=spec.init_std,
-            )  # fmt: skip
+                nn.Parameter(
+                    torch.empty(spec.padded_vocab_size // tp.size, spec.hidden_size, device=device)
+                ),
+                shard=TPShard(dim=0, blocks=(spec.padded_vocab_size,)),
+                std=spec.init_std,
+            )
             # A tied head on another stage starts equal to (and is initialised as) the embedding.
             tied = "embedding.word.weight" if spec.tie_embeddings else None
             update_param_info(self.weight, tied_to=tied)

@@ -27,7 +27,7 @@ Precision. In fp32 everything is fp32. In 16 bits (bf16 params, or autocast) the
   products are exact in fp32, the sums fp32): cuBLAS's fp32-output GEMM on CUDA
   (``torch.mm(..., out_dtype=torch.float32)``, torch >= 2.8), the operands upcast to fp32
   elsewhere. Chunks are summed and the grad scaled in fp32. A weight whose fp32 main grad the
-  data-parallel layer keeps (:mod:`megatronish.optim.zero`) gets it added there directly
+  data-parallel layer keeps (:mod:`megatronish.data_parallel.zero`) gets it added there directly
   (Megatron's gradient-accumulation fusion), and receives only a placeholder grad, so the
   layer's per-parameter hook fires and counts it; any other weight gets the fp32 grad from
   autograd, which casts it to the weight's dtype (one rounding for a 16-bit weight);

@@ -119,8 +119,9 @@ def combine(
     if record.regroup is not None:
         back = torch.empty_like(record.regroup)
         back[record.regroup] = torch.arange(record.regroup.numel(), device=back.device)
-        outputs = exchange(outputs.index_select(0, back), group, record.in_splits,
-                           record.out_splits)  # fmt: skip
+        outputs = exchange(
+            outputs.index_select(0, back), group, record.in_splits, record.out_splits
+        )
     tokens, top_k = weights.shape
     slots = outputs.new_zeros((tokens * top_k, outputs.shape[-1]))
     slots = slots.index_copy(0, record.order, outputs).view(tokens, top_k, -1)

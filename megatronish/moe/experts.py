@@ -28,9 +28,14 @@ class GroupedExperts(nn.Module):
     use (False) ``torch._grouped_mm``; None: where this torch has it for the device and shapes."""
 
     def __init__(
-        self, spec: ModelSpec, tp_size: int, num_local: int, first: int, device=None,
+        self,
+        spec: ModelSpec,
+        tp_size: int,
+        num_local: int,
+        first: int,
+        device=None,
         grouped: bool | None = None,
-    ):  # fmt: skip
+    ):
         super().__init__()
         self.grouped = grouped
         moe, h = spec.moe, spec.hidden_size
@@ -41,13 +46,16 @@ class GroupedExperts(nn.Module):
         fc1 = TPShard(dim=1, blocks=blocks)
         self.fc1 = mark_param(
             nn.Parameter(torch.empty(num_local, fc1.local_size(tp_size), h, device=device)),
-            shard=fc1, std=spec.init_std, experts=experts,
-        )  # fmt: skip
+            shard=fc1,
+            std=spec.init_std,
+            experts=experts,
+        )
         self.fc2 = mark_param(
             nn.Parameter(torch.empty(num_local, h, f // tp_size, device=device)),
-            shard=TPShard(dim=2, blocks=(f,)), experts=experts,
+            shard=TPShard(dim=2, blocks=(f,)),
+            experts=experts,
             std=spec.init_std / math.sqrt(2 * spec.num_layers),
-        )  # fmt: skip
+        )
 
     def forward(
         self, rows: torch.Tensor, counts: list[int], offsets: torch.Tensor | None = None

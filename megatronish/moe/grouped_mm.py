@@ -76,8 +76,9 @@ def grouped_mm_supported(x: torch.Tensor, weight: torch.Tensor, counts: Sequence
     if x.dtype != weight.dtype or x.device != weight.device or x.shape[0] == 0:
         return False
     capability = _capability(x.device)
-    here = use_grouped_mm(x.device.type, x.dtype, TORCH_VERSION, capability,
-                           rocm=torch.version.hip is not None)  # fmt: skip
+    here = use_grouped_mm(
+        x.device.type, x.dtype, TORCH_VERSION, capability, rocm=torch.version.hip is not None
+    )
     if not here or not hasattr(torch, "_grouped_mm"):
         return False
     row_bytes = [size * x.element_size() for size in weight.shape[1:]]  # n and k
@@ -143,8 +144,9 @@ def grouped_linear(
     (False) ``torch._grouped_mm``; None: where :func:`grouped_mm_supported`.
     """
     if len(counts) != weight.shape[0] or sum(counts) != x.shape[0]:
-        raise ValueError(f"{x.shape[0]} rows do not split into {list(counts)} for "
-                         f"{weight.shape[0]} experts")  # fmt: skip
+        raise ValueError(
+            f"{x.shape[0]} rows do not split into {list(counts)} for {weight.shape[0]} experts"
+        )
     if grouped is None:
         grouped = grouped_mm_supported(x, weight, counts)
     if not grouped or x.shape[0] == 0:

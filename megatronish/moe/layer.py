@@ -71,8 +71,9 @@ class MoELayer(nn.Module):
         self.spec, self.moe, self.tp = spec, moe, tp
         self.router = mark_param(
             nn.Parameter(torch.empty(moe.num_experts, spec.hidden_size, device=device)),
-            std=spec.init_std, sequence_parallel=tp.sequence_parallel,
-        )  # fmt: skip
+            std=spec.init_std,
+            sequence_parallel=tp.sequence_parallel,
+        )
         local = moe.num_experts // ep.size
         self.experts = GroupedExperts(spec, tp.size, local, ep.rank * local, device)
         self.shared = shared
@@ -94,10 +95,12 @@ class MoELayer(nn.Module):
             all_experts = all_gather_dim0(experts.view(s, b, -1), tp.group).reshape(-1, moe.top_k)
         capacity = None
         if moe.capacity_factor is not None:
-            capacity = expert_capacity(tokens.shape[0], moe.num_experts, moe.top_k,
-                                       moe.capacity_factor)  # fmt: skip
-        order, counts, dropped = sort_assignments(all_experts, all_weights, moe.num_experts,
-                                                  capacity)  # fmt: skip
+            capacity = expert_capacity(
+                tokens.shape[0], moe.num_experts, moe.top_k, moe.capacity_factor
+            )
+        order, counts, dropped = sort_assignments(
+            all_experts, all_weights, moe.num_experts, capacity
+        )
         rows, record = dispatch(tokens, order, counts, moe.top_k, tp.ep)  # the one host read
         outputs = self.experts(rows, record.local_counts, offsets=record.local_ends)
         out = combine(outputs, record, all_weights, tp.ep).view(-1, b, h)

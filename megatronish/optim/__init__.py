@@ -1,1 +1,1 @@
-"""Optimizer, LR schedule, gradient synchronisation and clipping."""
+"""The optimizer (AdamW over flat shards) and the learning-rate schedule."""

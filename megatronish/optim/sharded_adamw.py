@@ -104,11 +104,22 @@ class ShardedAdamW:
             if not params:
                 continue
             torch._fused_adamw_(
-                params, grads, ms, vs, [], [self._step] * len(params),
-                lr=lr, beta1=self.beta1, beta2=self.beta2,
-                weight_decay=self.weight_decay if decayed else 0.0, eps=self.eps,
-                amsgrad=False, maximize=False, grad_scale=inverse, found_inf=found_inf,
-            )  # fmt: skip
+                params,
+                grads,
+                ms,
+                vs,
+                [],
+                [self._step] * len(params),
+                lr=lr,
+                beta1=self.beta1,
+                beta2=self.beta2,
+                weight_decay=self.weight_decay if decayed else 0.0,
+                eps=self.eps,
+                amsgrad=False,
+                maximize=False,
+                grad_scale=inverse,
+                found_inf=found_inf,
+            )
 
     def state_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.exp_avg + self.exp_avg_sq)

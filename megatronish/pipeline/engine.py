@@ -57,9 +57,14 @@ def _backward_from(output: torch.Tensor, grad: torch.Tensor) -> None:
     from torch.autograd import Variable
 
     Variable._execution_engine.run_backward(
-        tensors=(output,), grad_tensors=(grad,), keep_graph=False, create_graph=False,
-        inputs=(), allow_unreachable=True, accumulate_grad=True,
-    )  # fmt: skip
+        tensors=(output,),
+        grad_tensors=(grad,),
+        keep_graph=False,
+        create_graph=False,
+        inputs=(),
+        allow_unreachable=True,
+        accumulate_grad=True,
+    )
 
 
 @dataclass

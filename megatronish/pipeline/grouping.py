@@ -20,7 +20,7 @@ unit before its next compute:
 Grouping each compute's sends with only the next compute's receives hangs interleaved 1F1B:
 with pp=2, vpp=2, m=4 rank 0 sends grad (0, 2) in a group of its own, which rank 1 receives
 only after its group sending grad (1, 3), which rank 0 receives only after that send.
-``tests/test_pipeline_nccl_sim.py`` replays what the engine posts in
+``tests/pipeline/test_pipeline_nccl_sim.py`` replays what the engine posts in
 :mod:`megatronish.pipeline.nccl_sim` for many layouts.
 """
 

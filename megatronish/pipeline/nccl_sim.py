@@ -64,8 +64,9 @@ Groups = Mapping[int, Sequence[Sequence[P2P]]]
 def _check(groups: Groups, compute: Mapping[int, Sequence[float]] | None) -> None:
     for rank, rank_groups in groups.items():
         if compute is not None and len(compute[rank]) != len(rank_groups):
-            raise ValueError(f"rank {rank}: {len(compute[rank])} compute times for "
-                             f"{len(rank_groups)} groups")  # fmt: skip
+            raise ValueError(
+                f"rank {rank}: {len(compute[rank])} compute times for {len(rank_groups)} groups"
+            )
         for group in rank_groups:
             for op in group:
                 if op.kind not in ("send", "recv"):
@@ -141,14 +142,16 @@ def run_groups(groups: Groups, compute: Mapping[int, Sequence[float]] | None = N
             complete(dst, j, at)
     stuck = [r for r in groups if current[r] < len(groups[r])]
     if stuck:
-        raise DeadlockError("p2p groups deadlock: " + "; ".join(_waiting(r, groups, current, done)
-                                                                 for r in stuck))  # fmt: skip
+        raise DeadlockError(
+            "p2p groups deadlock: " + "; ".join(_waiting(r, groups, current, done) for r in stuck)
+        )
     return SimReport(issued, matched, dict(clock), busy)
 
 
 def _waiting(rank, groups, current, done) -> str:
     index = current[rank]
     group = groups[rank][index]
-    ops = ", ".join(f"{op} ({'done' if i in done[rank] else 'pending'})"
-                    for i, op in enumerate(group))  # fmt: skip
+    ops = ", ".join(
+        f"{op} ({'done' if i in done[rank] else 'pending'})" for i, op in enumerate(group)
+    )
     return f"rank {rank} waits in group {index} of {len(groups[rank])}: [{ops}]"

@@ -91,20 +91,38 @@ def chrome_trace(timelines: Timelines, process_name: str = "pipeline") -> dict:
     ]
     for rank in sorted(timelines):
         events.append(
-            {"ph": "M", "name": "thread_name", "pid": 0, "tid": rank,
-             "args": {"name": f"pp rank {rank}"}}
-        )  # fmt: skip
+            {
+                "ph": "M",
+                "name": "thread_name",
+                "pid": 0,
+                "tid": rank,
+                "args": {"name": f"pp rank {rank}"},
+            }
+        )
         events.append(
-            {"ph": "M", "name": "thread_sort_index", "pid": 0, "tid": rank,
-             "args": {"sort_index": rank}}
-        )  # fmt: skip
+            {
+                "ph": "M",
+                "name": "thread_sort_index",
+                "pid": 0,
+                "tid": rank,
+                "args": {"sort_index": rank},
+            }
+        )
         for name, start, end in timelines[rank]:
             parsed = parse_op(name)
             args = {"microbatch": parsed[1], "chunk": parsed[2]} if parsed else {}
-            events.append({
-                "name": name, "cat": phase_of(name), "ph": "X", "pid": 0, "tid": rank,
-                "ts": (start - origin) * 1e6, "dur": max(end - start, 0.0) * 1e6, "args": args,
-            })  # fmt: skip
+            events.append(
+                {
+                    "name": name,
+                    "cat": phase_of(name),
+                    "ph": "X",
+                    "pid": 0,
+                    "tid": rank,
+                    "ts": (start - origin) * 1e6,
+                    "dur": max(end - start, 0.0) * 1e6,
+                    "args": args,
+                }
+            )
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
@@ -136,8 +154,15 @@ def _draw_ops(
             ax.barh(y - 0.36, width, left=x0, height=0.08, color="0.55")
         elif phase in COMPUTE:
             chunk = parsed[2] if parsed else 0
-            ax.barh(y, width, left=x0, height=0.6, color=color(phase, chunk),
-                    edgecolor="white", linewidth=0.5)  # fmt: skip
+            ax.barh(
+                y,
+                width,
+                left=x0,
+                height=0.6,
+                color=color(phase, chunk),
+                edgecolor="white",
+                linewidth=0.5,
+            )
             if parsed and width > min_label_ms:
                 label = f"{'F' if phase == 'fwd' else 'B'}{parsed[1]}"
                 ax.text(x0 + width / 2, y, label, ha="center", va="center", fontsize=7)
@@ -201,10 +226,18 @@ def gantt_png(path: str | Path, timelines: Timelines, title: str = "") -> Path:
         for k, word in (("fwd", "forward"), ("bwd", "backward"))
         for v in range(vpp)
     ]
-    handles += [Patch(color="0.55", label="send / recv (incl. waiting)"),
-                Patch(facecolor="white", edgecolor="0.6", label="idle")]  # fmt: skip
-    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.18 - 0.1 / pp),
-              ncol=min(len(handles), 6), fontsize=8, frameon=False)  # fmt: skip
+    handles += [
+        Patch(color="0.55", label="send / recv (incl. waiting)"),
+        Patch(facecolor="white", edgecolor="0.6", label="idle"),
+    ]
+    ax.legend(
+        handles=handles,
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.18 - 0.1 / pp),
+        ncol=min(len(handles), 6),
+        fontsize=8,
+        frameon=False,
+    )
     ax.grid(axis="x", color="0.9", linewidth=0.5)
     ax.set_axisbelow(True)
     fig.tight_layout()

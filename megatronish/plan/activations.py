@@ -68,10 +68,17 @@ def layer_shape(spec: ModelSpec, layout: Layout) -> LayerShape:
     t = layout.tp
     s = spec.seq_length // layout.cp  # this cp rank's tokens of each sequence
     return LayerShape(
-        s=s, b=layout.micro_batch_size, h=spec.hidden_size, t=t, a=spec.num_heads // t,
-        g=spec.num_kv_heads // t, d=spec.head_dim, f=spec.ffn_hidden_size // t,
-        s_r=s // t if layout.sequence_parallel else s, cp=layout.cp,
-    )  # fmt: skip
+        s=s,
+        b=layout.micro_batch_size,
+        h=spec.hidden_size,
+        t=t,
+        a=spec.num_heads // t,
+        g=spec.num_kv_heads // t,
+        d=spec.head_dim,
+        f=spec.ffn_hidden_size // t,
+        s_r=s // t if layout.sequence_parallel else s,
+        cp=layout.cp,
+    )
 
 
 def _norm_bytes(spec: ModelSpec, x: LayerShape, e: int) -> int:

@@ -40,8 +40,13 @@ class Ranked:
     @classmethod
     def of(cls, plan: Plan, time: StepTime) -> Ranked:
         lay = plan.layout
-        key = (time.total, lay.zero_stage, RECOMPUTE_ORDER[lay.recompute], plan.peak_bytes,
-               lay.describe())  # fmt: skip
+        key = (
+            time.total,
+            lay.zero_stage,
+            RECOMPUTE_ORDER[lay.recompute],
+            plan.peak_bytes,
+            lay.describe(),
+        )
         return cls(plan, time, key)
 
     @property

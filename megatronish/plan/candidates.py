@@ -86,8 +86,16 @@ def _shapes(
                     for mbs in (b for b in sizes if b * dp <= base.global_batch_size):
                         for sp in (False, True) if tp > 1 else (False,):
                             for ep in expert_parallel_sizes(num_experts, dp * cp):
-                                yield base.with_(tp=tp, cp=cp, pp=pp, vpp=vpp, dp=dp, sp=sp,
-                                                 micro_batch_size=mbs, ep=ep)  # fmt: skip
+                                yield base.with_(
+                                    tp=tp,
+                                    cp=cp,
+                                    pp=pp,
+                                    vpp=vpp,
+                                    dp=dp,
+                                    sp=sp,
+                                    micro_batch_size=mbs,
+                                    ep=ep,
+                                )
 
 
 def valid_layouts(cfg, world_size: int, vocab_size: int | None = None) -> list[Layout]:
@@ -101,9 +109,12 @@ def valid_layouts(cfg, world_size: int, vocab_size: int | None = None) -> list[L
 
     view = config_view(cfg)
     base = layout_from_config(_base_config(cfg), 1).with_(
-        zero_stage=0, recompute="none", recompute_method="uniform", recompute_num_layers=1,
+        zero_stage=0,
+        recompute="none",
+        recompute_method="uniform",
+        recompute_num_layers=1,
         layers_per_chunk=(),
-    )  # fmt: skip
+    )
     out = []
     experts = cfg.model.moe.num_experts if "moe" in cfg.model else 0
     for shape in _shapes(base, world_size, cfg.model.num_layers, experts):

@@ -30,10 +30,16 @@ from megatronish.plan.option_docs import ADVISOR_OPTION_DOCS, DEFAULT_TOP, PLAN_
 from megatronish.plan.step_time import Hardware
 
 ADVISE_OPTIONS = {
-    "advise": parse_bool, "gpus_per_node": int, "intra_node_gbps": float,
-    "inter_node_gbps": float, "latency_us": float, "efficiency": float, "memory_gbps": float,
-    "top": int, "advise_out": str,
-}  # fmt: skip
+    "advise": parse_bool,
+    "gpus_per_node": int,
+    "intra_node_gbps": float,
+    "inter_node_gbps": float,
+    "latency_us": float,
+    "efficiency": float,
+    "memory_gbps": float,
+    "top": int,
+    "advise_out": str,
+}
 # What a value should look like, for the message about a bad one.
 OPTION_HINTS = {
     "advise": "true or false, e.g. advise=true",
@@ -47,8 +53,17 @@ OPTION_HINTS = {
     "memory_gbps": "GB/s of memory bandwidth per device, e.g. memory_gbps=3350",
 }
 # Options that must be > 0 (all numeric options must be finite).
-POSITIVE = ("device_memory_gb", "peak_tflops", "step_time_s", "gpus_per_node", "top",
-            "intra_node_gbps", "inter_node_gbps", "efficiency", "memory_gbps")  # fmt: skip
+POSITIVE = (
+    "device_memory_gb",
+    "peak_tflops",
+    "step_time_s",
+    "gpus_per_node",
+    "top",
+    "intra_node_gbps",
+    "inter_node_gbps",
+    "efficiency",
+    "memory_gbps",
+)
 
 
 class OptionError(ValueError):
@@ -165,11 +180,13 @@ def advise_main(cfg, overrides: list[str], options: dict) -> int:
     spec = spec_of(cfg, vocab.size)
     advice = advise(cfg, spec, world, hw, device_bytes, runtime, top)
     if not advice.valid:
-        return _fail([
-            f"no layout of {world} ranks is valid for this model and batch (tp must divide the "
-            f"heads and kv heads, pp*vpp the layers, and dp*micro batch the global batch "
-            f"{cfg.trainer.global_batch_size}); try another world_size or global batch",
-        ])  # fmt: skip
+        return _fail(
+            [
+                f"no layout of {world} ranks is valid for this model and batch (tp must divide the "
+                f"heads and kv heads, pp*vpp the layers, and dp*micro batch the global batch "
+                f"{cfg.trainer.global_batch_size}); try another world_size or global batch",
+            ]
+        )
     if not advice.ranked:
         print(
             f"none of the {advice.valid} valid layouts of {world} ranks fits in "
@@ -190,14 +207,20 @@ def advise_main(cfg, overrides: list[str], options: dict) -> int:
         try:
             command = write_parallel_file(path, best.layout, overrides, summary)
         except OSError as e:
-            return _refuse_options([f"advise_out={path}: cannot write it ({e.strerror or e}); "
-                                    "choose a writable path"])  # fmt: skip
+            return _refuse_options(
+                [f"advise_out={path}: cannot write it ({e.strerror or e}); choose a writable path"]
+            )
         print(f"\nwrote {path}: {best.layout.describe()}\nrun it with: {command}")
     return 0
 
 
-PLAN_OPTIONS = {"device_memory_gb": float, "peak_tflops": float, "step_time_s": float,
-                "device": str, **ADVISE_OPTIONS}  # fmt: skip
+PLAN_OPTIONS = {
+    "device_memory_gb": float,
+    "peak_tflops": float,
+    "step_time_s": float,
+    "device": str,
+    **ADVISE_OPTIONS,
+}
 
 
 def split_options(argv: list[str]) -> tuple[list[str], dict[str, float]]:
@@ -230,8 +253,11 @@ def with_device(options: dict, precision: str, tf32: bool = False) -> tuple[dict
     if "device" not in options:
         return options, None
     gpu = gpu_named(options["device"])
-    filled = {"device_memory_gb": gpu.usable_gib, "peak_tflops": gpu.peak_tflops(precision, tf32),
-              "memory_gbps": gpu.memory_tbps * 1e3}  # fmt: skip
+    filled = {
+        "device_memory_gb": gpu.usable_gib,
+        "peak_tflops": gpu.peak_tflops(precision, tf32),
+        "memory_gbps": gpu.memory_tbps * 1e3,
+    }
     return {**filled, **options}, gpu
 
 
@@ -286,11 +312,16 @@ EXAMPLES = (
 def plan_help() -> str:
     """What ``--help`` prints: the module docstring, every option, examples."""
     sections = [
-        options_help("Options (key=value; any other key=value overrides the training config):",
-                     PLAN_OPTION_DOCS),
-        options_help("Advisor options (with advise=true; device, device_memory_gb and "
-                     "peak_tflops apply too):", ADVISOR_OPTION_DOCS),
-    ]  # fmt: skip
+        options_help(
+            "Options (key=value; any other key=value overrides the training config):",
+            PLAN_OPTION_DOCS,
+        ),
+        options_help(
+            "Advisor options (with advise=true; device, device_memory_gb and "
+            "peak_tflops apply too):",
+            ADVISOR_OPTION_DOCS,
+        ),
+    ]
     return help_text(__doc__, sections, EXAMPLES)
 
 

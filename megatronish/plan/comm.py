@@ -11,8 +11,8 @@ group (``edp``), which is dp's own group without expert parallelism.
 
 from __future__ import annotations
 
+from megatronish.data_parallel.buckets import Bucket
 from megatronish.model.spec import ModelSpec
-from megatronish.optim.buckets import Bucket
 from megatronish.plan import moe
 from megatronish.plan.layout import Layout
 from megatronish.plan.states import FP32, meta_chunks

@@ -53,19 +53,18 @@ class GPUModel:
 # total memory than the datasheet size (ECC and driver reservations); these are that figure
 # rounded down to a whole GiB, to plan against.
 GPUS: tuple[GPUModel, ...] = (
-    GPUModel("h100", "H100 SXM 80GB", 989.0, 494.5, 67.0, 80, 79.0, 3.35, ("h100",),
-             ("h100-sxm",)),
+    GPUModel("h100", "H100 SXM 80GB", 989.0, 494.5, 67.0, 80, 79.0, 3.35, ("h100",), ("h100-sxm",)),
     GPUModel("h100-pcie", "H100 PCIe 80GB", 756.0, 378.0, 51.0, 80, 79.0, 2.0, ("h100", "pcie")),
     GPUModel("h100-nvl", "H100 NVL 94GB", 835.5, 417.5, 60.0, 94, 93.0, 3.9, ("h100", "nvl")),
-    GPUModel("h200", "H200 SXM 141GB", 989.0, 494.5, 67.0, 141, 139.0, 4.8, ("h200",),
-             ("h200-sxm",)),
+    GPUModel(
+        "h200", "H200 SXM 141GB", 989.0, 494.5, 67.0, 141, 139.0, 4.8, ("h200",), ("h200-sxm",)
+    ),
     GPUModel("h200-nvl", "H200 NVL 141GB", 835.5, 417.5, 60.0, 141, 139.0, 4.8, ("h200", "nvl")),
-    GPUModel("a100", "A100 80GB", 312.0, 156.0, 19.5, 80, 79.0, 2.039, ("a100",),
-             ("a100-80gb",)),
+    GPUModel("a100", "A100 80GB", 312.0, 156.0, 19.5, 80, 79.0, 2.039, ("a100",), ("a100-80gb",)),
     GPUModel("a100-40gb", "A100 40GB", 312.0, 156.0, 19.5, 40, 39.0, 1.555, ("a100", "40gb")),
     GPUModel("b200", "B200 (HGX) 180GB", 2250.0, 1100.0, 75.0, 180, 178.0, 8.0, ("b200",)),
     GPUModel("l40s", "L40S 48GB", 362.0, 183.0, 91.6, 48, 44.0, 0.864, ("l40s",)),
-)  # fmt: skip
+)
 
 
 class UnknownDevice(ValueError):

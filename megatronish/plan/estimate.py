@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from megatronish.data_parallel.grads import tied_rule
 from megatronish.model.flops import (
     active_parameters,
     count_parameters,
@@ -40,7 +41,6 @@ from megatronish.plan.states import (
     chunk_buckets,
     meta_chunks,
     state_bytes,
-    tied_rule,
 )
 from megatronish.plan.zero3_gather import chunk_units
 
@@ -140,8 +140,15 @@ class Planner:
         self._flops_per_token = flops_per_token(spec)
 
     def _chunks(self, layout: Layout, pp_rank: int) -> list:
-        key = (layout.tp, layout.pp, layout.vpp, layout.sp,
-               layout.chunk_layers(self.spec.num_layers), pp_rank, layout.ep)  # fmt: skip
+        key = (
+            layout.tp,
+            layout.pp,
+            layout.vpp,
+            layout.sp,
+            layout.chunk_layers(self.spec.num_layers),
+            pp_rank,
+            layout.ep,
+        )
         if key not in self._meta:
             self._meta[key] = meta_chunks(self.spec, layout, pp_rank)
         return self._meta[key]
@@ -154,15 +161,30 @@ class Planner:
 
     def _stage(self, layout: Layout, pp_rank: int) -> StagePlan:
         spec = self.spec
-        shape = (layout.tp, layout.cp, layout.pp, layout.vpp, layout.sp, layout.layers_per_chunk,
-                 layout.precision, pp_rank, layout.ep)  # fmt: skip
+        shape = (
+            layout.tp,
+            layout.cp,
+            layout.pp,
+            layout.vpp,
+            layout.sp,
+            layout.layers_per_chunk,
+            layout.precision,
+            pp_rank,
+            layout.ep,
+        )
         m, mbs = layout.num_microbatches, layout.micro_batch_size
         rc = (layout.recompute, layout.recompute_method, layout.recompute_num_layers)
         zero3_rc = rc if layout.zero_stage == 3 else None  # its gathered peak follows recompute
         # zero 2/3: the full grads alive at the activation peak depend on full recompute
         full = layout.zero_stage >= 2 and layout.recompute == "full"
-        layout_states = (layout.dp_cp, layout.zero_stage, layout.bucket_size_mb,
-                         layout.zero3_keep_gathered, zero3_rc, full)  # fmt: skip
+        layout_states = (
+            layout.dp_cp,
+            layout.zero_stage,
+            layout.bucket_size_mb,
+            layout.zero3_keep_gathered,
+            zero3_rc,
+            full,
+        )
         chunks = self._chunks(layout, pp_rank)
         st = self._cached(
             "states",
@@ -180,10 +202,16 @@ class Planner:
             units = self._cached(
                 "units",
                 (shape, layout.dp_cp, layout.bucket_size_mb, rc),
-                lambda: [chunk_units(c, layout, tied_rule(c, layout)) for c in chunks],
+                lambda: [
+                    chunk_units(c, layout, tied_rule(c.spec.tie_embeddings, layout.pp))
+                    for c in chunks
+                ],
             )
-        act = self._cached("activations", (shape, mbs, self._capped(layout), rc),
-                           lambda: self._activations(layout, pp_rank))  # fmt: skip
+        act = self._cached(
+            "activations",
+            (shape, mbs, self._capped(layout), rc),
+            lambda: self._activations(layout, pp_rank),
+        )
         volume: dict[str, tuple[int, int]] = {}
         volume.update(
             self._cached(

@@ -99,15 +99,26 @@ def layout_from_config(cfg, world_size: int) -> Layout:
     p, t = cfg.parallel, cfg.trainer
     d = derive(cfg, world_size)
     return Layout(
-        tp=p.tp, cp=p.cp, pp=p.pp, vpp=p.vpp, dp=d.dp, sp=bool(p.sp), zero_stage=p.zero_stage,
-        micro_batch_size=t.micro_batch_size, global_batch_size=t.global_batch_size,
-        recompute=t.recompute, recompute_method=t.recompute_method,
+        tp=p.tp,
+        cp=p.cp,
+        pp=p.pp,
+        vpp=p.vpp,
+        dp=d.dp,
+        sp=bool(p.sp),
+        zero_stage=p.zero_stage,
+        micro_batch_size=t.micro_batch_size,
+        global_batch_size=t.global_batch_size,
+        recompute=t.recompute,
+        recompute_method=t.recompute_method,
         recompute_num_layers=t.recompute_num_layers,
         layers_per_chunk=tuple(p.pipeline_layer_split or ()),
-        bucket_size_mb=p.bucket_size_mb, zero3_keep_gathered=p.zero3_keep_gathered,
-        precision=t.precision, grad_reduce_dtype=p.grad_reduce_dtype, ep=getattr(p, "ep", 1),
+        bucket_size_mb=p.bucket_size_mb,
+        zero3_keep_gathered=p.zero3_keep_gathered,
+        precision=t.precision,
+        grad_reduce_dtype=p.grad_reduce_dtype,
+        ep=getattr(p, "ep", 1),
         device_type="cpu" if t.device == "cpu" else "cuda",  # auto: plan for the GPU
-    )  # fmt: skip
+    )
 
 
 def spec_of(cfg, vocab_size: int | None = None) -> ModelSpec:

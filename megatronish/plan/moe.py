@@ -118,8 +118,9 @@ def rank_blocks(spec: ModelSpec, layout: Layout, pp_rank: int) -> RankBlocks:
     for c in (pp_rank + v * layout.pp for v in range(layout.vpp)):
         blocks = flags[c]
         moe += sum(blocks)
-        segments = recompute_segments(len(blocks), layout.recompute, layout.recompute_method,
-                                      layout.recompute_num_layers)  # fmt: skip
+        segments = recompute_segments(
+            len(blocks), layout.recompute, layout.recompute_method, layout.recompute_num_layers
+        )
         for start, end, checkpointed in segments:
             if checkpointed:
                 redo += sum(blocks[start:end])

@@ -155,8 +155,16 @@ def _row(i: int, r: Ranked, nxt: Ranked | None, hw: Hardware) -> list[str]:
     mfu = r.plan.model_flops_per_step / (t.total * hw.peak_flops * lay.world_size)
     eff = model_efficiency(r.plan.spec, lay, hw)
     terms = [f"{t.terms()[k]:.3f}" for k in _terms(r.plan.spec.moe is not None)]
-    return [str(i), lay.describe(), f"{t.total:.3f}", f"{mfu:.1%}", f"{eff:.1%}",
-            f"{r.plan.peak_bytes / GiB:.1f}", *terms, reason(r, nxt, hw)]  # fmt: skip
+    return [
+        str(i),
+        lay.describe(),
+        f"{t.total:.3f}",
+        f"{mfu:.1%}",
+        f"{eff:.1%}",
+        f"{r.plan.peak_bytes / GiB:.1f}",
+        *terms,
+        reason(r, nxt, hw),
+    ]
 
 
 def columns(moe: bool = False) -> list[str]:
@@ -228,9 +236,14 @@ LAYOUT_KEYS = ("parallel", "trainer.micro_batch_size", "trainer.recompute", "wor
 def parallel_values(layout: Layout, ep: bool = False) -> dict[str, object]:
     """The ``parallel`` keys of ``layout`` (``ep``: also ``ep``, which it has when > 1)."""
     out = {
-        "tp": layout.tp, "cp": layout.cp, "pp": layout.pp, "vpp": layout.vpp, "dp": None,
-        "sp": layout.sequence_parallel, "zero_stage": layout.zero_stage,
-    }  # fmt: skip
+        "tp": layout.tp,
+        "cp": layout.cp,
+        "pp": layout.pp,
+        "vpp": layout.vpp,
+        "dp": None,
+        "sp": layout.sequence_parallel,
+        "zero_stage": layout.zero_stage,
+    }
     return {**out, "ep": layout.ep} if ep or layout.ep > 1 else out
 
 
@@ -238,8 +251,10 @@ def trainer_overrides(layout: Layout) -> list[str]:
     out = [f"trainer.micro_batch_size={layout.micro_batch_size}"]
     out.append(f"trainer.recompute={layout.recompute}")
     if layout.recompute == "full":
-        out += [f"trainer.recompute_method={layout.recompute_method}",
-                f"trainer.recompute_num_layers={layout.recompute_num_layers}"]  # fmt: skip
+        out += [
+            f"trainer.recompute_method={layout.recompute_method}",
+            f"trainer.recompute_num_layers={layout.recompute_num_layers}",
+        ]
     return out
 
 

@@ -1,9 +1,10 @@
 """Bytes of parameters, gradients and optimizer state per rank, from the real model on meta.
 
 The rank's chunks are built on the meta device (no memory) and grouped into the same buckets as
-:class:`~megatronish.optim.zero.ZeroDataParallel` would, so padding, tied copies and replicated
-norms are counted exactly as the trainer allocates them. Grads and both Adam moments are fp32;
-under bf16 the model's params are bf16 and the optimizer keeps fp32 main params of its shard.
+:class:`~megatronish.data_parallel.zero.ZeroDataParallel` would, so padding, tied copies and
+replicated norms are counted exactly as the trainer allocates them. Grads and both Adam moments
+are fp32; under bf16 the model's params are bf16 and the optimizer keeps fp32 main params of its
+shard.
 Experts (mixture-of-experts blocks) are split over ep, and their buckets are sharded over the
 expert-data-parallel ranks (``dp * cp / ep``) instead of dp x cp.
 """
@@ -14,16 +15,16 @@ from dataclasses import dataclass
 
 import torch
 
+from megatronish.data_parallel.buckets import Bucket, plan_chunk_buckets
+from megatronish.data_parallel.grad_reduce import MAX_IN_FLIGHT
+from megatronish.data_parallel.grads import tied_rule
 from megatronish.distributed.comm import ParallelGroup
 from megatronish.model.build import chunk_ids_of_stage, chunk_layer_ranges
 from megatronish.model.gpt import GPTChunk
 from megatronish.model.spec import ModelSpec
-from megatronish.optim.buckets import Bucket, plan_chunk_buckets
-from megatronish.optim.grad_reduce import MAX_IN_FLIGHT
 from megatronish.plan.layout import Layout
 from megatronish.plan.zero3_gather import chunk_units, expert_dp, rank_peak_gathered
 from megatronish.tensor_parallel.context import TPContext
-from megatronish.tensor_parallel.sharding import param_info
 
 FP32 = 4
 
@@ -69,22 +70,18 @@ def meta_chunks(spec: ModelSpec, layout: Layout, pp_rank: int) -> list[GPTChunk]
     ]
 
 
-def tied_rule(chunk: GPTChunk, layout: Layout):
-    """``is_tied(name, p)``: params whose grads are summed over the embedding group."""
-    tie = chunk.spec.tie_embeddings and layout.pp > 1
-
-    def is_tied(name, p) -> bool:
-        return (tie and name == "embedding.word.weight") or bool(param_info(p).tied_to)
-
-    return is_tied
-
-
 def chunk_buckets(chunk: GPTChunk, layout: Layout) -> list[Bucket]:
     """One chunk's buckets (on meta), as the trainer groups them."""
     return plan_chunk_buckets(
-        chunk, int(layout.bucket_size_mb * 2**20), layout.dp_cp, 0, tied_rule(chunk, layout),
-        torch.device("meta"), per_unit=layout.zero_stage >= 2, **expert_dp(layout),
-    )  # fmt: skip
+        chunk,
+        int(layout.bucket_size_mb * 2**20),
+        layout.dp_cp,
+        0,
+        tied_rule(chunk.spec.tie_embeddings, layout.pp),
+        torch.device("meta"),
+        per_unit=layout.zero_stage >= 2,
+        **expert_dp(layout),
+    )
 
 
 def step_grad_numel(buckets_of: list[list[Bucket]]) -> int:
@@ -119,7 +116,9 @@ def state_bytes(
     grads_at_peak = grads_step if layout.recompute == "full" else late
     params_step = 0
     if zero == 3:
-        units = [chunk_units(c, layout, tied_rule(c, layout)) for c in chunks]
+        units = [
+            chunk_units(c, layout, tied_rule(c.spec.tie_embeddings, layout.pp)) for c in chunks
+        ]
         params_step = rank_peak_gathered(units, layout.zero3_keep_gathered) * model
     return StateBytes(
         param_numel=param_numel,

@@ -296,9 +296,12 @@ def lower_bound(spec: ModelSpec, layout: Layout, hw: Hardware) -> float:
     plain = layout.with_(sp=False)
     volumes, stages = [], []
     for r in sorted({0, layout.pp - 1}):
-        volume = {**comm.tp_volume(spec, plain, r), **comm.cp_volume(spec, layout, r),
-                  **comm.pp_volume(spec, layout, r),
-                  **moe.ep_volume(spec, layout, moe.rank_blocks(spec, layout, r))}  # fmt: skip
+        volume = {
+            **comm.tp_volume(spec, plain, r),
+            **comm.cp_volume(spec, layout, r),
+            **comm.pp_volume(spec, layout, r),
+            **moe.ep_volume(spec, layout, moe.rank_blocks(spec, layout, r)),
+        }
         volumes.append(volume)
         stages.append(_stage_time(spec, layout, r, volume, hw))
     return _combine(layout, bubble, stages, _pp_time(layout, volumes, hw), hw).total

@@ -1,7 +1,7 @@
 """ZeRO 3's gathered parameters: how many are whole at once, and how often they are gathered.
 
-This replays :class:`~megatronish.optim.param_gather.ParamGatherer`'s rules on a chunk's units
-(pure arithmetic on their bucket sizes): in forward a unit is gathered with the next one
+This replays :class:`~megatronish.data_parallel.param_gather.ParamGatherer`'s rules on a chunk's
+units (pure arithmetic on their bucket sizes): in forward a unit is gathered with the next one
 prefetched and freed after its last module; the loss's unit stays until its backward; in
 backward a unit is gathered with the previous one prefetched, a checkpointed segment's recompute
 gathers all of its units, and a unit is freed once its grads are in (after its first module in
@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
+from megatronish.data_parallel.buckets import plan_chunk_buckets
+from megatronish.data_parallel.param_units import chunk_visits
 from megatronish.model.recompute import recompute_segments
-from megatronish.optim.buckets import plan_chunk_buckets
-from megatronish.optim.param_units import chunk_visits
 from megatronish.plan.layout import Layout
 
 
@@ -45,9 +45,15 @@ def chunk_units(chunk, layout: Layout, is_tied) -> ChunkUnits:
     """``chunk``'s units (a meta-device GPT chunk) with the buckets the trainer would plan."""
     units, visits = chunk_visits(chunk, 0)
     buckets = plan_chunk_buckets(
-        chunk, int(layout.bucket_size_mb * 2**20), layout.dp_cp, 0, is_tied, torch.device("meta"),
-        per_unit=True, **expert_dp(layout),
-    )  # fmt: skip
+        chunk,
+        int(layout.bucket_size_mb * 2**20),
+        layout.dp_cp,
+        0,
+        is_tied,
+        torch.device("meta"),
+        per_unit=True,
+        **expert_dp(layout),
+    )
     unit_of = {id(p): k for k, u in enumerate(units) for p in u.params}
     per_unit: list[list[int]] = [[] for _ in units]
     expert: list[list[bool]] = [[] for _ in units]

@@ -61,22 +61,51 @@ _THIS = os.path.abspath(__file__)
 # Python-level reads of a tensor's values (the first argument).
 _READS = {
     getattr(Tensor, name): name
-    for name in ("item", "tolist", "numpy", "cpu", "__bool__", "__int__", "__float__",
-                 "__index__", "__complex__", "__array__", "__format__", "__repr__")
-}  # fmt: skip
+    for name in (
+        "item",
+        "tolist",
+        "numpy",
+        "cpu",
+        "__bool__",
+        "__int__",
+        "__float__",
+        "__index__",
+        "__complex__",
+        "__array__",
+        "__format__",
+        "__repr__",
+    )
+}
 # Factories: without a device argument they make a host tensor.
 _FACTORIES = {
-    torch.zeros, torch.ones, torch.empty, torch.full, torch.arange, torch.linspace, torch.eye,
-    torch.rand, torch.randn, torch.randint, torch.randperm, torch.from_numpy,
-}  # fmt: skip
+    torch.zeros,
+    torch.ones,
+    torch.empty,
+    torch.full,
+    torch.arange,
+    torch.linspace,
+    torch.eye,
+    torch.rand,
+    torch.randn,
+    torch.randint,
+    torch.randperm,
+    torch.from_numpy,
+}
 _FROM_DATA = {torch.tensor: "torch.tensor", torch.as_tensor: "torch.as_tensor"}
 _MOVES = {Tensor.to, Tensor.cuda}
 # aten ops that read a value on the host before they can size their output.
 _SYNC_OPS = {
-    "aten::_local_scalar_dense", "aten::nonzero", "aten::bincount", "aten::_unique",
-    "aten::_unique2", "aten::unique_dim", "aten::unique_consecutive",
-    "aten::unique_dim_consecutive", "aten::masked_select", "aten::equal",
-}  # fmt: skip
+    "aten::_local_scalar_dense",
+    "aten::nonzero",
+    "aten::bincount",
+    "aten::_unique",
+    "aten::_unique2",
+    "aten::unique_dim",
+    "aten::unique_consecutive",
+    "aten::unique_dim_consecutive",
+    "aten::masked_select",
+    "aten::equal",
+}
 _BOOL_INDEXED = {"aten::index", "aten::index_put", "aten::index_put_", "aten::_index_put_impl_"}
 
 

@@ -35,8 +35,13 @@ from megatronish.distributed.topology import Topology  # noqa: E402
 
 def main(mode: str, rank: int, port: int) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=2, timeout=datetime.timedelta(seconds=30))  # fmt: skip
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=2,
+        timeout=datetime.timedelta(seconds=30),
+    )
     topo = Topology.build(tp=1, dp=2, pp=1, rank=rank, timeout_s=30)
     all_reduce(torch.ones(1), topo.dp_group)  # both ranks are here
     if rank == 0:

@@ -109,10 +109,13 @@ def measure_step(trainer) -> MeasuredMemory:
     if gatherer is not None:
         gathered = gatherer.peak_gathered_numel * trainer.zero.param_dtype.itemsize
     return MeasuredMemory(
-        params=states["params"], grads=states["grads"], optimizer=states["optimizer"],
+        params=states["params"],
+        grads=states["grads"],
+        optimizer=states["optimizer"],
         activations=None if peaks[0][0] is None else peaks[0][0] - gathered,
-        gathered_params=gathered, events=peaks[0][1],
-    )  # fmt: skip
+        gathered_params=gathered,
+        events=peaks[0][1],
+    )
 
 
 SEGFAULT = "killed by signal 11"

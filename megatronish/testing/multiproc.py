@@ -56,9 +56,13 @@ def _child(fn, rank, world, port, conn, collective_timeout, init, args, kwargs) 
     try:
         torch.set_num_threads(1)
         os.environ.update(
-            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-            WORLD_SIZE=str(world), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1",
-        )  # fmt: skip
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            RANK=str(rank),
+            WORLD_SIZE=str(world),
+            LOCAL_RANK=str(rank),
+            OMP_NUM_THREADS="1",
+        )
         if init:
             dist.init_process_group(
                 "gloo",

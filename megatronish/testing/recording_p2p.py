@@ -75,8 +75,16 @@ def stub_topology(pp: int, rank: int) -> Topology:
     """A one-process Topology in which this process plays pipeline ``rank`` (no process group)."""
     group = ParallelGroup(name="pp", ranks=tuple(range(pp)), rank=rank)
     coords = rank_to_coords(rank, 1, 1, pp)
-    return Topology(tp=1, dp=1, pp=pp, rank=rank, coords=coords, groups={"pp": group},
-                    device=torch.device("cpu"), stats=CommStats())  # fmt: skip
+    return Topology(
+        tp=1,
+        dp=1,
+        pp=pp,
+        rank=rank,
+        coords=coords,
+        groups={"pp": group},
+        device=torch.device("cpu"),
+        stats=CommStats(),
+    )
 
 
 def record_engine(
@@ -93,10 +101,18 @@ def record_engine(
         comm = RecordingP2P()
         topo = stub_topology(pp, rank)
         if forward_only:
-            forward_only_pipeline(chunks_of(rank), microbatches, topo=topo, vpp=vpp, shape=shape,
-                                  comm=comm)  # fmt: skip
+            forward_only_pipeline(
+                chunks_of(rank), microbatches, topo=topo, vpp=vpp, shape=shape, comm=comm
+            )
         else:
-            forward_backward_pipeline(chunks_of(rank), microbatches, loss_scale=1.0, topo=topo,
-                                      vpp=vpp, shape=shape, comm=comm)  # fmt: skip
+            forward_backward_pipeline(
+                chunks_of(rank),
+                microbatches,
+                loss_scale=1.0,
+                topo=topo,
+                vpp=vpp,
+                shape=shape,
+                comm=comm,
+            )
         groups[rank] = comm.groups
     return groups

@@ -76,8 +76,11 @@ class Attention(nn.Module):
         super().__init__()
         h, d = cfg.hidden_size, cfg.head_dim
         self.n_heads, self.n_kv_heads, self.head_dim, self.fused = (
-            cfg.num_heads, cfg.num_kv_heads, d, cfg.fused
-        )  # fmt: skip
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            d,
+            cfg.fused,
+        )
         if cfg.fused:
             self.wqkv = nn.Linear(h, (cfg.num_heads + 2 * cfg.num_kv_heads) * d, bias=False)
         else:

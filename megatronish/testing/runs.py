@@ -42,12 +42,22 @@ PARITY_STEPS = 6
 # A real run of the entry point small enough for many subprocess and multi-rank tests: the
 # built-in corpus cut to 0.5 MB with a 512-piece tokenizer (built once per cache directory).
 SMALL_STDLIB_RUN = [
-    "model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4",
-    "model.num_query_groups=2", "model.ffn_hidden_size=128", "model.seq_length=32",
-    "trainer.micro_batch_size=2", "trainer.global_batch_size=4", "trainer.eval_interval=0",
-    "logging.log_interval=1", "scheduler.warmup_steps=1", "data.max_corpus_mb=0.5",
-    "data.vocab_size=512", "trainer.device=cpu", "trainer.peak_tflops=1",
-]  # fmt: skip
+    "model.num_layers=2",
+    "model.hidden_size=64",
+    "model.num_attention_heads=4",
+    "model.num_query_groups=2",
+    "model.ffn_hidden_size=128",
+    "model.seq_length=32",
+    "trainer.micro_batch_size=2",
+    "trainer.global_batch_size=4",
+    "trainer.eval_interval=0",
+    "logging.log_interval=1",
+    "scheduler.warmup_steps=1",
+    "data.max_corpus_mb=0.5",
+    "data.vocab_size=512",
+    "trainer.device=cpu",
+    "trainer.peak_tflops=1",
+]
 
 
 @dataclass
@@ -78,8 +88,11 @@ def build_trainer(
     goes to the Trainer (``saving``, ``stop``).
     """
 
-    cfg = test_config(overrides, steps) if model is None else load_config(
-        [*model, f"trainer.max_steps={steps}", *overrides])  # fmt: skip
+    cfg = (
+        test_config(overrides, steps)
+        if model is None
+        else load_config([*model, f"trainer.max_steps={steps}", *overrides])
+    )
     return trainer_for(cfg, rank, world, p2p=p2p, **kw)[0]
 
 
@@ -107,8 +120,16 @@ def layout_parts(cfg, rank: int, world: int, device: torch.device | None = None)
         raise ConfigError(errors)
     d = derive(cfg, world)
     p = cfg.parallel
-    topo = Topology.build(tp=p.tp, dp=d.dp, pp=p.pp, rank=rank, timeout_s=p.collective_timeout_s,
-                          device=device or torch.device("cpu"), cp=p.cp, ep=p.ep)  # fmt: skip
+    topo = Topology.build(
+        tp=p.tp,
+        dp=d.dp,
+        pp=p.pp,
+        rank=rank,
+        timeout_s=p.collective_timeout_s,
+        device=device or torch.device("cpu"),
+        cp=p.cp,
+        ep=p.ep,
+    )
     spec = ModelSpec.from_config(cfg.model, cfg.model.vocab_size)
     rng = RNGTracker(topo.device)
     rng.seed(
@@ -160,7 +181,7 @@ def train_layout(
         # zero 3: (padded numel, buckets, holds the loss) of each unit
         "units": [
             (u.numel, len(u.buckets), u.holds_loss) for us in trainer.zero.units_of for u in us
-        ],  # fmt: skip
+        ],
     }
     for i in range(len(chunks)):
         trainer.zero.gather(i)  # zero 3 keeps only shards between steps

@@ -40,8 +40,13 @@ def _decode(t: torch.Tensor) -> Message:
 class StrictWork:
     """A posted group whose ``wait`` also acknowledges its receives and awaits its sends' acks."""
 
-    def __init__(self, group: ParallelGroup, data: GroupWork, transfers: Sequence[Transfer],
-                 acks: list[tuple[Transfer, torch.Tensor, object]]):  # fmt: skip
+    def __init__(
+        self,
+        group: ParallelGroup,
+        data: GroupWork,
+        transfers: Sequence[Transfer],
+        acks: list[tuple[Transfer, torch.Tensor, object]],
+    ):
         self.group, self.data, self.transfers, self.acks = group, data, transfers, acks
         self.completed = False
 
@@ -67,12 +72,15 @@ class StrictWork:
             works[id(t)].wait()
             peer = self.group.global_rank(t.peer)
             kind, mb, chunk = t.message
-            with named_failures(self.group, self._op(f"rank {peer} has not received "
-                                                     f"{kind} mb{mb} c{chunk}")):  # fmt: skip
+            with named_failures(
+                self.group, self._op(f"rank {peer} has not received {kind} mb{mb} c{chunk}")
+            ):
                 ack_work.wait()
             if _decode(buf) != t.message:
-                raise CollectiveError(f"{self._op('strict check')}: rank {peer} received "
-                                      f"{t.message} as {_decode(buf)}")  # fmt: skip
+                raise CollectiveError(
+                    f"{self._op('strict check')}: rank {peer} received "
+                    f"{t.message} as {_decode(buf)}"
+                )
         for work, _, peer in replies:
             with named_failures(self.group, self._op(f"acknowledging to rank {peer}")):
                 work.wait()
@@ -98,8 +106,12 @@ class StrictP2P:
             if t.kind == "send":
                 buf = torch.empty(3, dtype=torch.int64)
                 with named_failures(self.group, describe(transfers, self.group)):
-                    work = dist.irecv(buf, src=self.group.global_rank(t.peer),
-                                      group=self.group.handle(), tag=ACK_TAG)  # fmt: skip
+                    work = dist.irecv(
+                        buf,
+                        src=self.group.global_rank(t.peer),
+                        group=self.group.handle(),
+                        tag=ACK_TAG,
+                    )
                 acks.append((t, buf, work))
         self.previous = StrictWork(self.group, data, transfers, acks)
         return self.previous

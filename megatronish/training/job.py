@@ -87,8 +87,9 @@ def build_model(cfg, topo: Topology, derived: Derived, spec: ModelSpec, rng: RNG
     """This rank's chunks; under ZeRO 3 with parameters on the meta device, their shards drawn
     by ZeRO (:class:`~megatronish.model.init.DeferredInit`), so no rank holds its whole chunk."""
     cp_ctx = CPContext(group=topo.cp_group, seq_length=spec.seq_length)
-    tp_ctx = TPContext(group=topo.tp_group, sp=cfg.parallel.sp, rng=rng, cp=cp_ctx,
-                       ep=topo.ep_group)  # fmt: skip
+    tp_ctx = TPContext(
+        group=topo.tp_group, sp=cfg.parallel.sp, rng=rng, cp=cp_ctx, ep=topo.ep_group
+    )
     chunks = build_chunks(
         spec,
         tp_ctx,
@@ -116,8 +117,16 @@ def start_topology(cfg, launch: LaunchEnv) -> tuple[Derived, Topology]:
     apply_deterministic(cfg.trainer.deterministic)
     init_process_group(launch, device, cfg.parallel.collective_timeout_s)
     p = cfg.parallel
-    topo = Topology.build(tp=p.tp, dp=derived.dp, pp=p.pp, rank=launch.rank, device=device,
-                          timeout_s=p.collective_timeout_s, cp=p.cp, ep=p.ep)  # fmt: skip
+    topo = Topology.build(
+        tp=p.tp,
+        dp=derived.dp,
+        pp=p.pp,
+        rank=launch.rank,
+        device=device,
+        timeout_s=p.collective_timeout_s,
+        cp=p.cp,
+        ep=p.ep,
+    )
     return derived, topo
 
 

@@ -100,21 +100,29 @@ class PeakMemory:
         peak = peak_memory_bytes(self.device)
         if self.device.type == "cuda":
             reset_peak_memory(self.device)
-            self.meanings = (f"allocated to tensors on {self.device}",
-                             "the same, the peak since the previous line")  # fmt: skip
+            self.meanings = (
+                f"allocated to tensors on {self.device}",
+                "the same, the peak since the previous line",
+            )
         elif self.sample and heap_in_use() is not None:
             self.sampler = HeapPeakSampler()
             every = f"{self.sampler.min_interval_s * 1e3:g} ms"
-            self.meanings = ("peak resident set of the process",
-                             "the most bytes allocated since the previous line (malloc's heap "
-                             f"in use, sampled every {every}; less often if the heap is "
-                             "fragmented)")  # fmt: skip
+            self.meanings = (
+                "peak resident set of the process",
+                "the most bytes allocated since the previous line (malloc's heap "
+                f"in use, sampled every {every}; less often if the heap is "
+                "fragmented)",
+            )
         elif reset_peak_memory(self.device):
-            self.meanings = ("peak resident set of the process",
-                             "the peak resident set since the previous line")  # fmt: skip
+            self.meanings = (
+                "peak resident set of the process",
+                "the peak resident set since the previous line",
+            )
         else:
-            self.meanings = ("peak resident set of the process",
-                             "the process's peak resident set so far (no reset here)")  # fmt: skip
+            self.meanings = (
+                "peak resident set of the process",
+                "the process's peak resident set so far (no reset here)",
+            )
         return peak
 
     def take(self) -> int:

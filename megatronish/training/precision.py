@@ -1,8 +1,8 @@
 """Training precision: the dtype names of the config and the TF32 switch for fp32 matmuls.
 
 ``trainer.precision=bf16`` is Megatron-LM's recipe: bf16 params and activations, fp32 main
-params, grads and Adam moments (see :mod:`megatronish.optim.zero`). ``trainer.tf32`` lets fp32
-matmuls and convolutions on CUDA use TF32 tensor cores (10-bit mantissa inputs, fp32
+params, grads and Adam moments (see :mod:`megatronish.data_parallel.zero`). ``trainer.tf32`` lets
+fp32 matmuls and convolutions on CUDA use TF32 tensor cores (10-bit mantissa inputs, fp32
 accumulation); it changes nothing on a CPU.
 
 torch has two generations of TF32 switches. Every supported torch (2.6 on) has the legacy ones,

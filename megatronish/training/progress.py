@@ -125,8 +125,12 @@ class ProgressLogger:
             from tqdm import tqdm
 
             # disable=None: shown on a terminal only (a SLURM log gets the plain lines)
-            self.bar = tqdm(total=self.max_steps, unit="step", file=bar_file,
-                            disable=None if bar_file is None else False)  # fmt: skip
+            self.bar = tqdm(
+                total=self.max_steps,
+                unit="step",
+                file=bar_file,
+                disable=None if bar_file is None else False,
+            )
         if enabled and cfg.logging.wandb and os.environ.get("WANDB_MODE") != "disabled":
             self.wandb_run = self._start_wandb(cfg, run_dir, run_id)
 

@@ -1,7 +1,7 @@
 """The training loop: microbatches -> forward/backward -> grad sync -> clip -> step -> log.
 
 ``trainer.precision=bf16`` trains bf16 params and activations against fp32 main params and
-grads (see :mod:`megatronish.optim.zero`); there is no autocast.
+grads (see :mod:`megatronish.data_parallel.zero`); there is no autocast.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from megatronish.checkpoint.host_copies import HostCopies, StreamCopies
 from megatronish.checkpoint.save import CheckpointSaver, Saving
 from megatronish.config.derived import Derived
 from megatronish.context_parallel.split import split_sequence
+from megatronish.data_parallel.zero import ZeroDataParallel
 from megatronish.distributed.comm import all_reduce
 from megatronish.distributed.timers import Timers, device_sync, max_min_over_ranks, timer_metrics
 from megatronish.distributed.topology import Topology
@@ -25,7 +26,6 @@ from megatronish.model.spec import ModelSpec
 from megatronish.moe import metrics as moe
 from megatronish.optim.lr_schedule import schedule_from_config
 from megatronish.optim.sharded_adamw import ShardedAdamW
-from megatronish.optim.zero import ZeroDataParallel
 from megatronish.pipeline.engine import (
     PipelineShape,
     Timeline,
@@ -95,14 +95,23 @@ class Trainer:
         self.profiler = StepProfiler(prof.steps, prof.dir, topo.rank, topo.device, self.timers)
         self.param_dtype = DTYPES[cfg.trainer.precision]
         self.zero = ZeroDataParallel(
-            chunks, topo, p.zero_stage, p.bucket_size_mb, keep_gathered=p.zero3_keep_gathered,
-            timers=self.timers, param_dtype=self.param_dtype,
-            reduce_dtype=DTYPES[p.grad_reduce_dtype], overlap_param_gather=p.overlap_param_gather,
-        )  # fmt: skip
+            chunks,
+            topo,
+            p.zero_stage,
+            p.bucket_size_mb,
+            keep_gathered=p.zero3_keep_gathered,
+            timers=self.timers,
+            param_dtype=self.param_dtype,
+            reduce_dtype=DTYPES[p.grad_reduce_dtype],
+            overlap_param_gather=p.overlap_param_gather,
+        )
         self.optimizer = ShardedAdamW(
-            [shard.numel() for shard, _, _ in self.zero.optimizer_shards()], topo.device,
-            betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
-        )  # fmt: skip
+            [shard.numel() for shard, _, _ in self.zero.optimizer_shards()],
+            topo.device,
+            betas=(o.beta1, o.beta2),
+            eps=o.eps,
+            weight_decay=o.weight_decay,
+        )
         self.lr_at = schedule_from_config(cfg.optimizer, cfg.scheduler, cfg.trainer.max_steps)
         self.timeline: Timeline | None = None
         # Pipeline p2p: a factory ``group -> P2PCommunicator`` (default: batched isend/irecv).
@@ -115,14 +124,18 @@ class Trainer:
         self.readback: HostCopies | None = (
             StreamCopies(topo.device) if topo.device.type == "cuda" else None
         )
-        self.saver = None if saving is None else CheckpointSaver(
-            cfg, self, saving.rng, saving.run_id, saving.special_tokens)  # fmt: skip
+        self.saver = (
+            None
+            if saving is None
+            else CheckpointSaver(cfg, self, saving.rng, saving.run_id, saving.special_tokens)
+        )
         self.stop = stop
         self.holds_loss = topo.is_last_stage
         self.prefetcher = BatchPrefetcher(
             lambda first: self._host_microbatches(self.train_data, first),
-            cfg.trainer.global_batch_size, enabled=cfg.data.prefetch,
-        )  # fmt: skip
+            cfg.trainer.global_batch_size,
+            enabled=cfg.data.prefetch,
+        )
         self.flops_per_step = flops_per_token(spec) * derived.tokens_per_step
         self.moe_layers = moe.moe_layers(chunks)  # found once, not walked every step
 
@@ -139,10 +152,16 @@ class Trainer:
 
         def run(chunks, microbatches, **kw):
             return forward_backward_pipeline(
-                chunks, microbatches, topo=self.topo, vpp=self.cfg.parallel.vpp,
-                shape=self.pipeline_shape(), timeline=self.timeline, timers=self.timers,
-                comm=self.p2p(self.topo.pp_group), **kw,
-            )  # fmt: skip
+                chunks,
+                microbatches,
+                topo=self.topo,
+                vpp=self.cfg.parallel.vpp,
+                shape=self.pipeline_shape(),
+                timeline=self.timeline,
+                timers=self.timers,
+                comm=self.p2p(self.topo.pp_group),
+                **kw,
+            )
 
         return run
 
@@ -162,8 +181,10 @@ class Trainer:
             first = start + m * t.micro_batch_size
             batch = torch.stack([data[i] for i in range(first, first + t.micro_batch_size)])
             inputs, targets = batch[:, :-1], batch[:, 1:]
-            pair = tuple(split_sequence(x, 1, self.topo.cp, self.topo.coords.cp).contiguous()
-                         for x in (inputs, targets))  # fmt: skip
+            pair = tuple(
+                split_sequence(x, 1, self.topo.cp, self.topo.coords.cp).contiguous()
+                for x in (inputs, targets)
+            )
             if self.topo.device.type == "cuda":
                 pair = tuple(x.pin_memory() for x in pair)
             out.append(pair)
@@ -284,10 +305,14 @@ class Trainer:
             batches = self.microbatches(data, i * self.cfg.trainer.global_batch_size)
             if self.topo.pp > 1:
                 losses += forward_only_pipeline(
-                    self.chunks, batches, topo=self.topo, vpp=self.cfg.parallel.vpp,
-                    shape=self.pipeline_shape(), param_hooks=self.zero,
+                    self.chunks,
+                    batches,
+                    topo=self.topo,
+                    vpp=self.cfg.parallel.vpp,
+                    shape=self.pipeline_shape(),
+                    param_hooks=self.zero,
                     comm=self.p2p(self.topo.pp_group),
-                )  # fmt: skip
+                )
                 continue
             for inputs, targets in batches:
                 self.zero.prefetch(0, "fwd")
@@ -351,8 +376,10 @@ class Trainer:
         if self.saver is not None:
             path = self.saver.wait() or self.saver.last_published or ""
             if self.state.skipped_in_a_row:  # never save state a skip streak may poison
-                saved = (f"not saved: the last {self.state.skipped_in_a_row} step(s) were "
-                         f"skipped; the last checkpoint is {path or 'none'}")  # fmt: skip
+                saved = (
+                    f"not saved: the last {self.state.skipped_in_a_row} step(s) were "
+                    f"skipped; the last checkpoint is {path or 'none'}"
+                )
             else:
                 if not path.endswith(f"{step:07d}"):  # not already saved by the interval
                     path = self.saver.save(blocking=True)
@@ -392,9 +419,14 @@ class Trainer:
         if self.spec.moe is None:
             return {}
         return moe.step_metrics(
-            self.chunks, self.spec.num_layers, self.spec.moe.num_experts, self.topo.world_group,
-            self.topo.dp, self.derived.num_microbatches, self.topo.device,
-        )  # fmt: skip
+            self.chunks,
+            self.spec.num_layers,
+            self.spec.moe.num_experts,
+            self.topo.world_group,
+            self.topo.dp,
+            self.derived.num_microbatches,
+            self.topo.device,
+        )
 
     def _log(self, r: StepResult, step_time: float) -> None:
         timers = self._timer_metrics()

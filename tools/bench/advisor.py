@@ -22,13 +22,23 @@ from megatronish.testing.runs import build_trainer
 from megatronish.training.peaks import measure_matmul_peak
 
 MODEL = [
-    "model.num_layers=8", "model.hidden_size=256", "model.num_attention_heads=8",
-    "model.num_query_groups=4", "model.ffn_hidden_size=704", "model.seq_length=128",
-    "model.vocab_size=512", "trainer.global_batch_size=16", "trainer.micro_batch_size=4",
-    "trainer.max_steps=1000000", "trainer.eval_interval=0", "trainer.device=cpu",
-    "scheduler.style=constant", "scheduler.warmup_steps=0", "logging.wandb=false",
+    "model.num_layers=8",
+    "model.hidden_size=256",
+    "model.num_attention_heads=8",
+    "model.num_query_groups=4",
+    "model.ffn_hidden_size=704",
+    "model.seq_length=128",
+    "model.vocab_size=512",
+    "trainer.global_batch_size=16",
+    "trainer.micro_batch_size=4",
+    "trainer.max_steps=1000000",
+    "trainer.eval_interval=0",
+    "trainer.device=cpu",
+    "scheduler.style=constant",
+    "scheduler.warmup_steps=0",
+    "logging.wandb=false",
     "logging.log_interval=1000000",
-]  # fmt: skip
+]
 LAYOUTS = [
     (4, ["trainer.micro_batch_size=4"]),
     (4, ["parallel.tp=2", "trainer.micro_batch_size=2"]),
@@ -75,8 +85,11 @@ def _rank(rank: int, world: int, overrides: list[str], warmup: int, steps: int) 
 def measure(world: int, overrides: list[str], warmup: int, steps: int) -> dict:
     """Per step the slowest rank's seconds; per phase the largest rank's seconds per step."""
     args = (overrides, warmup, steps)
-    ranks = [_rank(0, 1, *args)] if world == 1 else run_world(
-        _rank, world, *args, timeout=600, collective_timeout=300)  # fmt: skip
+    ranks = (
+        [_rank(0, 1, *args)]
+        if world == 1
+        else run_world(_rank, world, *args, timeout=600, collective_timeout=300)
+    )
     times = [max(r["times"][i] for r in ranks) for i in range(steps)]
     phases = {k: max(r["phases"][k] for r in ranks) for k in PHASES}
     return {"times": times, "median_s": statistics.median(times), "phases": phases}
@@ -118,10 +131,14 @@ def network_probe(repeats: int = 25) -> dict:
     mx = sum(wi * x for wi, x in zip(w, SIZES)) / sum(w)
     my = sum(wi * times[n] for wi, n in zip(w, SIZES)) / sum(w)
     per_byte = sum(wi * (x - mx) * (times[x] - my) for wi, x in zip(w, SIZES)) / sum(
-        wi * (x - mx) ** 2 for wi, x in zip(w, SIZES))  # fmt: skip
-    return {"all_reduce_s": {str(n): t for n, t in times.items()},
-            "ping_pong_s": max(r["ping_pong_s"] for r in results),
-            "latency_s": max(my - per_byte * mx, 0.0), "bandwidth": 1 / per_byte}  # fmt: skip
+        wi * (x - mx) ** 2 for wi, x in zip(w, SIZES)
+    )
+    return {
+        "all_reduce_s": {str(n): t for n, t in times.items()},
+        "ping_pong_s": max(r["ping_pong_s"] for r in results),
+        "latency_s": max(my - per_byte * mx, 0.0),
+        "bandwidth": 1 / per_byte,
+    }
 
 
 def spearman(xs: list[float], ys: list[float]) -> float:
@@ -154,22 +171,37 @@ def run(quick: bool = False) -> dict:
     flops = make_plan(spec, layout_from_config(cfg, 1)).hardware_flops_per_step
     efficiency = flops / (single * peak)
     net, cores = network_probe(), os.cpu_count() or 1
-    hw = {"peak_flops": peak, "efficiency": efficiency, "intra_node_bw": net["bandwidth"],
-          "inter_node_bw": net["bandwidth"], "latency_s": net["latency_s"],
-          "shared_cores": cores}  # fmt: skip
+    hw = {
+        "peak_flops": peak,
+        "efficiency": efficiency,
+        "intra_node_bw": net["bandwidth"],
+        "inter_node_bw": net["bandwidth"],
+        "latency_s": net["latency_s"],
+        "shared_cores": cores,
+    }
     rows = []
     for world, overrides in LAYOUTS:
         plan = make_plan(spec, layout_from_config(load_config([*MODEL, *overrides]), world))
         predicted = step_time(plan, Hardware(gpus_per_node=world, **hw))
         got = measure(world, overrides, warmup, steps)
-        rows.append({
-            "world": world, "layout": plan.layout.describe(), "label": _label(plan.layout),
-            "predicted_s": predicted.total, "terms_s": predicted.terms(),
-            "measured_s": got["median_s"], "step_times_s": got["times"],
-            "phases_s": got["phases"], "relative_error": predicted.total / got["median_s"] - 1,
-        })  # fmt: skip
-        print(f"{world} {rows[-1]['layout']}: predicted {predicted.total:.3f} s, measured "
-              f"{got['median_s']:.3f} s", flush=True)  # fmt: skip
+        rows.append(
+            {
+                "world": world,
+                "layout": plan.layout.describe(),
+                "label": _label(plan.layout),
+                "predicted_s": predicted.total,
+                "terms_s": predicted.terms(),
+                "measured_s": got["median_s"],
+                "step_times_s": got["times"],
+                "phases_s": got["phases"],
+                "relative_error": predicted.total / got["median_s"] - 1,
+            }
+        )
+        print(
+            f"{world} {rows[-1]['layout']}: predicted {predicted.total:.3f} s, measured "
+            f"{got['median_s']:.3f} s",
+            flush=True,
+        )
     rho = spearman([r["predicted_s"] for r in rows], [r["measured_s"] for r in rows])
     median_error = statistics.median(abs(r["relative_error"]) for r in rows)
     fastest = {k: min(rows, key=lambda r, k=k: r[k]) for k in ("predicted_s", "measured_s")}
@@ -182,19 +214,49 @@ def run(quick: bool = False) -> dict:
 
     return {
         "title": "Layout advisor: predicted vs measured step times (CPU, 4 and 8 ranks)",
-        "config": {"warmup": warmup, "steps": steps, "model": MODEL, "layouts": LAYOUTS,
-                   "shared_cores": cores},
-        "results": {"rows": rows, "spearman": rho, "median_relative_error": median_error,
-                    "calibration": {"peak_flops": peak, "one_process_s": single,
-                                    "efficiency": efficiency, "network": net}},
+        "config": {
+            "warmup": warmup,
+            "steps": steps,
+            "model": MODEL,
+            "layouts": LAYOUTS,
+            "shared_cores": cores,
+        },
+        "results": {
+            "rows": rows,
+            "spearman": rho,
+            "median_relative_error": median_error,
+            "calibration": {
+                "peak_flops": peak,
+                "one_process_s": single,
+                "efficiency": efficiency,
+                "network": net,
+            },
+        },
         "tables": [
-            table("Predicted vs measured step time (s)",
-                  ["ranks", "layout", "predicted|.2f", "measured|.2f", "error|+.0%",
-                   "model: " + " / ".join(TERMS) + "|.2f",
-                   "measured: " + " / ".join(PHASES) + "|.2f"],
-                  [[r["world"], r["layout"], r["predicted_s"], r["measured_s"],
-                    r["relative_error"], [r["terms_s"][k] for k in TERMS],
-                    [r["phases_s"][k] for k in PHASES]] for r in rows]),
+            table(
+                "Predicted vs measured step time (s)",
+                [
+                    "ranks",
+                    "layout",
+                    "predicted|.2f",
+                    "measured|.2f",
+                    "error|+.0%",
+                    "model: " + " / ".join(TERMS) + "|.2f",
+                    "measured: " + " / ".join(PHASES) + "|.2f",
+                ],
+                [
+                    [
+                        r["world"],
+                        r["layout"],
+                        r["predicted_s"],
+                        r["measured_s"],
+                        r["relative_error"],
+                        [r["terms_s"][k] for k in TERMS],
+                        [r["phases_s"][k] for k in PHASES],
+                    ]
+                    for r in rows
+                ],
+            ),
         ],
         "facts": {
             "probe: matmul, 1 thread (fp32, 1024^3), GFLOP/s|.1f": peak / 1e9,
@@ -207,24 +269,34 @@ def run(quick: bool = False) -> dict:
             "probe (not used): one-float ping-pong, one way, us|.0f": net["ping_pong_s"] * 1e6,
             "Spearman rank correlation of predicted and measured (target >= 0.8)|.2f": rho,
             "median relative error|.0%": median_error,
-            **{f"fastest {k[:-2]}": f"{r['layout']} on {r['world']} ranks"
-               for k, r in fastest.items()},
-            "without tp: measured fwd+bwd / predicted compute (+ recompute), min / max|.1fx":
-                span([r["phases_s"]["fwd+bwd"] / compute[id(r)] for r in no_tp]),
-            "with tp: (measured fwd+bwd - predicted compute) / predicted tp, min / max|.1fx":
-                span([(r["phases_s"]["fwd+bwd"] - compute[id(r)]) / r["terms_s"]["tp"]
-                      for r in rows if r not in no_tp]),
-            "measured dp wait / predicted exposed dp, min / max|.1fx":
-                span([r["phases_s"]["dp wait"] / r["terms_s"]["dp"] for r in rows
-                      if r["terms_s"]["dp"]]),
-            "pipelines: measured pp wait, min / max, s|.2f":
-                span([r["phases_s"]["pp wait"] for r in piped]),
-            "pipelines: predicted bubble + pp, min / max, s|.2f":
-                span([r["terms_s"]["bubble"] + r["terms_s"]["pp"] for r in piped]),
-            "not modelled (optimizer + data), share of the measured step, min / max|.0%":
-                span([r["phases_s"]["other"] / r["measured_s"] for r in rows]),
+            **{
+                f"fastest {k[:-2]}": f"{r['layout']} on {r['world']} ranks"
+                for k, r in fastest.items()
+            },
+            "without tp: measured fwd+bwd / predicted compute (+ recompute), min / max|.1fx": span(
+                [r["phases_s"]["fwd+bwd"] / compute[id(r)] for r in no_tp]
+            ),
+            "with tp: (measured fwd+bwd - predicted compute) / predicted tp, min / max|.1fx": span(
+                [
+                    (r["phases_s"]["fwd+bwd"] - compute[id(r)]) / r["terms_s"]["tp"]
+                    for r in rows
+                    if r not in no_tp
+                ]
+            ),
+            "measured dp wait / predicted exposed dp, min / max|.1fx": span(
+                [r["phases_s"]["dp wait"] / r["terms_s"]["dp"] for r in rows if r["terms_s"]["dp"]]
+            ),
+            "pipelines: measured pp wait, min / max, s|.2f": span(
+                [r["phases_s"]["pp wait"] for r in piped]
+            ),
+            "pipelines: predicted bubble + pp, min / max, s|.2f": span(
+                [r["terms_s"]["bubble"] + r["terms_s"]["pp"] for r in piped]
+            ),
+            "not modelled (optimizer + data), share of the measured step, min / max|.0%": span(
+                [r["phases_s"]["other"] / r["measured_s"] for r in rows]
+            ),
         },
-    }  # fmt: skip
+    }
 
 
 if __name__ == "__main__":

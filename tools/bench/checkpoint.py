@@ -26,11 +26,16 @@ from megatronish.checkpoint.snapshot import snapshot
 # ~27.8M params: 333 MB of fp32 params + 2 Adam moments. Short sequences keep a step short, so
 # several steps run during one background write.
 MODEL = [
-    "model.hidden_size=512", "model.num_layers=8", "model.num_attention_heads=8",
-    "model.num_query_groups=4", "model.ffn_hidden_size=1408", "model.seq_length=64",
-    "trainer.micro_batch_size=1", "trainer.global_batch_size=1",
+    "model.hidden_size=512",
+    "model.num_layers=8",
+    "model.num_attention_heads=8",
+    "model.num_query_groups=4",
+    "model.ffn_hidden_size=1408",
+    "model.seq_length=64",
+    "trainer.micro_batch_size=1",
+    "trainer.global_batch_size=1",
     "checkpoint.keep_last=null",  # the bench removes old steps itself, outside the timings
-]  # fmt: skip
+]
 CHUNK = 16 << 20  # bytes per raw write / read call
 TARGET = 0.5  # save / load throughput as a fraction of the raw disk's
 OVERLAP = 0.5  # a step counts as "during the writer" when at least this much of it overlapped
@@ -137,10 +142,17 @@ class Rig:
         t2 = time.perf_counter()
         path = self.saver.poll()
         publish, end = time.perf_counter() - t2, self.writer_ends[-1]
-        during = [{"seconds": e - s, "overlap": max(0.0, min(e, end) - s) / (e - s)}
-                  for s, e in steps]  # fmt: skip
-        return {"normal_steps_s": normal, "snapshot_s": t1 - t0, "publish_s": publish,
-                "writer_s": end - t1, "steps_during_writer": during, "path": path}  # fmt: skip
+        during = [
+            {"seconds": e - s, "overlap": max(0.0, min(e, end) - s) / (e - s)} for s, e in steps
+        ]
+        return {
+            "normal_steps_s": normal,
+            "snapshot_s": t1 - t0,
+            "publish_s": publish,
+            "writer_s": end - t1,
+            "steps_during_writer": during,
+            "path": path,
+        }
 
 
 class PersistentCopy:
@@ -194,11 +206,13 @@ def rounds(rig: Rig, nbytes: int, repeats: int, baseline_steps: int) -> dict:
                 remove(asyncs[-1].pop("path"))
                 out[name] = asyncs[-1]["snapshot_s"] + asyncs[-1]["publish_s"]
         files = dir_files(ckpt)
-        reads = {"raw read": ([raw], lambda: timed(raw_read, raw, buf)),
-                 "load": (files, lambda c=ckpt: rig.load(c)),
-                 "load 1 reader": (files, lambda c=ckpt: rig.load(c, threads=1)),
-                 "load verified": (files, lambda c=ckpt: rig.load(c, verify=True)),
-                 "load_file": (files, lambda f=files: timed(load_file_copy, f, dest))}  # fmt: skip
+        reads = {
+            "raw read": ([raw], lambda: timed(raw_read, raw, buf)),
+            "load": (files, lambda c=ckpt: rig.load(c)),
+            "load 1 reader": (files, lambda c=ckpt: rig.load(c, threads=1)),
+            "load verified": (files, lambda c=ckpt: rig.load(c, verify=True)),
+            "load_file": (files, lambda f=files: timed(load_file_copy, f, dest)),
+        }
         for cache in order(["cold", "warm"]):
             for name in order(READS):
                 paths, op = reads[name]
@@ -209,9 +223,11 @@ def rounds(rig: Rig, nbytes: int, repeats: int, baseline_steps: int) -> dict:
                         raw_read(p, buf)
                 out[f"{name} {cache}"] = op()
         out["crc32"] = timed(zlib.crc32, buf[:nbytes])
-        copies = {"snapshot": lambda: timed(snapshot, rig.run.trainer, None),
-                  "piecewise copy": lambda: timed(persistent.copy, piecewise=True),
-                  "persistent copy": lambda: timed(persistent.copy)}  # fmt: skip
+        copies = {
+            "snapshot": lambda: timed(snapshot, rig.run.trainer, None),
+            "piecewise copy": lambda: timed(persistent.copy, piecewise=True),
+            "persistent copy": lambda: timed(persistent.copy),
+        }
         for n in order([2, 1]):
             with threads(n):
                 for name in order(COPIES):
@@ -228,13 +244,18 @@ def summarize(res: dict, nbytes: int) -> dict:
     """GB/s of each variant, ratios to raw (medians of per-repeat ratios), the async stall."""
     t, saved, a, n = res["times"], res["saved_bytes"], res["async"], res["copies"]
     size = {name: median(saved) if name == "save" else nbytes for name in t}
-    out: dict = {"bytes": nbytes, "range_s": {k: [min(ts), max(ts)] for k, ts in t.items()},
-                 "gbps": {k: size[k] / median(ts) / 1e9 for k, ts in t.items()},
-                 "best_gbps": {k: size[k] / min(ts) / 1e9 for k, ts in t.items()}}  # fmt: skip
+    out: dict = {
+        "bytes": nbytes,
+        "range_s": {k: [min(ts), max(ts)] for k, ts in t.items()},
+        "gbps": {k: size[k] / median(ts) / 1e9 for k, ts in t.items()},
+        "best_gbps": {k: size[k] / min(ts) / 1e9 for k, ts in t.items()},
+    }
     del out["gbps"]["async save"], out["best_gbps"]["async save"]
     extra = n["piecewise copy"] - n["persistent copy"]
-    pairs = {k: zip(t[f"piecewise copy {k}"], t[f"persistent copy {k}"], strict=True)
-             for k in ("2t", "1t")}  # fmt: skip
+    pairs = {
+        k: zip(t[f"piecewise copy {k}"], t[f"persistent copy {k}"], strict=True)
+        for k in ("2t", "1t")
+    }
     per_copy = {k: 1e3 * median([(p - q) / extra for p, q in v]) for k, v in pairs.items()}
     out["copies"] = {**n, "per_copy_ms": per_copy}
     writes = zip(saved, t["save"], t["raw write"], strict=True)
@@ -248,14 +269,16 @@ def summarize(res: dict, nbytes: int) -> dict:
         during = [r["steps_during_writer"][0] for r in a if r["steps_during_writer"]]
     nan = float("nan")
     out["async"] = {
-        "stall_s": median(t["async save"]), "blocking_s": median(t["save"]),
+        "stall_s": median(t["async save"]),
+        "blocking_s": median(t["save"]),
         **{k: median([r[k] for r in a]) for k in ("snapshot_s", "publish_s", "writer_s")},
         "stall_fraction": median([x / s for x, s in zip(t["async save"], t["save"], strict=True)]),
         "normal_step_s": median([s for r in a for s in r["normal_steps_s"]]),
-        "normal_steps": sum(len(r["normal_steps_s"]) for r in a), "steps_during": len(during),
+        "normal_steps": sum(len(r["normal_steps_s"]) for r in a),
+        "steps_during": len(during),
         "during_step_s": median([d["seconds"] for d in during]) if during else nan,
         "during_overlap": median([d["overlap"] for d in during]) if during else nan,
-    }  # fmt: skip
+    }
     out["async"]["interference"] = out["async"]["during_step_s"] / out["async"]["normal_step_s"]
     return out
 
@@ -295,10 +318,22 @@ def profiles(rig: Rig) -> dict:
         prof.disable()
         wall = time.perf_counter() - t0
         top = sorted(pstats.Stats(prof).stats.items(), key=lambda kv: kv[1][2], reverse=True)[:8]
-        out[kind] = {"wall_s": wall, "rows": [
-            {"where": where(key), "caller": where(max(callers.items(), key=lambda kv: kv[1][2])[0])
-             if callers else "", "calls": calls, "own_s": own, "cum_s": cum, "share": own / wall}
-            for key, (_, calls, own, cum, callers) in top]}  # fmt: skip
+        out[kind] = {
+            "wall_s": wall,
+            "rows": [
+                {
+                    "where": where(key),
+                    "caller": where(max(callers.items(), key=lambda kv: kv[1][2])[0])
+                    if callers
+                    else "",
+                    "calls": calls,
+                    "own_s": own,
+                    "cum_s": cum,
+                    "share": own / wall,
+                }
+                for key, (_, calls, own, cum, callers) in top
+            ],
+        }
     remove(published[0])
     return {**out, "save_parts_s": parts}
 
@@ -329,65 +364,128 @@ def run(quick: bool = False, profile: bool = False, base: str | None = None) -> 
     finally:
         shutil.rmtree(work, ignore_errors=True)
     ops = [("write", "cold (written + fsync)", "save", "raw write")] + [
-        ("read", c, n, f"raw read {c}") for c in ("cold", "warm") for n in READS[1:]]  # fmt: skip
+        ("read", c, n, f"raw read {c}") for c in ("cold", "warm") for n in READS[1:]
+    ]
     sec = {k: nbytes / 1e9 / v for k, v in g.items()}
     tables = [
-        table(f"Throughput, GB/s (a checkpoint is {nbytes / 1e6:.0f} MB)",
-              ["direction", "page cache", "operation", "GB/s|.3f", "best repeat|.3f",
-               "raw disk GB/s|.3f", "raw, best repeat|.3f",
-               "of raw (median of per-repeat ratios)|.0%", f"target >= {TARGET:.0%} of raw met"],
-              [[d, cache, op, g[k], best[k], g[raw], best[raw], r[k], r[k] >= TARGET]
-               for d, cache, op, raw in ops
-               for k in [op if d == "write" else f"{op} {cache}"]]),
-        table("Async save: training-thread stall at the step boundary",
-              ["what", "seconds|.3f", "of blocking save|.0%"],
-              [["save(blocking=True)", a["blocking_s"], 1.0],
-               ["save(blocking=False) + the publishing poll()", a["stall_s"], a["stall_fraction"]],
-               ["of which save(blocking=False)", a["snapshot_s"], None],
-               ["of which poll()", a["publish_s"], None],
-               ["background writer", a["writer_s"], None]]),
-        table("Async save: interference of the background writer with training",
-              ["train_step", "steps", "median seconds|.3f", "overlapped by the writer|.0%",
-               "vs normal|.2fx"],
-              [["normal", a["normal_steps"], a["normal_step_s"], None, 1.0],
-               ["while the writer runs", a["steps_during"], a["during_step_s"],
-                a["during_overlap"], a["interference"]]]),
-        table("Host-memory copies of the checkpoint's bytes at 2 and 1 intra-op threads",
-              ["copy", "copies", "2 threads GB/s|.2f", "1 thread GB/s|.2f",
-               "2 threads, fastest / slowest s|.2f", "1 thread, fastest / slowest s|.2f"],
-              [[n, c[n if n != "snapshot" else "piecewise copy"], g[f"{n} 2t"], g[f"{n} 1t"],
-                s["range_s"][f"{n} 2t"], s["range_s"][f"{n} 1t"]] for n in COPIES]),
-    ]  # fmt: skip
+        table(
+            f"Throughput, GB/s (a checkpoint is {nbytes / 1e6:.0f} MB)",
+            [
+                "direction",
+                "page cache",
+                "operation",
+                "GB/s|.3f",
+                "best repeat|.3f",
+                "raw disk GB/s|.3f",
+                "raw, best repeat|.3f",
+                "of raw (median of per-repeat ratios)|.0%",
+                f"target >= {TARGET:.0%} of raw met",
+            ],
+            [
+                [d, cache, op, g[k], best[k], g[raw], best[raw], r[k], r[k] >= TARGET]
+                for d, cache, op, raw in ops
+                for k in [op if d == "write" else f"{op} {cache}"]
+            ],
+        ),
+        table(
+            "Async save: training-thread stall at the step boundary",
+            ["what", "seconds|.3f", "of blocking save|.0%"],
+            [
+                ["save(blocking=True)", a["blocking_s"], 1.0],
+                ["save(blocking=False) + the publishing poll()", a["stall_s"], a["stall_fraction"]],
+                ["of which save(blocking=False)", a["snapshot_s"], None],
+                ["of which poll()", a["publish_s"], None],
+                ["background writer", a["writer_s"], None],
+            ],
+        ),
+        table(
+            "Async save: interference of the background writer with training",
+            [
+                "train_step",
+                "steps",
+                "median seconds|.3f",
+                "overlapped by the writer|.0%",
+                "vs normal|.2fx",
+            ],
+            [
+                ["normal", a["normal_steps"], a["normal_step_s"], None, 1.0],
+                [
+                    "while the writer runs",
+                    a["steps_during"],
+                    a["during_step_s"],
+                    a["during_overlap"],
+                    a["interference"],
+                ],
+            ],
+        ),
+        table(
+            "Host-memory copies of the checkpoint's bytes at 2 and 1 intra-op threads",
+            [
+                "copy",
+                "copies",
+                "2 threads GB/s|.2f",
+                "1 thread GB/s|.2f",
+                "2 threads, fastest / slowest s|.2f",
+                "1 thread, fastest / slowest s|.2f",
+            ],
+            [
+                [
+                    n,
+                    c[n if n != "snapshot" else "piecewise copy"],
+                    g[f"{n} 2t"],
+                    g[f"{n} 1t"],
+                    s["range_s"][f"{n} 2t"],
+                    s["range_s"][f"{n} 1t"],
+                ]
+                for n in COPIES
+            ],
+        ),
+    ]
     facts = {
         "checkpoint": f"{params / 1e6:.1f}M params, {nbytes / 1e6:.0f} MB",
         "scratch directory on": filesystem(work),
         "CRC32 (zlib, one thread, in memory), GB/s|.2f": g["crc32"],
-        "checksums add to a load, cold / warm, s|.3f":
-            [sec[f"load verified {k}"] - sec[f"load {k}"] for k in ("cold", "warm")],
-        "snapshot at 2 threads: fresh memory (page faults) costs, s|.2f":
-            sec["snapshot 2t"] - sec["piecewise copy 2t"],
-        "snapshot at 2 threads: the number of copies costs, s|.2f":
-            sec["piecewise copy 2t"] - sec["persistent copy 2t"],
+        "checksums add to a load, cold / warm, s|.3f": [
+            sec[f"load verified {k}"] - sec[f"load {k}"] for k in ("cold", "warm")
+        ],
+        "snapshot at 2 threads: fresh memory (page faults) costs, s|.2f": sec["snapshot 2t"]
+        - sec["piecewise copy 2t"],
+        "snapshot at 2 threads: the number of copies costs, s|.2f": sec["piecewise copy 2t"]
+        - sec["persistent copy 2t"],
         "ms per extra copy at 2 / 1 threads|.3f": list(c["per_copy_ms"].values()),
-    }  # fmt: skip
+    }
     if prof is not None:
         for kind, caption in (("save", "Where a save goes"), ("load", "Where a cold load goes")):
-            tables.append(table(
-                f"{caption} (cProfile, {prof[kind]['wall_s']:.2f} s wall)",
-                ["function (own time)", "main caller", "calls", "own s|.3f", "of wall|.0%"],
-                [[x["where"], x["caller"], x["calls"], x["own_s"], x["share"]]
-                 for x in prof[kind]["rows"]]))  # fmt: skip
+            tables.append(
+                table(
+                    f"{caption} (cProfile, {prof[kind]['wall_s']:.2f} s wall)",
+                    ["function (own time)", "main caller", "calls", "own s|.3f", "of wall|.0%"],
+                    [
+                        [x["where"], x["caller"], x["calls"], x["own_s"], x["share"]]
+                        for x in prof[kind]["rows"]
+                    ],
+                )
+            )
         facts["save parts: snapshot / write / publish, s|.2f"] = [*prof["save_parts_s"].values()]
     return {
         "title": "Checkpoint save / load throughput vs the raw disk, async save stall",
-        "config": {"repeats": repeats, "baseline_steps": baseline_steps, "model": MODEL,
-                   "threads": torch.get_num_threads(), "read_threads": READ_THREADS},
+        "config": {
+            "repeats": repeats,
+            "baseline_steps": baseline_steps,
+            "model": MODEL,
+            "threads": torch.get_num_threads(),
+            "read_threads": READ_THREADS,
+        },
         "results": {"summary": s, "rounds": res, "profile": prof, "params": params},
-        "tables": tables, "facts": facts,
-    }  # fmt: skip
+        "tables": tables,
+        "facts": facts,
+    }
 
 
 if __name__ == "__main__":
-    cli(run, __doc__,
+    cli(
+        run,
+        __doc__,
         ("--profile", {"action": "store_true", "help": "profile even when on target"}),
-        ("--dir", {"dest": "base", "help": "parent of the scratch directory (tmp)"}))  # fmt: skip
+        ("--dir", {"dest": "base", "help": "parent of the scratch directory (tmp)"}),
+    )

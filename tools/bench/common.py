@@ -53,10 +53,16 @@ def paired_ratio(numerator: list[float], denominator: list[float]) -> float:
 
 
 def interleaved(
-    steps: dict[str, Callable[[], object]], repeats: int, steps_per_repeat: int, warmup: int = 2,
-    sync: Callable[[], None] | None = None, *, budget_s: float | None = None,
-    min_repeats: int = 3, agree: Callable[[bool], bool] | None = None,
-) -> dict[str, list[float]]:  # fmt: skip
+    steps: dict[str, Callable[[], object]],
+    repeats: int,
+    steps_per_repeat: int,
+    warmup: int = 2,
+    sync: Callable[[], None] | None = None,
+    *,
+    budget_s: float | None = None,
+    min_repeats: int = 3,
+    agree: Callable[[bool], bool] | None = None,
+) -> dict[str, list[float]]:
     """Seconds per step of each variant, one entry per repeat.
 
     After ``warmup`` untimed steps of every variant, each repeat times ``steps_per_repeat``
@@ -112,21 +118,33 @@ def machine_info() -> dict[str, object]:
     with contextlib.suppress(OSError):
         lines = Path("/proc/cpuinfo").read_text().splitlines()
         cpu = next((x.split(":", 1)[1].strip() for x in lines if x.startswith("model name")), cpu)
-    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__,
-            "python": sys.version.split()[0], "platform": platform.platform(),
-            "loadavg_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}  # fmt: skip
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "torch": torch.__version__,
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "loadavg_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+    }
 
 
 # The CPU default model (configs/experiment/tiny.yaml) with the stdlib tokenizer's vocabulary,
 # one microbatch of 8 per step, a constant learning rate (so the plain-PyTorch peers can follow
 # the same run) and nothing but training in the step.
 BENCH_OVERRIDES = [
-    "+experiment=tiny", "model.vocab_size=4096", "trainer.micro_batch_size=8",
-    "trainer.global_batch_size=8", "trainer.max_steps=1000000", "trainer.eval_interval=0",
-    "trainer.device=cpu", "scheduler.style=constant", "scheduler.warmup_steps=0",
-    "logging.wandb=false", "logging.log_interval=1000000",
-]  # fmt: skip
+    "+experiment=tiny",
+    "model.vocab_size=4096",
+    "trainer.micro_batch_size=8",
+    "trainer.global_batch_size=8",
+    "trainer.max_steps=1000000",
+    "trainer.eval_interval=0",
+    "trainer.device=cpu",
+    "scheduler.style=constant",
+    "scheduler.warmup_steps=0",
+    "logging.wandb=false",
+    "logging.log_interval=1000000",
+]
 
 
 @dataclass
@@ -224,8 +242,11 @@ def korthikanti(s: int, b: int, h: int, a: int, t: int, sp: bool) -> dict[str, f
     masks, GeLU MLP of 4h), and in fp32 without dropout, with and without the s^2 term."""
     attn = a * s * s * b / t
     fp32 = s * b * h * ((64 / t) if sp else (16 + 48 / t))
-    return {"16bit": s * b * h * ((34 / t) if sp else (10 + 24 / t)) + 5 * attn,
-            "fp32": fp32 + 4 * attn, "fp32_no_attn": fp32}  # fmt: skip
+    return {
+        "16bit": s * b * h * ((34 / t) if sp else (10 + 24 / t)) + 5 * attn,
+        "fp32": fp32 + 4 * attn,
+        "fp32_no_attn": fp32,
+    }
 
 
 def table(caption: str, columns: list[str], rows: list[list[object]]) -> dict:
@@ -245,9 +266,15 @@ def cli(run: Callable[..., dict], doc: str, *options: tuple[str, dict]) -> None:
     t0 = time.perf_counter()
     parts = run(**args)
     facts = [[*k.partition("|")[::2], v] for k, v in parts.pop("facts", {}).items()]
-    out = {"name": Path(sys.argv[0]).stem, "title": parts.pop("title"), "quick": args["quick"],
-           "machine": machine_info(), "seconds": time.perf_counter() - t0, **parts,
-           "facts": [[label, value, fmt] for label, fmt, value in facts]}  # fmt: skip
+    out = {
+        "name": Path(sys.argv[0]).stem,
+        "title": parts.pop("title"),
+        "quick": args["quick"],
+        "machine": machine_info(),
+        "seconds": time.perf_counter() - t0,
+        **parts,
+        "facts": [[label, value, fmt] for label, fmt, value in facts],
+    }
     path = DOCS / "bench" / f"{out['name']}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=2) + "\n")

@@ -16,17 +16,33 @@ from megatronish.testing.multiproc import run_world
 from megatronish.testing.runs import build_trainer, test_config
 
 SEQ = 4096
-MODEL = ["model.num_layers=4", "model.hidden_size=128", "model.num_attention_heads=4",
-         "model.num_query_groups=2", "model.ffn_hidden_size=352", "model.vocab_size=4096",
-         f"model.seq_length={SEQ}", "trainer.micro_batch_size=1", "scheduler.style=constant",
-         "scheduler.warmup_steps=0", "trainer.eval_interval=0", "trainer.device=cpu",
-         "logging.wandb=false", "logging.log_interval=1000000"]  # fmt: skip
+MODEL = [
+    "model.num_layers=4",
+    "model.hidden_size=128",
+    "model.num_attention_heads=4",
+    "model.num_query_groups=2",
+    "model.ffn_hidden_size=352",
+    "model.vocab_size=4096",
+    f"model.seq_length={SEQ}",
+    "trainer.micro_batch_size=1",
+    "scheduler.style=constant",
+    "scheduler.warmup_steps=0",
+    "trainer.eval_interval=0",
+    "trainer.device=cpu",
+    "logging.wandb=false",
+    "logging.log_interval=1000000",
+]
 BUDGET_MIB = 128  # a rank's memory budget for this run's states and activations
 
 
 def _memory(rank: int, world: int, repeats: int) -> dict:
-    trainer = build_trainer(rank, world, ["trainer.global_batch_size=1", f"parallel.cp={world}"],
-                            steps=repeats + 2, model=MODEL)  # fmt: skip
+    trainer = build_trainer(
+        rank,
+        world,
+        ["trainer.global_batch_size=1", f"parallel.cp={world}"],
+        steps=repeats + 2,
+        model=MODEL,
+    )
     first = trainer.train_step().loss
     runs = [measure_step(trainer) for _ in range(repeats)]
     states = runs[-1].params + runs[-1].grads + runs[-1].optimizer
@@ -40,10 +56,15 @@ def memory(cp: int, repeats: int) -> dict:
     stage = make_plan(spec_of(cfg), layout_from_config(cfg, cp)).stages[0]
     refused = memory_fit_error(cfg, cp, 4096, BUDGET_MIB * MIB, 0, f"{BUDGET_MIB} MiB")
     loss = next(r["loss"] for r in ranks if r["loss"] == r["loss"])
-    return {"cp": cp, "activations": max(r["activations"] for r in ranks),
-            "states": max(r["states"] for r in ranks), "planned_activations": stage.step_extra,
-            "planned_states": stage.states.total, "fits": refused is None,
-            "first_loss": loss}  # fmt: skip
+    return {
+        "cp": cp,
+        "activations": max(r["activations"] for r in ranks),
+        "states": max(r["states"] for r in ranks),
+        "planned_activations": stage.step_extra,
+        "planned_states": stage.states.total,
+        "fits": refused is None,
+        "first_loss": loss,
+    }
 
 
 def _torch_cp_on_cpu() -> str:
@@ -64,11 +85,19 @@ def _torch_cp_on_cpu() -> str:
 
 
 def _steps(rank: int, world: int, repeats: int) -> dict:
-    runs = {name: build_trainer(rank, world, ["trainer.global_batch_size=2", *extra],
-                                steps=1_000_000, model=MODEL)
-            for name, extra in {"dp=2": [], "cp=2": ["parallel.cp=2"]}.items()}  # fmt: skip
-    out = timed_world({n: (lambda t=t: t.train_step().loss) for n, t in runs.items()}, repeats, 1,
-                      warmup=1, budget_s=120)  # fmt: skip
+    runs = {
+        name: build_trainer(
+            rank, world, ["trainer.global_batch_size=2", *extra], steps=1_000_000, model=MODEL
+        )
+        for name, extra in {"dp=2": [], "cp=2": ["parallel.cp=2"]}.items()
+    }
+    out = timed_world(
+        {n: (lambda t=t: t.train_step().loss) for n, t in runs.items()},
+        repeats,
+        1,
+        warmup=1,
+        budget_s=120,
+    )
     out["torch_cp"] = _torch_cp_on_cpu()
     return out
 
@@ -78,15 +107,28 @@ def run(quick: bool) -> dict:
     mem = [memory(cp, repeats) for cp in (1, 2, 4)]
     ranks = run_world(_steps, 2, 3 if quick else 9, timeout=900)
     times = slowest(ranks)
-    losses = {n: next(r["losses"][n] for r in ranks if r["losses"][n][0] == r["losses"][n][0])
-              for n in times}  # fmt: skip
+    losses = {
+        n: next(r["losses"][n] for r in ranks if r["losses"][n][0] == r["losses"][n][0])
+        for n in times
+    }
     tokens = 2 * SEQ
-    rows = [[m["cp"], m["activations"] / MIB, m["planned_activations"] / MIB,
-             m["planned_activations"] / m["activations"], m["states"] / MIB,
-             (m["activations"] + m["states"]) / MIB, m["fits"], m["first_loss"]]
-            for m in mem]  # fmt: skip
-    step_rows = [[n, median(t) * 1e3, tokens / median(t), losses[n][0], losses[n][-1]]
-                 for n, t in times.items()]  # fmt: skip
+    rows = [
+        [
+            m["cp"],
+            m["activations"] / MIB,
+            m["planned_activations"] / MIB,
+            m["planned_activations"] / m["activations"],
+            m["states"] / MIB,
+            (m["activations"] + m["states"]) / MIB,
+            m["fits"],
+            m["first_loss"],
+        ]
+        for m in mem
+    ]
+    step_rows = [
+        [n, median(t) * 1e3, tokens / median(t), losses[n][0], losses[n][-1]]
+        for n, t in times.items()
+    ]
     return {
         "title": f"Context parallelism: a {SEQ}-token sequence over 1, 2 and 4 ranks",
         "config": {"model": MODEL, "budget_mib": BUDGET_MIB},
@@ -95,7 +137,7 @@ def run(quick: bool) -> dict:
             "times": times,
             "losses": losses,
             "torch_cp": ranks[0]["torch_cp"],
-        },  # fmt: skip
+        },
         "tables": [
             table(
                 f"Memory per rank (MiB), one sequence of {SEQ} tokens per step, budget "
@@ -117,13 +159,13 @@ def run(quick: bool) -> dict:
                 ["variant|", "step ms|,.0f", "tokens/s|,.0f", "step 1 loss|.5f", "last loss|.5f"],
                 step_rows,
             ),
-        ],  # fmt: skip
+        ],
         "facts": {
             "cp=2 step time / dp=2's (median of per-repeat ratios)|.2fx": paired_ratio(
                 times["cp=2"], times["dp=2"]
             ),
             "torch.distributed.tensor.experimental.context_parallel on CPU|": ranks[0]["torch_cp"],
-        },  # fmt: skip
+        },
     }
 
 

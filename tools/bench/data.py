@@ -40,13 +40,24 @@ def run(quick: bool) -> dict:
         texts = corpus(Path(tmp) / "corpus.jsonl", 8 if quick else 32)
         tokens = sum(len(d) + 1 for d in tok.encode_batch(texts))  # with the eod ids
         variants = {
-            **{f"sentencepiece encode, {n} thread(s)":
-               (lambda n=n: tok.encode_batch(texts, num_threads=n)) for n in (1, 2)},
-            **{f"preprocess_data, {n} worker(s)":
-               (lambda n=n: preprocess.preprocess([str(Path(tmp) / "corpus.jsonl")], model,
-                                                  str(Path(tmp) / f"out{n}"), workers=n))
-               for n in (1, 2)},
-        }  # fmt: skip
+            **{
+                f"sentencepiece encode, {n} thread(s)": (
+                    lambda n=n: tok.encode_batch(texts, num_threads=n)
+                )
+                for n in (1, 2)
+            },
+            **{
+                f"preprocess_data, {n} worker(s)": (
+                    lambda n=n: preprocess.preprocess(
+                        [str(Path(tmp) / "corpus.jsonl")],
+                        model,
+                        str(Path(tmp) / f"out{n}"),
+                        workers=n,
+                    )
+                )
+                for n in (1, 2)
+            },
+        }
         times: dict[str, list[float]] = {name: [] for name in variants}
         for r in range(2 if quick else 5):
             for name in list(variants) if r % 2 == 0 else list(reversed(variants)):
@@ -62,17 +73,31 @@ def run(quick: bool) -> dict:
         rows.append([n, ours, sp, ours / sp])
     return {
         "title": "Preprocessing throughput vs sentencepiece's encode",
-        "config": {"documents": len(texts), "tokens": tokens, "jsonl_mb": size_mb,
-                   "tokenizer": model},  # fmt: skip
+        "config": {
+            "documents": len(texts),
+            "tokens": tokens,
+            "jsonl_mb": size_mb,
+            "tokenizer": model,
+        },
         "results": {"times": times, "tokens_per_s": rate},
-        "tables": [table(f"Tokens/s on {len(texts)} documents, {tokens:,} tokens "
-                         f"({size_mb:.1f} MB of jsonl), median of repeats",
-                         ["workers / threads|", "preprocess_data tokens/s|,.0f",
-                          "sentencepiece encode tokens/s|,.0f", "preprocess / encode|.2f"],
-                         rows)],  # fmt: skip
-        "facts": {"preprocess_data, 2 workers / 1 worker|.2fx":
-                  rate["preprocess_data, 2 worker(s)"] / rate["preprocess_data, 1 worker(s)"]},
-    }  # fmt: skip
+        "tables": [
+            table(
+                f"Tokens/s on {len(texts)} documents, {tokens:,} tokens "
+                f"({size_mb:.1f} MB of jsonl), median of repeats",
+                [
+                    "workers / threads|",
+                    "preprocess_data tokens/s|,.0f",
+                    "sentencepiece encode tokens/s|,.0f",
+                    "preprocess / encode|.2f",
+                ],
+                rows,
+            )
+        ],
+        "facts": {
+            "preprocess_data, 2 workers / 1 worker|.2fx": rate["preprocess_data, 2 worker(s)"]
+            / rate["preprocess_data, 1 worker(s)"]
+        },
+    }
 
 
 if __name__ == "__main__":

@@ -14,10 +14,17 @@ from megatronish.testing.multiproc import run_world
 from megatronish.testing.runs import build_trainer, test_config
 
 S, B, H, A = 128, 4, 128, 4
-MODEL = ["model.arch=gpt2", f"model.hidden_size={H}", f"model.num_attention_heads={A}",
-         "model.num_query_groups=null", f"model.ffn_hidden_size={4 * H}", f"model.seq_length={S}",
-         f"trainer.micro_batch_size={B}", f"trainer.global_batch_size={4 * B}",
-         "model.vocab_size=1000"]  # fmt: skip
+MODEL = [
+    "model.arch=gpt2",
+    f"model.hidden_size={H}",
+    f"model.num_attention_heads={A}",
+    "model.num_query_groups=null",
+    f"model.ffn_hidden_size={4 * H}",
+    f"model.seq_length={S}",
+    f"trainer.micro_batch_size={B}",
+    f"trainer.global_batch_size={4 * B}",
+    "model.vocab_size=1000",
+]
 # tp=2 layouts run with dp=2: in 2-rank tp worlds gloo's threads keep collective buffers alive
 # for varying times.
 LAYOUTS = {  # name -> (world, overrides)
@@ -75,37 +82,80 @@ def run(quick: bool = False) -> dict:
             pub -= 5 * A * S * S * B / t
         if "full" in name:  # one layer input (2 bytes published, 4 in fp32)
             pub, fp32 = 2 * S * B * H / (t if sp else 1), 4 * S * B * H / (t if sp else 1)
-        raw[name] = {"measured_rank": four, "measured_layer": (four - two) / 2,
-                     "planned_rank": act.peak, "planned_layer": act.per_layer,
-                     "korthikanti_16bit": pub, "korthikanti_fp32": fp32}  # fmt: skip
-        rows.append([name, (four - two) / 2 / MIB, act.per_layer / MIB, fp32 / MIB, pub / MIB,
-                     four / MIB, act.peak / MIB, act.peak / four])  # fmt: skip
+        raw[name] = {
+            "measured_rank": four,
+            "measured_layer": (four - two) / 2,
+            "planned_rank": act.peak,
+            "planned_layer": act.per_layer,
+            "korthikanti_16bit": pub,
+            "korthikanti_fp32": fp32,
+        }
+        rows.append(
+            [
+                name,
+                (four - two) / 2 / MIB,
+                act.per_layer / MIB,
+                fp32 / MIB,
+                pub / MIB,
+                four / MIB,
+                act.peak / MIB,
+                act.peak / four,
+            ]
+        )
     pipe_rows = []
     for name, (world, extra) in PIPELINES.items():
         overrides = [*MODEL, *PIPE_MODEL, *extra]
         got = measure(world, overrides, repeats)[0]
         plan = planned(world, overrides)
         lay, st = plan.layout, plan.stages[0].activations
-        raw[name] = {"measured_first_stage": got, "planned_first_stage": st.peak,
-                     "planned_in_flight": st.in_flight}  # fmt: skip
-        pipe_rows.append([name, st.in_flight, lay.pp * interleaving_factor(lay.pp, lay.vpp),
-                          got / MIB, st.peak / MIB, st.peak / got])  # fmt: skip
+        raw[name] = {
+            "measured_first_stage": got,
+            "planned_first_stage": st.peak,
+            "planned_in_flight": st.in_flight,
+        }
+        pipe_rows.append(
+            [
+                name,
+                st.in_flight,
+                lay.pp * interleaving_factor(lay.pp, lay.vpp),
+                got / MIB,
+                st.peak / MIB,
+                st.peak / got,
+            ]
+        )
     return {
         "title": "Activation memory per rank: measured vs the planner and Korthikanti et al.",
         "config": {"repeats": repeats, "model": MODEL, "pipeline_model": PIPE_MODEL},
         "results": raw,
         "tables": [
-            table(f"Per layer and per rank (MiB), s={S} b={B} h={H} a={A}, 4 layers, fp32",
-                  ["layout", "measured per layer|.2f", "planner per layer|.2f",
-                   "Korthikanti fp32, no dropout|.2f", "Korthikanti as published (16-bit)|.2f",
-                   "measured per rank|.2f", "planner per rank|.2f", "planner / measured|.2f"],
-                  rows),
-            table("Pipeline: first stage, 8 layers, 8 microbatches of 1 (MiB)",
-                  ["layout", "in flight (schedule walk)|.2f",
-                   "p (1 + (p-1)/(p v)) (Korthikanti)|.2f", "measured|.2f", "planner|.2f",
-                   "planner / measured|.2f"], pipe_rows),
+            table(
+                f"Per layer and per rank (MiB), s={S} b={B} h={H} a={A}, 4 layers, fp32",
+                [
+                    "layout",
+                    "measured per layer|.2f",
+                    "planner per layer|.2f",
+                    "Korthikanti fp32, no dropout|.2f",
+                    "Korthikanti as published (16-bit)|.2f",
+                    "measured per rank|.2f",
+                    "planner per rank|.2f",
+                    "planner / measured|.2f",
+                ],
+                rows,
+            ),
+            table(
+                "Pipeline: first stage, 8 layers, 8 microbatches of 1 (MiB)",
+                [
+                    "layout",
+                    "in flight (schedule walk)|.2f",
+                    "p (1 + (p-1)/(p v)) (Korthikanti)|.2f",
+                    "measured|.2f",
+                    "planner|.2f",
+                    "planner / measured|.2f",
+                ],
+                pipe_rows,
+            ),
         ],
-    }  # fmt: skip
+    }
 
 
 if __name__ == "__main__":

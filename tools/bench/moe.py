@@ -23,8 +23,13 @@ from megatronish.moe import dispatch
 from megatronish.testing.multiproc import run_world
 from megatronish.testing.reference_gpt import RefConfig, ReferenceGPT
 
-MOE = ["model.moe.num_experts=8", "model.moe.top_k=2", "model.moe.ffn_hidden_size=256",
-       "trainer.micro_batch_size=4", "trainer.global_batch_size=8"]  # fmt: skip
+MOE = [
+    "model.moe.num_experts=8",
+    "model.moe.top_k=2",
+    "model.moe.ffn_hidden_size=256",
+    "trainer.micro_batch_size=4",
+    "trainer.global_batch_size=8",
+]
 PLAIN, EP1, EP2 = "plain PyTorch MoE", "megatronish ep=1", "megatronish ep=2"
 VARIANTS = (PLAIN, EP1, EP2)
 RANKS = {PLAIN: 1, EP1: 1, EP2: 2}
@@ -74,11 +79,18 @@ class PlainMoE(nn.Module):
 
 
 # megatronish's global names -> the plain model's (a block's part after ``layers.i.``).
-NAMES = {"embedding.word.weight": "tok_embeddings.weight", "head.norm.weight": "norm.weight",
-         "head.weight": "output.weight", "attn_norm.weight": "attention_norm.weight",
-         "attn.qkv.weight": "attention.wqkv.weight", "attn.proj.weight": "attention.wo.weight",
-         "mlp_norm.weight": "ffn_norm.weight", "mlp.router": "feed_forward.router",
-         "mlp.experts.fc1": "feed_forward.fc1", "mlp.experts.fc2": "feed_forward.fc2"}  # fmt: skip
+NAMES = {
+    "embedding.word.weight": "tok_embeddings.weight",
+    "head.norm.weight": "norm.weight",
+    "head.weight": "output.weight",
+    "attn_norm.weight": "attention_norm.weight",
+    "attn.qkv.weight": "attention.wqkv.weight",
+    "attn.proj.weight": "attention.wo.weight",
+    "mlp_norm.weight": "ffn_norm.weight",
+    "mlp.router": "feed_forward.router",
+    "mlp.experts.fc1": "feed_forward.fc1",
+    "mlp.experts.fc2": "feed_forward.fc2",
+}
 
 
 def plain_name(name: str) -> str:
@@ -96,8 +108,14 @@ def plain_model(spec, weights: dict[str, torch.Tensor]) -> ReferenceGPT:
     assert spec.is_llama and m.renormalize and supported, "the plain MoE covers this case only"
     model = ReferenceGPT(RefConfig.from_spec(spec))
     for block in model.layers:
-        block.feed_forward = PlainMoE(spec.hidden_size, m.ffn_hidden_size, m.num_experts,
-                                      m.top_k, m.aux_loss_coef, m.z_loss_coef)  # fmt: skip
+        block.feed_forward = PlainMoE(
+            spec.hidden_size,
+            m.ffn_hidden_size,
+            m.num_experts,
+            m.top_k,
+            m.aux_loss_coef,
+            m.z_loss_coef,
+        )
     model.load_state_dict({plain_name(n): w.detach().clone() for n, w in weights.items()})
     return model
 
@@ -138,8 +156,10 @@ class PlainRun:
     def metrics(self) -> dict[str, float]:
         """The last step's assignments per expert (max and mean over blocks and experts)."""
         counts = torch.stack([m.counts for m in self.moe_layers()]).double()
-        return {"moe/tokens_per_expert_max": counts.max().item(),
-                "moe/tokens_per_expert_mean": counts.mean().item()}  # fmt: skip
+        return {
+            "moe/tokens_per_expert_max": counts.max().item(),
+            "moe/tokens_per_expert_mean": counts.mean().item(),
+        }
 
 
 def plain_run(mish) -> PlainRun:
@@ -151,8 +171,10 @@ def plain_run(mish) -> PlainRun:
     decay = [p for _, p in params if p.dim() >= 2]
     rest = [p for _, p in params if all(p is not q for q in decay)]
     o, t = mish.cfg.optimizer, mish.cfg.trainer
-    groups = [{"params": decay, "weight_decay": o.weight_decay},
-              {"params": rest, "weight_decay": 0.0}]  # fmt: skip
+    groups = [
+        {"params": decay, "weight_decay": o.weight_decay},
+        {"params": rest, "weight_decay": 0.0},
+    ]
     opt = torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, fused=True)
     return PlainRun(model, opt, mish.data, t.global_batch_size, t.micro_batch_size, o.grad_clip)
 
@@ -196,26 +218,27 @@ def _rank(rank: int, world: int, repeats: int, budget_s: float) -> dict:
         def one() -> float:
             timer.seconds, t0, cpu0 = 0.0, time.perf_counter(), time.process_time()
             loss = steps[name]()
-            record[name].append((time.perf_counter() - t0, time.process_time() - cpu0,
-                                 timer.seconds))  # fmt: skip
+            record[name].append(
+                (time.perf_counter() - t0, time.process_time() - cpu0, timer.seconds)
+            )
             return loss
 
         return one
 
     steppers = {n: recorded(n) for n in VARIANTS}
     dist.barrier()
-    first = {n: {"loss": steppers[n](), **(metrics[n]() if n in metrics else {})}
-             for n in VARIANTS}  # fmt: skip
+    first = {n: {"loss": steppers[n](), **(metrics[n]() if n in metrics else {})} for n in VARIANTS}
     ep2.trainer.topo.stats.reset()
     out = common.timed_world(steppers, repeats, 1, warmup=WARMUP, budget_s=budget_s)
     counted = len(record[EP2]) - 1
-    comm = {k: {m: v / counted for m, v in c.items()}
-            for k, c in ep2.trainer.topo.stats.summary().items()}  # fmt: skip
+    comm = {
+        k: {m: v / counted for m, v in c.items()}
+        for k, c in ep2.trainer.topo.stats.summary().items()
+    }
     # The first and warm-up steps are not timed (rank 1 waits in them while rank 0 steps the
     # one-process variants); CommStats counts from the warm-up steps on.
     timed = {n: rs[1 + WARMUP :] for n, rs in record.items()}
-    out.update(first=first, last={n: fn() for n, fn in metrics.items()}, record=timed,
-               comm=comm)  # fmt: skip
+    out.update(first=first, last={n: fn() for n, fn in metrics.items()}, record=timed, comm=comm)
     dist.barrier()  # ranks leave together (a rank exiting early can hang gloo shutdown)
     return out
 
@@ -225,8 +248,9 @@ def run(quick: bool = False) -> dict:
     repeats, budget = (3, 8.0) if quick else (41, 75.0)
     ranks = run_world(_rank, 2, repeats, budget, timeout=600, collective_timeout=300)
     with common.threads(1):
-        experts = moe_experts.run_experts(EXPERT_ROWS, EXPERT_HIDDEN, EXPERT_FFN, EXPERT_LOCALS,
-                                          3 if quick else 9)  # fmt: skip
+        experts = moe_experts.run_experts(
+            EXPERT_ROWS, EXPERT_HIDDEN, EXPERT_FFN, EXPERT_LOCALS, 3 if quick else 9
+        )
     expert_rows, expert_facts = experts_table(experts)
     times = slowest(ranks)
     med = {n: median(ts) for n, ts in times.items()}
@@ -235,50 +259,115 @@ def run(quick: bool = False) -> dict:
     paired = {n: paired_ratio(times[PLAIN], times[n]) for n in VARIANTS}
     ep2_vs_ep1 = paired_ratio(times[EP1], times[EP2])
     # Per rank (median over steps): CPU seconds, all-to-all seconds and their share of the step.
-    cpu = {n: [median([c for _, c, _ in r["record"][n]]) for r in ranks[: RANKS[n]]]
-           for n in VARIANTS}  # fmt: skip
+    cpu = {
+        n: [median([c for _, c, _ in r["record"][n]]) for r in ranks[: RANKS[n]]] for n in VARIANTS
+    }
     a2a_s = [median([a for _, _, a in r["record"][EP2]]) for r in ranks]
     share = [median([a / w for w, _, a in r["record"][EP2]]) for r in ranks]
     first, last, losses = ranks[0]["first"], ranks[0]["last"], ranks[0]["losses"]
     comm = ranks[0]["comm"]
-    rows = [[n, RANKS[n], med[n] * 1e3, tokens / med[n], paired[n] if n != PLAIN else None,
-             [c * 1e3 for c in cpu[n]], [a * 1e3 for a in a2a_s] if n == EP2 else None,
-             share if n == EP2 else None]
-            for n in VARIANTS]  # fmt: skip
+    rows = [
+        [
+            n,
+            RANKS[n],
+            med[n] * 1e3,
+            tokens / med[n],
+            paired[n] if n != PLAIN else None,
+            [c * 1e3 for c in cpu[n]],
+            [a * 1e3 for a in a2a_s] if n == EP2 else None,
+            share if n == EP2 else None,
+        ]
+        for n in VARIANTS
+    ]
     key = "moe/tokens_per_expert_"
-    sanity = [[n, first[n]["loss"], first[n][key + "max"], first[n][key + "mean"],
-               len(losses[n]) + 1, losses[n][-1], last[n][key + "max"],
-               last[n][key + "mean"]] for n in VARIANTS]  # fmt: skip
+    sanity = [
+        [
+            n,
+            first[n]["loss"],
+            first[n][key + "max"],
+            first[n][key + "mean"],
+            len(losses[n]) + 1,
+            losses[n][-1],
+            last[n][key + "max"],
+            last[n][key + "mean"],
+        ]
+        for n in VARIANTS
+    ]
     comm_rows = [[k, c["calls"], c["bytes"] / MIB] for k, c in comm.items()]
     return {
         "title": "Mixture of experts: megatronish ep=1 and ep=2 vs a plain PyTorch MoE",
-        "config": {"model": MOE, "repeats": repeats, "budget_s": budget, "warmup": WARMUP + 1,
-                   "steps_per_repeat": 1, "tokens_per_step": tokens},
-        "results": {"step_times_s": times, "median_step_s": med, "paired_vs_plain": paired,
-                    "ep2_vs_ep1": ep2_vs_ep1, "a2a_s_per_rank": a2a_s, "a2a_share_per_rank": share,
-                    "cpu_s_per_rank": cpu, "comm_per_step": comm, "first": first,
-                    "last": last, "losses": losses,
-                    "per_step_wall_cpu_a2a_s": [r["record"] for r in ranks],
-                    "experts_backward": experts},
+        "config": {
+            "model": MOE,
+            "repeats": repeats,
+            "budget_s": budget,
+            "warmup": WARMUP + 1,
+            "steps_per_repeat": 1,
+            "tokens_per_step": tokens,
+        },
+        "results": {
+            "step_times_s": times,
+            "median_step_s": med,
+            "paired_vs_plain": paired,
+            "ep2_vs_ep1": ep2_vs_ep1,
+            "a2a_s_per_rank": a2a_s,
+            "a2a_share_per_rank": share,
+            "cpu_s_per_rank": cpu,
+            "comm_per_step": comm,
+            "first": first,
+            "last": last,
+            "losses": losses,
+            "per_step_wall_cpu_a2a_s": [r["record"] for r in ranks],
+            "experts_backward": experts,
+        },
         "tables": [
-            table(f"Throughput, {tokens} tokens per step (median over repeats)",
-                  ["variant", "ranks", "step ms|,.0f", "tokens/s|,.0f",
-                   "tokens/s / plain's, median of per-repeat ratios|.2fx",
-                   "CPU ms per step, rank 0 / 1|,.0f",
-                   "all-to-all ms per step, rank 0 / 1|.1f",
-                   "all-to-all share of the step, rank 0 / 1|.1%"], rows),
-            table("Sanity: same weights and batches give the same losses and routing",
-                  ["variant", "step 1 loss|.6f", "step 1 tokens per expert, max|.0f",
-                   "mean|.0f", "steps", "last loss|.6f", "last step tokens per expert, max|.0f",
-                   "mean|.0f"], sanity),
-            table("Communication per ep=2 step and rank (CommStats, steps after the first)",
-                  ["group/op", "calls|.0f", "MiB|.3f"], comm_rows),
-            table(f"The experts' backward alone: {EXPERT_ROWS} rows, hidden {EXPERT_HIDDEN}, "
-                  f"ffn {EXPERT_FFN}, SwiGLU, fp32, 1 thread (median over repeats)",
-                  ["local experts", "implementation", "grouped_mm", "backward ms|,.1f",
-                   "backward time / now's, median of per-repeat ratios|.2fx",
-                   "MiB allocated in backward|,.1f", "of which the stacks' grads|,.1f",
-                   "MiB beyond the stacks' grads|,.1f"], expert_rows),
+            table(
+                f"Throughput, {tokens} tokens per step (median over repeats)",
+                [
+                    "variant",
+                    "ranks",
+                    "step ms|,.0f",
+                    "tokens/s|,.0f",
+                    "tokens/s / plain's, median of per-repeat ratios|.2fx",
+                    "CPU ms per step, rank 0 / 1|,.0f",
+                    "all-to-all ms per step, rank 0 / 1|.1f",
+                    "all-to-all share of the step, rank 0 / 1|.1%",
+                ],
+                rows,
+            ),
+            table(
+                "Sanity: same weights and batches give the same losses and routing",
+                [
+                    "variant",
+                    "step 1 loss|.6f",
+                    "step 1 tokens per expert, max|.0f",
+                    "mean|.0f",
+                    "steps",
+                    "last loss|.6f",
+                    "last step tokens per expert, max|.0f",
+                    "mean|.0f",
+                ],
+                sanity,
+            ),
+            table(
+                "Communication per ep=2 step and rank (CommStats, steps after the first)",
+                ["group/op", "calls|.0f", "MiB|.3f"],
+                comm_rows,
+            ),
+            table(
+                f"The experts' backward alone: {EXPERT_ROWS} rows, hidden {EXPERT_HIDDEN}, "
+                f"ffn {EXPERT_FFN}, SwiGLU, fp32, 1 thread (median over repeats)",
+                [
+                    "local experts",
+                    "implementation",
+                    "grouped_mm",
+                    "backward ms|,.1f",
+                    "backward time / now's, median of per-repeat ratios|.2fx",
+                    "MiB allocated in backward|,.1f",
+                    "of which the stacks' grads|,.1f",
+                    "MiB beyond the stacks' grads|,.1f",
+                ],
+                expert_rows,
+            ),
         ],
         "facts": {
             "megatronish ep=1 tokens/s / plain's (median of per-repeat ratios)|.2fx": paired[EP1],
@@ -288,9 +377,10 @@ def run(quick: bool = False) -> dict:
             **expert_facts,
             "repeats run": len(times[EP1]),
             "1-minute load average, the larger of start and end|.1f": max(
-                load_before, os.getloadavg()[0]),
+                load_before, os.getloadavg()[0]
+            ),
         },
-    }  # fmt: skip
+    }
 
 
 def experts_table(experts: dict) -> tuple[list[list], dict]:
@@ -303,16 +393,26 @@ def experts_table(experts: dict) -> tuple[list[list], dict]:
             grads = experts["stack_grad_bytes"][local][impl]
             beyond[local, impl] = total - grads
             picked = experts["grouped_mm_used"][local] if impl == moe_experts.GROUPED else False
-            rows.append([int(local), impl, picked, median(times[impl]) * 1e3,
-                         paired_ratio(times[impl], now), total / MIB, grads / MIB,
-                         (total - grads) / MIB])  # fmt: skip
+            rows.append(
+                [
+                    int(local),
+                    impl,
+                    picked,
+                    median(times[impl]) * 1e3,
+                    paired_ratio(times[impl], now),
+                    total / MIB,
+                    grads / MIB,
+                    (total - grads) / MIB,
+                ]
+            )
     lo, hi = (str(n) for n in (EXPERT_LOCALS[0], EXPERT_LOCALS[-1]))
     facts = {}
     for impl in moe_experts.IMPLS:
         label = f"experts' backward, MiB beyond the stacks' grads, {hi} / {lo} local experts, "
         facts[f"{label}{impl}|.2fx"] = beyond[hi, impl] / beyond[lo, impl]
-    slow = paired_ratio(experts["seconds"][hi][moe_experts.SLICED],
-                        experts["seconds"][hi][moe_experts.GROUPED])  # fmt: skip
+    slow = paired_ratio(
+        experts["seconds"][hi][moe_experts.SLICED], experts["seconds"][hi][moe_experts.GROUPED]
+    )
     facts[f"experts' backward time at {hi} local experts, before / now|.1fx"] = slow
     return rows, facts
 

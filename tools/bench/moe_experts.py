@@ -34,9 +34,19 @@ def sliced_forward(experts: GroupedExperts, rows: torch.Tensor, counts: list[int
 
 def _experts(local: int, hidden: int, ffn: int, grouped: bool | None) -> GroupedExperts:
     moe = MoESpec(num_experts=local, top_k=2, layer_freq=1, ffn_hidden_size=ffn)
-    spec = ModelSpec(arch="llama", num_layers=4, hidden_size=hidden, num_heads=4, num_kv_heads=2,
-                     ffn_hidden_size=ffn, seq_length=256, vocab_size=4096,
-                     padded_vocab_size=4096, max_position_embeddings=256, moe=moe)  # fmt: skip
+    spec = ModelSpec(
+        arch="llama",
+        num_layers=4,
+        hidden_size=hidden,
+        num_heads=4,
+        num_kv_heads=2,
+        ffn_hidden_size=ffn,
+        seq_length=256,
+        vocab_size=4096,
+        padded_vocab_size=4096,
+        max_position_embeddings=256,
+        moe=moe,
+    )
     experts = GroupedExperts(spec, 1, local, 0, grouped=grouped)
     with torch.no_grad():
         for p in experts.parameters():

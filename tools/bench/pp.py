@@ -21,8 +21,11 @@ from megatronish.testing.multiproc import run_world
 from megatronish.testing.reference_gpt import build_adamw
 
 PP, VPP, LAYERS, MICROBATCHES, MICRO_BATCH = 2, 2, 8, 8, 1
-MODEL = [f"model.num_layers={LAYERS}", f"trainer.micro_batch_size={MICRO_BATCH}",
-         f"trainer.global_batch_size={MICROBATCHES * MICRO_BATCH}"]  # fmt: skip
+MODEL = [
+    f"model.num_layers={LAYERS}",
+    f"trainer.micro_batch_size={MICRO_BATCH}",
+    f"trainer.global_batch_size={MICROBATCHES * MICRO_BATCH}",
+]
 LAYOUT = [f"parallel.pp={PP}", f"parallel.vpp={VPP}"]
 VARIANTS = ("megatronish", "torch pipelining")
 # Layers per chunk: the even split both variants are timed with, and one that balances the
@@ -70,8 +73,9 @@ class TorchPipelineRun:
             # Static shapes (no handshake, like megatronish); a received activation needs grad.
             x = z(b, s, dtype=torch.long) if c == 0 else z(b, s, h).requires_grad_()
             y = z(b, s, spec.padded_vocab_size if c == n - 1 else h).requires_grad_()
-            stages.append(PipelineStage(module, c, n, torch.device("cpu"), input_args=x,
-                                        output_args=y))  # fmt: skip
+            stages.append(
+                PipelineStage(module, c, n, torch.device("cpu"), input_args=x, output_args=y)
+            )
             self.modules.append(module)
         self.schedule = ScheduleInterleaved1F1B(stages, MICROBATCHES, loss_fn=cross_entropy)
         params = nn.ModuleList(self.modules)
@@ -117,8 +121,10 @@ def _rank(rank: int, world: int, repeats: int, steps: int, recorded: int) -> dic
     peer = TorchPipelineRun(rank, mish.cfg, mish.spec, mish.data)
     out = common.timed_world({VARIANTS[0]: mish.step, VARIANTS[1]: peer.step}, repeats, steps)
     balanced.step()  # warm-up
-    out["timelines"] = {str(EVEN): _recorded_steps(mish, recorded),
-                        str(BALANCED): _recorded_steps(balanced, recorded)}  # fmt: skip
+    out["timelines"] = {
+        str(EVEN): _recorded_steps(mish, recorded),
+        str(BALANCED): _recorded_steps(balanced, recorded),
+    }
     dist.barrier()  # ranks leave together (a rank exiting early can hang gloo shutdown)
     return out
 
@@ -127,11 +133,15 @@ def bubble(ranks: list[dict], split: str) -> dict:
     """Step spans and per-rank fwd / bwd / comm seconds and measured bubble of one split."""
     steps = [dict(enumerate(t)) for t in zip(*(r["timelines"][split] for r in ranks))]
     spans = [step_span(t)[1] - step_span(t)[0] for t in steps]
-    per_rank = {r: {"fwd_s": [phase_time(t[r], "fwd") for t in steps],
-                    "bwd_s": [phase_time(t[r], "bwd") for t in steps],
-                    "comm_s": [phase_time(t[r], "comm") for t in steps],
-                    "bubble": [measured_bubble(t[r], step_span(t)) for t in steps]}
-                for r in range(PP)}  # fmt: skip
+    per_rank = {
+        r: {
+            "fwd_s": [phase_time(t[r], "fwd") for t in steps],
+            "bwd_s": [phase_time(t[r], "bwd") for t in steps],
+            "comm_s": [phase_time(t[r], "comm") for t in steps],
+            "bubble": [measured_bubble(t[r], step_span(t)) for t in steps],
+        }
+        for r in range(PP)
+    }
     return {
         "step_span_s": spans,
         "per_rank": per_rank,
@@ -151,34 +161,78 @@ def run(quick: bool = False) -> dict:
     bubbles = {split: bubble(ranks, split) for split in (str(EVEN), str(BALANCED))}
     return {
         "title": "Pipeline parallelism, 2 ranks, interleaved 1F1B: megatronish vs torch pipelining",
-        "config": {"repeats": repeats, "steps_per_repeat": steps, "recorded_steps": recorded,
-                   "warmup": 2, "pp": PP, "vpp": VPP, "layers": LAYERS,
-                   "microbatches": MICROBATCHES, "micro_batch": MICRO_BATCH,
-                   "balanced_split": SPLIT_OVERRIDE},
-        "results": {"step_times_s": times, "median_step_s": med, "paired_ratio": paired,
-                    "ratio": med[VARIANTS[0]] / med[VARIANTS[1]], "losses": losses,
-                    "bubble": bubbles, "tokens_per_step": tokens,
-                    "per_rank_times": [r["times"] for r in ranks]},
+        "config": {
+            "repeats": repeats,
+            "steps_per_repeat": steps,
+            "recorded_steps": recorded,
+            "warmup": 2,
+            "pp": PP,
+            "vpp": VPP,
+            "layers": LAYERS,
+            "microbatches": MICROBATCHES,
+            "micro_batch": MICRO_BATCH,
+            "balanced_split": SPLIT_OVERRIDE,
+        },
+        "results": {
+            "step_times_s": times,
+            "median_step_s": med,
+            "paired_ratio": paired,
+            "ratio": med[VARIANTS[0]] / med[VARIANTS[1]],
+            "losses": losses,
+            "bubble": bubbles,
+            "tokens_per_step": tokens,
+            "per_rank_times": [r["times"] for r in ranks],
+        },
         "tables": [
-            table("Step time (median over repeats)",
-                  ["variant", "step ms|.0f", "tokens/s|,.0f", "step time / torch pipelining's|.2fx",
-                   "same, median of per-repeat ratios|.2fx"],
-                  [[n, med[n] * 1e3, tokens / med[n], med[n] / med[VARIANTS[1]], p]
-                   for n, p in zip(VARIANTS, (paired, None), strict=True)]),
-            table("Sanity: losses (last stage) of the same run",
-                  ["variant", "first loss|.5f", "steps", "last loss|.5f"],
-                  [[n, ls[0], len(ls), ls[-1]] for n, ls in losses.items()]),
-            table("Bubble per pipeline rank, megatronish (one step's forward/backward phase)",
-                  ["layers per chunk", "step fwd/bwd ms|.0f", "pp rank", "fwd ms|.0f",
-                   "bwd ms|.0f", "send/recv ms|.0f", "measured bubble|.1%",
-                   f"analytic (pp-1)/(vpp*m), m={MICROBATCHES}|.1%"],
-                  [[split, median(b["step_span_s"]) * 1e3, r, median(d["fwd_s"]) * 1e3,
-                    median(d["bwd_s"]) * 1e3, median(d["comm_s"]) * 1e3, median(d["bubble"]),
-                    b["analytic"]] for split, b in bubbles.items()
-                   for r, d in b["per_rank"].items()]),
+            table(
+                "Step time (median over repeats)",
+                [
+                    "variant",
+                    "step ms|.0f",
+                    "tokens/s|,.0f",
+                    "step time / torch pipelining's|.2fx",
+                    "same, median of per-repeat ratios|.2fx",
+                ],
+                [
+                    [n, med[n] * 1e3, tokens / med[n], med[n] / med[VARIANTS[1]], p]
+                    for n, p in zip(VARIANTS, (paired, None), strict=True)
+                ],
+            ),
+            table(
+                "Sanity: losses (last stage) of the same run",
+                ["variant", "first loss|.5f", "steps", "last loss|.5f"],
+                [[n, ls[0], len(ls), ls[-1]] for n, ls in losses.items()],
+            ),
+            table(
+                "Bubble per pipeline rank, megatronish (one step's forward/backward phase)",
+                [
+                    "layers per chunk",
+                    "step fwd/bwd ms|.0f",
+                    "pp rank",
+                    "fwd ms|.0f",
+                    "bwd ms|.0f",
+                    "send/recv ms|.0f",
+                    "measured bubble|.1%",
+                    f"analytic (pp-1)/(vpp*m), m={MICROBATCHES}|.1%",
+                ],
+                [
+                    [
+                        split,
+                        median(b["step_span_s"]) * 1e3,
+                        r,
+                        median(d["fwd_s"]) * 1e3,
+                        median(d["bwd_s"]) * 1e3,
+                        median(d["comm_s"]) * 1e3,
+                        median(d["bubble"]),
+                        b["analytic"],
+                    ]
+                    for split, b in bubbles.items()
+                    for r, d in b["per_rank"].items()
+                ],
+            ),
         ],
         "facts": {"ln(vocab)|.4f": math.log(m.vocab_size)},
-    }  # fmt: skip
+    }
 
 
 if __name__ == "__main__":

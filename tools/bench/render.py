@@ -43,9 +43,11 @@ def section_block(sec: dict) -> str:
     """The generated part of one benchmark: when and where it ran, its tables and facts."""
     m = sec["machine"]
     quick = " (`--quick`)." if sec.get("quick") else "."
-    parts = [f"Measured {m['date']} on {m['cpu']} ({m['cores']} cores), torch {m['torch']}, "
-             f"1-minute load average {m.get('loadavg_1m') or 0:.1f} at the end, in "
-             f"{sec['seconds']:.0f} s{quick}"]  # fmt: skip
+    parts = [
+        f"Measured {m['date']} on {m['cpu']} ({m['cores']} cores), torch {m['torch']}, "
+        f"1-minute load average {m.get('loadavg_1m') or 0:.1f} at the end, in "
+        f"{sec['seconds']:.0f} s{quick}"
+    ]
     parts += [markdown_table(t) for t in sec["tables"]]
     if sec.get("facts"):
         parts.append("\n".join(f"- {label}: {cell(v, f)}" for label, v, f in sec["facts"]))
@@ -83,16 +85,30 @@ def draw_advisor(rows: list[dict], path) -> None:
     # 4-rank labels to the right of their point, 8-rank labels to the left (they often meet).
     for world, marker, dx, align in ((4, "o", 5, "left"), (8, "s", -5, "right")):
         pts = [r for r in rows if r["world"] == world]
-        ax.scatter([r["predicted_s"] for r in pts], [r["measured_s"] for r in pts],
-                   marker=marker, label=f"{world} ranks")  # fmt: skip
+        ax.scatter(
+            [r["predicted_s"] for r in pts],
+            [r["measured_s"] for r in pts],
+            marker=marker,
+            label=f"{world} ranks",
+        )
         for r in pts:
-            ax.annotate(r["label"], (r["predicted_s"], r["measured_s"]), fontsize=7,
-                        xytext=(dx, -3), textcoords="offset points", ha=align)  # fmt: skip
+            ax.annotate(
+                r["label"],
+                (r["predicted_s"], r["measured_s"]),
+                fontsize=7,
+                xytext=(dx, -3),
+                textcoords="offset points",
+                ha=align,
+            )
     hi = max(v for r in rows for v in (r["predicted_s"], r["measured_s"])) * 1.15
     ax.plot([0, hi], [0, hi], "k--", lw=0.8, label="measured = predicted")
-    ax.set(xlim=(0, hi), ylim=(0, hi),
-           xlabel="predicted step time (s)", ylabel="measured step time (s, median)",
-           title="Layout advisor's step-time model vs CPU runs (gloo)")  # fmt: skip
+    ax.set(
+        xlim=(0, hi),
+        ylim=(0, hi),
+        xlabel="predicted step time (s)",
+        ylabel="measured step time (s, median)",
+        title="Layout advisor's step-time model vs CPU runs (gloo)",
+    )
     ax.legend(loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -24,8 +24,13 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--quick", action="store_true", help="fewer repeats (a smoke run)")
-    parser.add_argument("--only", nargs="+", choices=ORDER, metavar="NAME",
-                        help=f"run only these ({', '.join(ORDER)})")  # fmt: skip
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        choices=ORDER,
+        metavar="NAME",
+        help=f"run only these ({', '.join(ORDER)})",
+    )
     args = parser.parse_args()
     t0 = time.perf_counter()
     ran, failed = {}, []

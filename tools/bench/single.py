@@ -37,18 +37,29 @@ def measure(num_threads: int, repeats: int, steps: int, budget_s: float) -> dict
         peak_before = measure_matmul_peak()
         times = interleaved(runs, repeats, steps, warmup=WARMUP, budget_s=budget_s)
         peak = max(peak_before, measure_matmul_peak())
-    cpu = {n: [sum(ts[i : i + steps]) / steps for i in range(WARMUP, len(ts), steps)]
-           for n, ts in cpu.items()}  # fmt: skip
+    cpu = {
+        n: [sum(ts[i : i + steps]) / steps for i in range(WARMUP, len(ts), steps)]
+        for n, ts in cpu.items()
+    }
     tokens = mish.cfg.trainer.global_batch_size * mish.spec.seq_length
     flops = flops_per_token(mish.spec) * tokens
-    out = {"threads": num_threads, "peak_flops": peak, "tokens_per_step": tokens,
-           "repeats": len(times["megatronish"]), "flops_per_step": flops}  # fmt: skip
+    out = {
+        "threads": num_threads,
+        "peak_flops": peak,
+        "tokens_per_step": tokens,
+        "repeats": len(times["megatronish"]),
+        "flops_per_step": flops,
+    }
     for name, ts in times.items():
         out[name] = {
-            "step_times_s": ts, "median_step_s": median(ts), "tokens_per_s": tokens / median(ts),
-            "mfu": flops / median(ts) / peak, "first_loss": losses[name][0],
-            "last_loss": losses[name][-1], "steps": len(losses[name]),
-        }  # fmt: skip
+            "step_times_s": ts,
+            "median_step_s": median(ts),
+            "tokens_per_s": tokens / median(ts),
+            "mfu": flops / median(ts) / peak,
+            "first_loss": losses[name][0],
+            "last_loss": losses[name][-1],
+            "steps": len(losses[name]),
+        }
     out["ratio"] = out["megatronish"]["tokens_per_s"] / out["reference"]["tokens_per_s"]
     out["paired_ratio"] = paired_ratio(times["reference"], times["megatronish"])
     out["cpu_ratio"] = paired_ratio(cpu["reference"], cpu["megatronish"])
@@ -67,35 +78,80 @@ def run(quick: bool = False) -> dict:
     first = runs[0]
     return {
         "title": "Single-process training throughput (tiny llama)",
-        "config": {"repeats": repeats, "steps_per_repeat": steps, "budget_s": budget,
-                   "warmup": WARMUP, "threads": [2, 1]},
+        "config": {
+            "repeats": repeats,
+            "steps_per_repeat": steps,
+            "budget_s": budget,
+            "warmup": WARMUP,
+            "threads": [2, 1],
+        },
         "results": {"runs": runs},
         "tables": [
-            table("Throughput", ["threads", "megatronish tokens/s|,.0f", "reference tokens/s|,.0f",
-                                 "megatronish / reference|.2fx",
-                                 "same, median of per-repeat ratios|.2fx",
-                                 "same, fastest repeats|.2fx",
-                                 "CPU time, median of per-repeat ratios|.2fx",
-                                 "megatronish MFU|.1%", "reference MFU|.1%",
-                                 "matmul peak GFLOP/s|.0f"],
-                  [[r["threads"], a["tokens_per_s"], b["tokens_per_s"], r["ratio"],
-                    r["paired_ratio"], r["fastest_ratio"], r["cpu_ratio"], a["mfu"], b["mfu"],
-                    r["peak_flops"] / 1e9] for r, a, b in m]),
-            table("Sanity: same weights and batches give the same losses",
-                  ["threads", "ln(vocab)|.4f", "megatronish first loss|.4f",
-                   "reference first loss|.4f", "steps", "megatronish last loss|.4f",
-                   "reference last loss|.4f"],
-                  [[r["threads"], r["ln_vocab"], a["first_loss"], b["first_loss"], a["steps"],
-                    a["last_loss"], b["last_loss"]] for r, a, b in m]),
+            table(
+                "Throughput",
+                [
+                    "threads",
+                    "megatronish tokens/s|,.0f",
+                    "reference tokens/s|,.0f",
+                    "megatronish / reference|.2fx",
+                    "same, median of per-repeat ratios|.2fx",
+                    "same, fastest repeats|.2fx",
+                    "CPU time, median of per-repeat ratios|.2fx",
+                    "megatronish MFU|.1%",
+                    "reference MFU|.1%",
+                    "matmul peak GFLOP/s|.0f",
+                ],
+                [
+                    [
+                        r["threads"],
+                        a["tokens_per_s"],
+                        b["tokens_per_s"],
+                        r["ratio"],
+                        r["paired_ratio"],
+                        r["fastest_ratio"],
+                        r["cpu_ratio"],
+                        a["mfu"],
+                        b["mfu"],
+                        r["peak_flops"] / 1e9,
+                    ]
+                    for r, a, b in m
+                ],
+            ),
+            table(
+                "Sanity: same weights and batches give the same losses",
+                [
+                    "threads",
+                    "ln(vocab)|.4f",
+                    "megatronish first loss|.4f",
+                    "reference first loss|.4f",
+                    "steps",
+                    "megatronish last loss|.4f",
+                    "reference last loss|.4f",
+                ],
+                [
+                    [
+                        r["threads"],
+                        r["ln_vocab"],
+                        a["first_loss"],
+                        b["first_loss"],
+                        a["steps"],
+                        a["last_loss"],
+                        b["last_loss"],
+                    ]
+                    for r, a, b in m
+                ],
+            ),
         ],
         "facts": {
             "repeats run at 2 / 1 threads": [r["repeats"] for r in runs],
             "model FLOPs per token (MFLOP)|.2f": first["flops_per_step"]
-            / first["tokens_per_step"] / 1e6,
+            / first["tokens_per_step"]
+            / 1e6,
             "1-minute load average, the larger of start and end|.1f": max(
-                load_before, os.getloadavg()[0]),
+                load_before, os.getloadavg()[0]
+            ),
         },
-    }  # fmt: skip
+    }
 
 
 if __name__ == "__main__":

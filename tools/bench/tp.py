@@ -28,27 +28,38 @@ def parallelize(model: nn.Module, sp: bool) -> nn.Module:
     torchtitan plan, with ``SequenceParallel`` norms when ``sp``."""
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     seq = Shard(1) if sp else Replicate()
-    tpar.parallelize_module(model, mesh, {
-        "tok_embeddings": tpar.RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
-        **({"norm": tpar.SequenceParallel()} if sp else {}),
-        "output": tpar.ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1),
-                                       use_local_output=False),
-    })  # fmt: skip
+    tpar.parallelize_module(
+        model,
+        mesh,
+        {
+            "tok_embeddings": tpar.RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+            **({"norm": tpar.SequenceParallel()} if sp else {}),
+            "output": tpar.ColwiseParallel(
+                input_layouts=seq, output_layouts=Shard(-1), use_local_output=False
+            ),
+        },
+    )
     for block in model.layers:
         plan = {
-            "attention.wqkv": tpar.ColwiseParallel(), "feed_forward.w13": tpar.ColwiseParallel(),
+            "attention.wqkv": tpar.ColwiseParallel(),
+            "feed_forward.w13": tpar.ColwiseParallel(),
             "attention.wo": tpar.RowwiseParallel(output_layouts=seq),
             "feed_forward.w2": tpar.RowwiseParallel(output_layouts=seq),
-        }  # fmt: skip
+        }
         if sp:
-            plan.update({
-                "attention_norm": tpar.SequenceParallel(), "ffn_norm": tpar.SequenceParallel(),
-                "attention": tpar.PrepareModuleInput(
-                    input_layouts=(Shard(1), None, None),
-                    desired_input_layouts=(Replicate(), None, None)),
-                "feed_forward": tpar.PrepareModuleInput(
-                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            })  # fmt: skip
+            plan.update(
+                {
+                    "attention_norm": tpar.SequenceParallel(),
+                    "ffn_norm": tpar.SequenceParallel(),
+                    "attention": tpar.PrepareModuleInput(
+                        input_layouts=(Shard(1), None, None),
+                        desired_input_layouts=(Replicate(), None, None),
+                    ),
+                    "feed_forward": tpar.PrepareModuleInput(
+                        input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+                    ),
+                }
+            )
         tpar.parallelize_module(block, mesh, plan)
         block.attention.n_heads //= mesh.size()
         block.attention.n_kv_heads //= mesh.size()
@@ -122,9 +133,14 @@ def _rank(rank: int, world: int, repeats: int, steps: int, budget_s: float) -> d
     steppers = {name: r.step for name, r in runs.items()}
     for name, sp in ((VARIANTS[2], False), (VARIANTS[3], True)):
         steppers[name] = common.reference_run(
-            mish.cfg, mish.spec, mish.data, wrap=lambda model, sp=sp: parallelize(model, sp),
-            tp_groups=TP, clip=grad_norm_clip, context=tpar.loss_parallel,
-        ).step  # fmt: skip
+            mish.cfg,
+            mish.spec,
+            mish.data,
+            wrap=lambda model, sp=sp: parallelize(model, sp),
+            tp_groups=TP,
+            clip=grad_norm_clip,
+            context=tpar.loss_parallel,
+        ).step
     out = common.timed_world(steppers, repeats, steps, budget_s=budget_s)
     out["memory"] = {name: activation_bytes(runs[name]) for name in VARIANTS[:2]}
     dist.barrier()  # ranks leave together (a rank exiting early can hang gloo shutdown)
@@ -144,42 +160,95 @@ def run(quick: bool = False) -> dict:
     tokens = cfg.trainer.global_batch_size * s
     memory = {}
     per_rank = ranks[0]["memory"]
-    for label, t, sp, per_block in (("tp=1", 1, False, tp1_memory),
-                                    ("tp=2", TP, False, per_rank[VARIANTS[0]]),
-                                    ("tp=2 sp", TP, True, per_rank[VARIANTS[1]])):  # fmt: skip
+    for label, t, sp, per_block in (
+        ("tp=1", 1, False, tp1_memory),
+        ("tp=2", TP, False, per_rank[VARIANTS[0]]),
+        ("tp=2 sp", TP, True, per_rank[VARIANTS[1]]),
+    ):
         per_layer = median([v for k, v in per_block.items() if k != "outside blocks"])
-        memory[label] = {"per_block_bytes": per_block, "per_layer_bytes": per_layer,
-                         "total_bytes": sum(per_block.values()),
-                         "korthikanti": korthikanti(s, b, h, a, t, sp)}  # fmt: skip
+        memory[label] = {
+            "per_block_bytes": per_block,
+            "per_layer_bytes": per_layer,
+            "total_bytes": sum(per_block.values()),
+            "korthikanti": korthikanti(s, b, h, a, t, sp),
+        }
     return {
         "title": "Tensor parallelism, 2 ranks: megatronish vs torch DTensor",
-        "config": {"repeats": repeats, "steps_per_repeat": steps, "budget_s": budget,
-                   "warmup": 2, "s": s, "b": b, "h": h, "a": a, "layers": m.num_layers},
-        "results": {"step_times_s": times, "paired_ratios": paired, "median_step_s": med,
-                    "losses": ranks[0]["losses"], "memory": memory, "tokens_per_step": tokens,
-                    "per_rank_times": [r["times"] for r in ranks]},
+        "config": {
+            "repeats": repeats,
+            "steps_per_repeat": steps,
+            "budget_s": budget,
+            "warmup": 2,
+            "s": s,
+            "b": b,
+            "h": h,
+            "a": a,
+            "layers": m.num_layers,
+        },
+        "results": {
+            "step_times_s": times,
+            "paired_ratios": paired,
+            "median_step_s": med,
+            "losses": ranks[0]["losses"],
+            "memory": memory,
+            "tokens_per_step": tokens,
+            "per_rank_times": [r["times"] for r in ranks],
+        },
         "tables": [
-            table("Step time (median over repeats)",
-                  ["variant", "step ms|.0f", "tokens/s|,.0f",
-                   "step time / DTensor's (same sp)|.2fx",
-                   "same, median of per-repeat ratios|.2fx"],
-                  [[n, med[n] * 1e3, tokens / med[n], med[n] / med[PEER[n]] if n in PEER else None,
-                    paired.get(n)] for n in VARIANTS]),
-            table("Sanity: losses (rank 0) match the one-process run",
-                  ["variant", "first loss|.5f", "steps", "last loss|.5f"],
-                  [[n, ls[0], len(ls), ls[-1]] for n, ls in ranks[0]["losses"].items()]),
-            table("Activation memory per rank, megatronish (MiB)",
-                  ["layout", "measured per layer|.2f", "formula fp32, no dropout, no s^2 term|.2f",
-                   "formula fp32, no dropout|.2f", "formula as published (16-bit, dropout)|.2f",
-                   "measured per layer / sbh (bytes)|.1f", "outside layers|.2f", "total|.2f"],
-                  [[label, r["per_layer_bytes"] / MIB, r["korthikanti"]["fp32_no_attn"] / MIB,
-                    r["korthikanti"]["fp32"] / MIB, r["korthikanti"]["16bit"] / MIB,
-                    r["per_layer_bytes"] / (s * b * h),
-                    (r["total_bytes"] - r["per_layer_bytes"] * m.num_layers) / MIB,
-                    r["total_bytes"] / MIB] for label, r in memory.items()]),
+            table(
+                "Step time (median over repeats)",
+                [
+                    "variant",
+                    "step ms|.0f",
+                    "tokens/s|,.0f",
+                    "step time / DTensor's (same sp)|.2fx",
+                    "same, median of per-repeat ratios|.2fx",
+                ],
+                [
+                    [
+                        n,
+                        med[n] * 1e3,
+                        tokens / med[n],
+                        med[n] / med[PEER[n]] if n in PEER else None,
+                        paired.get(n),
+                    ]
+                    for n in VARIANTS
+                ],
+            ),
+            table(
+                "Sanity: losses (rank 0) match the one-process run",
+                ["variant", "first loss|.5f", "steps", "last loss|.5f"],
+                [[n, ls[0], len(ls), ls[-1]] for n, ls in ranks[0]["losses"].items()],
+            ),
+            table(
+                "Activation memory per rank, megatronish (MiB)",
+                [
+                    "layout",
+                    "measured per layer|.2f",
+                    "formula fp32, no dropout, no s^2 term|.2f",
+                    "formula fp32, no dropout|.2f",
+                    "formula as published (16-bit, dropout)|.2f",
+                    "measured per layer / sbh (bytes)|.1f",
+                    "outside layers|.2f",
+                    "total|.2f",
+                ],
+                [
+                    [
+                        label,
+                        r["per_layer_bytes"] / MIB,
+                        r["korthikanti"]["fp32_no_attn"] / MIB,
+                        r["korthikanti"]["fp32"] / MIB,
+                        r["korthikanti"]["16bit"] / MIB,
+                        r["per_layer_bytes"] / (s * b * h),
+                        (r["total_bytes"] - r["per_layer_bytes"] * m.num_layers) / MIB,
+                        r["total_bytes"] / MIB,
+                    ]
+                    for label, r in memory.items()
+                ],
+            ),
         ],
         "facts": {"repeats run": len(times[VARIANTS[0]]), "ln(vocab)|.4f": math.log(m.vocab_size)},
-    }  # fmt: skip
+    }
 
 
 if __name__ == "__main__":

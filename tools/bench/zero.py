@@ -27,28 +27,58 @@ from megatronish.testing.synthetic import PatternTokens
 GLOBAL_BATCH = ["trainer.global_batch_size=16"]  # micro batch 8: one microbatch per rank at dp=2
 # Memory models: wider and shorter than the timing model, so that parameters, grads and Adam
 # state outweigh activations; the large one has ~6x the parameters and 8 blocks.
-ONE_MICROBATCH = ["model.seq_length=64", "trainer.micro_batch_size=1",
-                  "trainer.global_batch_size=2"]  # fmt: skip
+ONE_MICROBATCH = [
+    "model.seq_length=64",
+    "trainer.micro_batch_size=1",
+    "trainer.global_batch_size=2",
+]
 MEMORY_MODELS = {
-    "small": ["model.hidden_size=512", "model.num_attention_heads=8", "model.num_query_groups=4",
-              "model.ffn_hidden_size=1408", *ONE_MICROBATCH],
-    "large": ["model.hidden_size=1024", "model.num_attention_heads=8", "model.num_query_groups=4",
-              "model.ffn_hidden_size=2816", "model.num_layers=8", *ONE_MICROBATCH],
-}  # fmt: skip
+    "small": [
+        "model.hidden_size=512",
+        "model.num_attention_heads=8",
+        "model.num_query_groups=4",
+        "model.ffn_hidden_size=1408",
+        *ONE_MICROBATCH,
+    ],
+    "large": [
+        "model.hidden_size=1024",
+        "model.num_attention_heads=8",
+        "model.num_query_groups=4",
+        "model.ffn_hidden_size=2816",
+        "model.num_layers=8",
+        *ONE_MICROBATCH,
+    ],
+}
 # Too small for its tensors to matter: the RSS its steps add beyond them is the runtime's own.
-RUNTIME_MODEL = ["model.hidden_size=64", "model.num_attention_heads=4", "model.num_query_groups=2",
-                 "model.ffn_hidden_size=176", "model.num_layers=2", *ONE_MICROBATCH]  # fmt: skip
+RUNTIME_MODEL = [
+    "model.hidden_size=64",
+    "model.num_attention_heads=4",
+    "model.num_query_groups=2",
+    "model.ffn_hidden_size=176",
+    "model.num_layers=2",
+    *ONE_MICROBATCH,
+]
 MEMORY_VARIANTS = ("zero 0", "zero 1", "zero 2", "zero 3", "DDP", "FSDP2")
 STAGES = MEMORY_VARIANTS[:4]
-FORMULA = {0: ("16Ψ", 16, 0), 1: ("8Ψ + 8Ψ/dp", 8, 8), 2: ("4Ψ + 12Ψ/dp", 4, 12),
-           3: ("16Ψ/dp", 0, 16), "DDP": ("16Ψ", 16, 0), "FSDP2": ("16Ψ/dp", 0, 16)}  # fmt: skip
+FORMULA = {
+    0: ("16Ψ", 16, 0),
+    1: ("8Ψ + 8Ψ/dp", 8, 8),
+    2: ("4Ψ + 12Ψ/dp", 4, 12),
+    3: ("16Ψ/dp", 0, 16),
+    "DDP": ("16Ψ", 16, 0),
+    "FSDP2": ("16Ψ/dp", 0, 16),
+}
 Z0, Z3, DDP, FSDP2 = "megatronish zero 0", "megatronish zero 3", "DDP", "FSDP2"
 SINGLE, REF1 = "megatronish 1 rank", "reference 1 rank"
 PEERS = {Z0: DDP, Z3: FSDP2, SINGLE: REF1}  # the 1-rank pair: the model without data parallelism
 BASELINE = {Z0: SINGLE, Z3: SINGLE, DDP: REF1, FSDP2: REF1}  # whose 1-rank run each scales from
-OPTIM = ("megatronish ShardedAdamW.step", "torch.optim.AdamW.step (per-parameter loop)",
-         "torch._fused_adamw_, one call over the whole shards",
-         "megatronish ZeroDataParallel.grad_norm", "torch clip_grad_norm_")  # fmt: skip
+OPTIM = (
+    "megatronish ShardedAdamW.step",
+    "torch.optim.AdamW.step (per-parameter loop)",
+    "torch._fused_adamw_, one call over the whole shards",
+    "megatronish ZeroDataParallel.grad_norm",
+    "torch clip_grad_norm_",
+)
 
 
 def peer(kind: str, rank: int, world: int, extra: list[str], mish=None):
@@ -112,8 +142,13 @@ def _serve(rank: int, world: int, builder, commands, results) -> dict:
             losses[name].append(steppers[name]())
         wall, cpu, (on1, wait1) = time.perf_counter() - t0, time.process_time() - cpu0, _schedstat()
         on, waiting = on1 - on0, wait1 - wait0
-        per_step = {"wall": wall, "process_cpu": cpu, "on_cpu": on, "cpu_wait": waiting,
-                    "blocked": wall - on - waiting}  # fmt: skip
+        per_step = {
+            "wall": wall,
+            "process_cpu": cpu,
+            "on_cpu": on,
+            "cpu_wait": waiting,
+            "blocked": wall - on - waiting,
+        }
         results.put((name, rank, {k: v / steps for k, v in per_step.items()}))
     if world > 1:
         dist.barrier()  # ranks leave together (a rank exiting early can hang gloo shutdown)
@@ -131,8 +166,15 @@ class World:
 
         def target() -> None:
             try:
-                self.outcome = run_world(_serve, size, builder, self.commands, self.results,
-                                         timeout=1800, collective_timeout=600)  # fmt: skip
+                self.outcome = run_world(
+                    _serve,
+                    size,
+                    builder,
+                    self.commands,
+                    self.results,
+                    timeout=1800,
+                    collective_timeout=600,
+                )
             except BaseException as exc:  # noqa: BLE001 - reported by the waiting parent
                 self.outcome = exc
                 self.results.put(("failed", -1, None))
@@ -190,8 +232,10 @@ def scaling(measures: dict) -> dict:
     for name, base in BASELINE.items():
         pairs = list(zip(measures[base], measures[name], strict=True))
         cpu = [s[0]["process_cpu"] / sum(r["process_cpu"] for r in p) for s, p in pairs]
-        out[name] = {"wall": median([step_time(s) / (2 * step_time(p)) for s, p in pairs]),
-                     "cpu": median(cpu)}  # fmt: skip
+        out[name] = {
+            "wall": median([step_time(s) / (2 * step_time(p)) for s, p in pairs]),
+            "cpu": median(cpu),
+        }
     for name, reps in measures.items():
         out.setdefault(name, {})["main_thread"] = {
             k: median([sum(r[k] for r in ranks) / len(ranks) for ranks in reps])
@@ -218,9 +262,13 @@ def planned(cfg, world: int) -> dict[str, int]:
     stage = make_plan(spec_of(cfg), layout_from_config(cfg, world)).stages[0]
     s = stage.states
     keys = ("params", "grads", "optimizer", "params_step", "grads_step", "grads_at_peak")
-    return {**{k: getattr(s, k) for k in keys}, "peak": stage.peak, "states_total": s.total,
-            "activations_peak": stage.activations.peak,
-            "optimizer_workspace": stage.optimizer_workspace}  # fmt: skip
+    return {
+        **{k: getattr(s, k) for k in keys},
+        "peak": stage.peak,
+        "states_total": s.total,
+        "activations_peak": stage.activations.peak,
+        "optimizer_workspace": stage.optimizer_workspace,
+    }
 
 
 def _memory_rank(rank: int, world: int, variant: str, extra: list[str], steps: int) -> dict:
@@ -259,22 +307,32 @@ def memory(steps: int) -> dict:
     they took, with the runtime's own bytes (the lower median over ranks, measured once)."""
 
     def measure(variant: str, extra: list[str]) -> list[dict]:
-        return run_world(_memory_rank, 2, variant, extra, steps, timeout=600,
-                         collective_timeout=300)  # fmt: skip
+        return run_world(
+            _memory_rank, 2, variant, extra, steps, timeout=600, collective_timeout=300
+        )
 
-    extra = sorted(r["rss_peak"] - r["rss_built"] - r["plan"]["peak"] + r["plan"]["states_total"]
-                   for r in measure("zero 0", RUNTIME_MODEL))  # fmt: skip
+    extra = sorted(
+        r["rss_peak"] - r["rss_built"] - r["plan"]["peak"] + r["plan"]["states_total"]
+        for r in measure("zero 0", RUNTIME_MODEL)
+    )
     out = {}
     for name, overrides in MEMORY_MODELS.items():
         t0 = time.perf_counter()
         variants = {v: measure(v, overrides) for v in MEMORY_VARIANTS}
         m = config(overrides).model
-        label = (f"hidden {m.hidden_size}, {m.num_attention_heads} heads, {m.num_query_groups} kv "
-                 f"heads, ffn {m.ffn_hidden_size}, {m.num_layers} layers, vocab {m.vocab_size}, "
-                 f"seq {m.seq_length}")  # fmt: skip
-        out[name] = {"overrides": overrides, "label": label, "steps": steps, "variants": variants,
-                     "runtime": extra[(len(extra) - 1) // 2],
-                     "seconds": time.perf_counter() - t0}  # fmt: skip
+        label = (
+            f"hidden {m.hidden_size}, {m.num_attention_heads} heads, {m.num_query_groups} kv "
+            f"heads, ffn {m.ffn_hidden_size}, {m.num_layers} layers, vocab {m.vocab_size}, "
+            f"seq {m.seq_length}"
+        )
+        out[name] = {
+            "overrides": overrides,
+            "label": label,
+            "steps": steps,
+            "variants": variants,
+            "runtime": extra[(len(extra) - 1) // 2],
+            "seconds": time.perf_counter() - t0,
+        }
     return out
 
 
@@ -292,26 +350,49 @@ def memory_table(name: str, m: dict) -> tuple[dict, dict]:
         state = [x / MIB for x in [*state, sum(state)]] if s else [None] * 4
         built = max(x["rss_built"] - x["rss_start"] for x in ranks) / MIB
         ratio = peak[variant] / plan[variant] if variant in plan else None
-        rows.append([variant if variant not in STAGES else f"megatronish {variant}", *state,
-                     label, (full + sharded / dp) * psi / MIB, built, peak[variant],
-                     plan.get(variant), ratio])  # fmt: skip
+        rows.append(
+            [
+                variant if variant not in STAGES else f"megatronish {variant}",
+                *state,
+                label,
+                (full + sharded / dp) * psi / MIB,
+                built,
+                peak[variant],
+                plan.get(variant),
+                ratio,
+            ]
+        )
     over, ratio = [peak[k] - plan[k] for k in STAGES], [peak[k] / plan[k] for k in STAGES]
-    cols = ["variant", "params|.1f", "grads|.1f", "Adam state|.1f", "state total|.1f",
-            "ZeRO formula", "formula|.1f", "RSS after build, above start|.0f",
-            "peak RSS in steps, above start|.0f", "planned peak + runtime|.0f",
-            "measured / planned|.2f"]  # fmt: skip
+    cols = [
+        "variant",
+        "params|.1f",
+        "grads|.1f",
+        "Adam state|.1f",
+        "state total|.1f",
+        "ZeRO formula",
+        "formula|.1f",
+        "RSS after build, above start|.0f",
+        "peak RSS in steps, above start|.0f",
+        "planned peak + runtime|.0f",
+        "measured / planned|.2f",
+    ]
     caption = (
         f"Memory per rank (MiB), {name} model ({m['label']}): Ψ = {psi / 1e6:.2f} M, dp = {dp}"
     )
     return table(caption, cols, rows), {
-        f"{name} model: peak RSS of zero 0 > 1 > 2 > 3, strictly decreasing":
-            all(peak[a] > peak[b] for a, b in zip(STAGES, STAGES[1:])),
+        f"{name} model: peak RSS of zero 0 > 1 > 2 > 3, strictly decreasing": all(
+            peak[a] > peak[b] for a, b in zip(STAGES, STAGES[1:])
+        ),
         f"{name} model: zero 3 / FSDP2 peak RSS|.2fx": peak["zero 3"] / peak["FSDP2"],
-        f"{name} model: measured / (planned + runtime), lowest / highest|.2f":
-            [min(ratio), max(ratio)],
-        f"{name} model: measured - (planned + runtime), lowest / highest, MiB|.0f":
-            [min(over), max(over)],
-    }  # fmt: skip
+        f"{name} model: measured / (planned + runtime), lowest / highest|.2f": [
+            min(ratio),
+            max(ratio),
+        ],
+        f"{name} model: measured - (planned + runtime), lowest / highest, MiB|.0f": [
+            min(over),
+            max(over),
+        ],
+    }
 
 
 def optimizer_times(extra: list[str], repeats: int = 7, calls: int = 10) -> dict[str, float]:
@@ -330,9 +411,20 @@ def optimizer_times(extra: list[str], repeats: int = 7, calls: int = 10) -> dict
         def fused() -> None:  # one call over the whole shards, decay everywhere: a cost bound
             for c in counts:
                 c += 1
-            torch._fused_adamw_(flat, grads, *moments, [], counts, amsgrad=False, lr=o.lr,
-                                beta1=o.beta1, beta2=o.beta2, weight_decay=o.weight_decay,
-                                eps=o.eps, maximize=False)  # fmt: skip
+            torch._fused_adamw_(
+                flat,
+                grads,
+                *moments,
+                [],
+                counts,
+                amsgrad=False,
+                lr=o.lr,
+                beta1=o.beta1,
+                beta2=o.beta2,
+                weight_decay=o.weight_decay,
+                eps=o.eps,
+                maximize=False,
+            )
 
         clip = lambda: torch.nn.utils.clip_grad_norm_(params, 1e9)
         fns = (lambda: opt.step(shards, o.lr), ref.optimizer.step, fused, zero.grad_norm, clip)
@@ -372,62 +464,132 @@ def run(quick: bool = False) -> dict:
     for n, s in sorted(eff.items(), key=lambda kv: "wall" in kv[1]):
         t = s["main_thread"]
         split = [t[k] * 1e3 for k in ("on_cpu", "cpu_wait", "blocked")]
-        scale_rows.append([n, 2 if "wall" in s else 1, med[n] * 1e3, tokens / med[n],
-                           s.get("wall"), s.get("cpu"), t["process_cpu"] * 1e3, split,
-                           split[1] / sum(split)])  # fmt: skip
+        scale_rows.append(
+            [
+                n,
+                2 if "wall" in s else 1,
+                med[n] * 1e3,
+                tokens / med[n],
+                s.get("wall"),
+                s.get("cpu"),
+                t["process_cpu"] * 1e3,
+                split,
+                split[1] / sum(split),
+            ]
+        )
     mem_tables, mem_facts = zip(*(memory_table(name, m) for name, m in mem.items()), strict=True)
     plan3 = mem["large"]["variants"]["zero 3"][0]["plan"]
     masks = max(r["masks"] for m in mem.values() for k in STAGES for r in m["variants"][k])
     saved = optim[OPTIM[1]] + optim[OPTIM[4]] - optim[OPTIM[0]] - optim[OPTIM[3]]
     return {
         "title": "Data parallelism and ZeRO, 2 ranks: megatronish vs torch DDP and FSDP2",
-        "config": {"repeats": repeats, "steps_per_repeat": steps, "warmup": 1,
-                   "global_batch": GLOBAL_BATCH, "memory_models": MEMORY_MODELS,
-                   "runtime_model": RUNTIME_MODEL, "memory_steps": 2},
-        "results": {"step_times_s": times, "measures": measures, "median_step_s": med,
-                    "paired_ratios": ratios, "paired_cpu_ratios": cpu_ratios,
-                    "ratio_quartiles": quartiles, "scaling_efficiency": eff, "losses": losses,
-                    "memory": mem, "optimizer_ms": optim, "tokens_per_step": tokens},
+        "config": {
+            "repeats": repeats,
+            "steps_per_repeat": steps,
+            "warmup": 1,
+            "global_batch": GLOBAL_BATCH,
+            "memory_models": MEMORY_MODELS,
+            "runtime_model": RUNTIME_MODEL,
+            "memory_steps": 2,
+        },
+        "results": {
+            "step_times_s": times,
+            "measures": measures,
+            "median_step_s": med,
+            "paired_ratios": ratios,
+            "paired_cpu_ratios": cpu_ratios,
+            "ratio_quartiles": quartiles,
+            "scaling_efficiency": eff,
+            "losses": losses,
+            "memory": mem,
+            "optimizer_ms": optim,
+            "tokens_per_step": tokens,
+        },
         "tables": [
-            table("Step time (median over repeats; target: megatronish <= 1.00x its peer)",
-                  ["variant", "step ms|.0f", "tokens/s|,.0f", "peer", "step time / peer's|.2fx",
-                   "median of per-repeat ratios|.2fx",
-                   "per-repeat ratios, lower / upper quartile|.2fx",
-                   "CPU time / peer's (all ranks and threads, median of per-repeat ratios)|.2fx"],
-                  [[n, med[n] * 1e3, tokens / med[n], PEERS.get(n),
-                    med[n] / med[PEERS[n]] if n in PEERS else None, ratios.get(n),
-                    quartiles.get(n), cpu_ratios.get(n)] for n in med]),
-            table("Data-parallel scaling at the same global batch: 1 rank vs 2 ranks",
-                  ["variant", "ranks", "step ms|.0f", "tokens/s|,.0f",
-                   "wall-clock efficiency|.0%", "CPU-time efficiency|.0%",
-                   "CPU ms per step per rank (all threads)|.0f",
-                   "main thread ms per step: on CPU / waiting for a CPU / blocked|.0f",
-                   "main thread waiting for a CPU, share of step|.0%"], scale_rows),
-            table("Equal losses: every variant trains the same global batches from the same "
-                  "weights", ["variant", "step 1 loss|.5f", "steps", "last loss|.5f",
-                              f"max abs(loss - {Z0}) over steps|.1e"],
-                  [[n, ls[0], len(ls), ls[-1], max(abs(a - b) for a, b in zip(ls, losses[Z0]))]
-                   for n, ls in losses.items()]),
+            table(
+                "Step time (median over repeats; target: megatronish <= 1.00x its peer)",
+                [
+                    "variant",
+                    "step ms|.0f",
+                    "tokens/s|,.0f",
+                    "peer",
+                    "step time / peer's|.2fx",
+                    "median of per-repeat ratios|.2fx",
+                    "per-repeat ratios, lower / upper quartile|.2fx",
+                    "CPU time / peer's (all ranks and threads, median of per-repeat ratios)|.2fx",
+                ],
+                [
+                    [
+                        n,
+                        med[n] * 1e3,
+                        tokens / med[n],
+                        PEERS.get(n),
+                        med[n] / med[PEERS[n]] if n in PEERS else None,
+                        ratios.get(n),
+                        quartiles.get(n),
+                        cpu_ratios.get(n),
+                    ]
+                    for n in med
+                ],
+            ),
+            table(
+                "Data-parallel scaling at the same global batch: 1 rank vs 2 ranks",
+                [
+                    "variant",
+                    "ranks",
+                    "step ms|.0f",
+                    "tokens/s|,.0f",
+                    "wall-clock efficiency|.0%",
+                    "CPU-time efficiency|.0%",
+                    "CPU ms per step per rank (all threads)|.0f",
+                    "main thread ms per step: on CPU / waiting for a CPU / blocked|.0f",
+                    "main thread waiting for a CPU, share of step|.0%",
+                ],
+                scale_rows,
+            ),
+            table(
+                "Equal losses: every variant trains the same global batches from the same weights",
+                [
+                    "variant",
+                    "step 1 loss|.5f",
+                    "steps",
+                    "last loss|.5f",
+                    f"max abs(loss - {Z0}) over steps|.1e",
+                ],
+                [
+                    [n, ls[0], len(ls), ls[-1], max(abs(a - b) for a, b in zip(ls, losses[Z0]))]
+                    for n, ls in losses.items()
+                ],
+            ),
             *mem_tables,
-            table("Optimizer-side work of one step, tiny model, zero 0, one thread (thread CPU "
-                  "ms, median)", ["operation", "ms|.1f"], [[n, ms] for n, ms in optim.items()]),
+            table(
+                "Optimizer-side work of one step, tiny model, zero 0, one thread (thread CPU "
+                "ms, median)",
+                ["operation", "ms|.1f"],
+                [[n, ms] for n, ms in optim.items()],
+            ),
         ],
         "facts": {
             "optimizer side: torch's ms per step minus megatronish's|.1f": saved,
-            "the same, share of a 2-rank zero 0 step's main-thread CPU|.1%":
-                saved / (eff[Z0]["main_thread"]["on_cpu"] * 1e3),
+            "the same, share of a 2-rank zero 0 step's main-thread CPU|.1%": saved
+            / (eff[Z0]["main_thread"]["on_cpu"] * 1e3),
             **{k: v for facts in mem_facts for k, v in facts.items()},
-            "the training loop's own memory beside its tensors (runtime), MiB|.0f":
-                mem["small"]["runtime"] / MIB,
-            "RSS right after the fork (Python + torch + the parent's pages), MiB|.0f":
-                mem["small"]["variants"]["zero 0"][0]["rss_start"] / MIB,
+            "the training loop's own memory beside its tensors (runtime), MiB|.0f": mem["small"][
+                "runtime"
+            ]
+            / MIB,
+            "RSS right after the fork (Python + torch + the parent's pages), MiB|.0f": mem["small"][
+                "variants"
+            ]["zero 0"][0]["rss_start"]
+            / MIB,
             "zero 3 step beside its shards (large model, planned): gathered params / full grads "
-            "/ activations, MiB|.0f":
-                [plan3[k] / MIB for k in ("params_step", "grads_step", "activations_peak")],
+            "/ activations, MiB|.0f": [
+                plan3[k] / MIB for k in ("params_step", "grads_step", "activations_peak")
+            ],
             "weight-decay and grad-norm range lists, at most MiB per rank|.3f": masks / MIB,
             "ln(vocab)|.4f": math.log(cfg.model.vocab_size),
         },
-    }  # fmt: skip
+    }
 
 
 if __name__ == "__main__":

@@ -9,10 +9,26 @@ from dataclasses import dataclass
 from pathlib import Path
 
 COMMAND_LANGS = ("bash", "sh", "shell", "console", "")
-# fmt: off
-PROGRAMS = {"python", "python3", "torchrun", "make", "sbatch", "srun", "bash", "sh", "cat", "cd",
-            "mkdir", "export", "env", "pip", "git", "echo", "ruff", "pytest"}
-# fmt: on
+PROGRAMS = {
+    "python",
+    "python3",
+    "torchrun",
+    "make",
+    "sbatch",
+    "srun",
+    "bash",
+    "sh",
+    "cat",
+    "cd",
+    "mkdir",
+    "export",
+    "env",
+    "pip",
+    "git",
+    "echo",
+    "ruff",
+    "pytest",
+}
 ASSIGNMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
 FENCE = re.compile(r"^(\s*)(```+|~~~+)\s*([\w+-]*)")
 HEREDOC = re.compile(r"<<-?\s*(['\"]?)([A-Za-z_]\w*)\1")

@@ -14,8 +14,11 @@ def without_missing_tokenizer(script: str, root: Path) -> tuple[str, str]:
     """A dry check's script without a ``data.tokenizer_model=PATH`` that the sandbox at
     ``root`` lacks (a dry run reads the tokenizer it is given), and a note saying so."""
     found = shlex.split(script)
-    missing = [w for w in found if w.startswith("data.tokenizer_model=")
-               and not (root / w.split("=", 1)[1]).exists()]  # fmt: skip
+    missing = [
+        w
+        for w in found
+        if w.startswith("data.tokenizer_model=") and not (root / w.split("=", 1)[1]).exists()
+    ]
     if not missing:
         return script, ""
     note = f"(dry run without {', '.join(missing)}: not in the sandbox)"

@@ -51,39 +51,68 @@ class DryLaunch:
 TRAIN = r"^python3? -m megatronish\.train\b"
 SLOW = "trains for minutes (300 steps of the tiny model: 2-10 min on 2 busy cores)"
 GPU_RUN = r"(?!.*\+experiment=(gpt_125m|gpt_1b|gpt_7b|gpt_1b_32k|moe_1b_7b)\b)"  # not on a CPU
-SUITE = ("the test suite, or minutes long (make train is the precondition, run first): "
-         "`make -n` checks that the target exists")  # fmt: skip
+SUITE = (
+    "the test suite, or minutes long (make train is the precondition, run first): "
+    "`make -n` checks that the target exists"
+)
 # First match wins.
-# fmt: off
 RULES: tuple[Rule, ...] = (
-    Rule(r"^make (train|test|test-fast|test-kernels|bench|mutants|gpu-check|gpu-wheels"
-         r"|gpu-env-check|docs-check)\b", "make", SUITE),
+    Rule(
+        r"^make (train|test|test-fast|test-kernels|bench|mutants|gpu-check|gpu-wheels"
+        r"|gpu-env-check|docs-check)\b",
+        "make",
+        SUITE,
+    ),
     Rule(r"^make\b", "run", "seconds"),
-    Rule(r"\bcorpus\.jsonl\b|\bweb\.jsonl\b|\bweb/\*\.jsonl\b", "skip",
-         "needs the user's own corpus files"),
+    Rule(
+        r"\bcorpus\.jsonl\b|\bweb\.jsonl\b|\bweb/\*\.jsonl\b",
+        "skip",
+        "needs the user's own corpus files",
+    ),
     Rule(r"(^|\s|=)hf/\w", "skip", "needs the user's own Hugging Face model directory (hf/...)"),
-    Rule(PLACEHOLDER.pattern, "skip", "a template: `...` (or `<...>`) stands for the user's own "
-         "arguments"),
-    Rule(r"^python3? -m megatronish\.generate\b.*\+experiment=tiny_gpt2\b", "skip",
-         "samples from the tiny_gpt2 run, which README's `+experiment=tiny_gpt2` trains for "
-         "minutes (that command is dry-checked only)"),
-    Rule(r"(^|\s)sbatch\s.*\bscripts/slurm/train\.sbatch\b", "dry",
-         f"needs SLURM and GPUs: dry-run at world size {SBATCH_WORLD}"),
-    Rule(r"^scripts/slurm/chain\.sh\b", "dry",
-         f"submits SLURM jobs: one job's config dry-run at world size {SBATCH_WORLD}"),
+    Rule(
+        PLACEHOLDER.pattern,
+        "skip",
+        "a template: `...` (or `<...>`) stands for the user's own arguments",
+    ),
+    Rule(
+        r"^python3? -m megatronish\.generate\b.*\+experiment=tiny_gpt2\b",
+        "skip",
+        "samples from the tiny_gpt2 run, which README's `+experiment=tiny_gpt2` trains for "
+        "minutes (that command is dry-checked only)",
+    ),
+    Rule(
+        r"(^|\s)sbatch\s.*\bscripts/slurm/train\.sbatch\b",
+        "dry",
+        f"needs SLURM and GPUs: dry-run at world size {SBATCH_WORLD}",
+    ),
+    Rule(
+        r"^scripts/slurm/chain\.sh\b",
+        "dry",
+        f"submits SLURM jobs: one job's config dry-run at world size {SBATCH_WORLD}",
+    ),
     Rule(r"(^|\s)scripts/launch_local\.sh\b", "dry", f"N processes; {SLOW}"),
     Rule(r"^torchrun\b.*\s-m megatronish\.train\b", "dry", f"N processes; {SLOW}"),
     Rule(TRAIN + r".*\s(--cfg|--help|trainer\.dry_run=true)\b", "run", "prints and exits"),
-    Rule(TRAIN, "run", "its comment says it exits 7 (complete after make train): at once",
-         comment=EXIT_7.pattern),
-    Rule(TRAIN + GPU_RUN + r"(?!.*\s-m\s).*\strainer\.max_steps=1?\d\b", "run",
-         "under 20 steps of a CPU model: about a minute"),
-    Rule(TRAIN + r".*\sout_dir=run\b", "run",
-         "the data.md walkthrough: 60 steps of a 2-layer model at sequence 128, about a minute"),
+    Rule(
+        TRAIN,
+        "run",
+        "its comment says it exits 7 (complete after make train): at once",
+        comment=EXIT_7.pattern,
+    ),
+    Rule(
+        TRAIN + GPU_RUN + r"(?!.*\s-m\s).*\strainer\.max_steps=1?\d\b",
+        "run",
+        "under 20 steps of a CPU model: about a minute",
+    ),
+    Rule(
+        TRAIN + r".*\sout_dir=run\b",
+        "run",
+        "the data.md walkthrough: 60 steps of a 2-layer model at sequence 128, about a minute",
+    ),
     Rule(TRAIN, "dry", SLOW),
     Rule(r"", "run", "seconds"),
 )
-# fmt: on
 
 
 def classify(command: Command, rules: Iterable[Rule] = RULES) -> Check:

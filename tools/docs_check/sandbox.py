@@ -16,8 +16,10 @@ def tree_files(root: Path) -> list[str]:
     clone of its working tree holds)."""
     listed = subprocess.run(
         ["git", "ls-files", "-co", "--exclude-standard", "-z"],
-        cwd=root, capture_output=True, check=True,
-    ).stdout.decode()  # fmt: skip
+        cwd=root,
+        capture_output=True,
+        check=True,
+    ).stdout.decode()
     return [name for name in listed.split("\0") if name and (root / name).exists()]
 
 
@@ -61,9 +63,15 @@ def run_bash(script: str, cwd: Path, env: dict[str, str], timeout: float) -> tup
     """``(exit code, stdout and stderr)`` of ``bash -c script``; 124 when it ran past
     ``timeout`` seconds (its whole process group is killed)."""
     proc = subprocess.Popen(
-        ["bash", "-c", script], cwd=cwd, env=env, text=True, errors="replace",
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
-    )  # fmt: skip
+        ["bash", "-c", script],
+        cwd=cwd,
+        env=env,
+        text=True,
+        errors="replace",
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         out, _ = proc.communicate(timeout=timeout)
         return proc.returncode, out

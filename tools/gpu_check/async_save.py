@@ -45,8 +45,11 @@ def state_bytes(step_dir: Path) -> int:
 def run(ctx: CheckContext, out: SectionResult) -> None:
     with tempfile.TemporaryDirectory(prefix="gpu_check_save_") as tmp:
         # async_save: the run's saves (blocking ones too) copy into pinned buffers on a side stream
-        overrides = [*(ctx.small() if ctx.smoke else FULL), f"checkpoint.dir={tmp}",
-                     "checkpoint.async_save=true"]  # fmt: skip
+        overrides = [
+            *(ctx.small() if ctx.smoke else FULL),
+            f"checkpoint.dir={tmp}",
+            "checkpoint.async_save=true",
+        ]
         built = ctx.build(overrides)
         saver = CheckpointSaver(built.cfg, built.trainer, built.rng)
         for _ in range(ctx.warmup):
@@ -61,22 +64,32 @@ def run(ctx: CheckContext, out: SectionResult) -> None:
         _, step_writing_s = timed(ctx, lambda: ctx.step(built))
         published, wait_s = timed(ctx, saver.wait)
         written_s = time.perf_counter() - t0
-        out.note(f"{built.spec.num_layers} layer(s), {gib(size)} GiB of checkpointed tensors "
-                 f"per save, {ctx.precision} on {ctx.device}, written to {tmp}")  # fmt: skip
+        out.note(
+            f"{built.spec.num_layers} layer(s), {gib(size)} GiB of checkpointed tensors "
+            f"per save, {ctx.precision} on {ctx.device}, written to {tmp}"
+        )
         if published is None or not Path(published).is_dir():
             out.fail(f"the asynchronous save published nothing ({published})")
     rows = [
         ["first save, blocking (allocates pinned buffers)", f"{first_s:.3f}", ""],
         ["blocking save", f"{blocking_s:.3f}", ""],
-        ["asynchronous save", f"{async_s:.3f}",
-         f"written and published {async_s + written_s:.3f} s after save() began"],
+        [
+            "asynchronous save",
+            f"{async_s:.3f}",
+            f"written and published {async_s + written_s:.3f} s after save() began",
+        ],
         ["a training step", f"{step_s:.3f}", ""],
-        ["a training step while the save writes", f"{step_writing_s:.3f}",
-         f"then wait() held the thread {wait_s:.3f} s"],
-    ]  # fmt: skip
+        [
+            "a training step while the save writes",
+            f"{step_writing_s:.3f}",
+            f"then wait() held the thread {wait_s:.3f} s",
+        ],
+    ]
     out.table("Seconds the training thread was held", ["", "seconds", "note"], rows)
     ratio = async_s / blocking_s if blocking_s > 0 else float("inf")
     out.note(f"asynchronous / blocking stall: {ratio:.2f}")
     if ctx.cuda and ratio > STALL_LIMIT:
-        out.fail(f"the asynchronous save held the training thread {ratio:.0%} as long as the "
-                 f"blocking one (limit {STALL_LIMIT:.0%})")  # fmt: skip
+        out.fail(
+            f"the asynchronous save held the training thread {ratio:.0%} as long as the "
+            f"blocking one (limit {STALL_LIMIT:.0%})"
+        )

@@ -37,8 +37,18 @@ from packaging.requirements import Requirement
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gpu_check.wheelhouse import MANIFEST, ROOT, canonical  # noqa: E402
 
-GPU_MACHINE = ("torch", "numpy", "safetensors", "sentencepiece", "transformers", "tqdm", "pytest",
-               "pyarrow", "pip", "triton")  # fmt: skip
+GPU_MACHINE = (
+    "torch",
+    "numpy",
+    "safetensors",
+    "sentencepiece",
+    "transformers",
+    "tqdm",
+    "pytest",
+    "pyarrow",
+    "pip",
+    "triton",
+)
 NOT_THERE = ("hydra", "omegaconf", "antlr4", "wandb", "datasets")
 WITHOUT_YAML = ("pyyaml", "packaging")
 
@@ -77,12 +87,14 @@ def link_view(dists, view: Path) -> None:
 def machine(where: Path, leave_out=()) -> Path:
     """A venv that sees only the GPU machine's packages (less ``leave_out``); its python."""
     link_view(distributions(GPU_MACHINE, leave_out), where / "site")
-    subprocess.run([sys._base_executable, "-m", "venv", "--without-pip", str(where / "venv")],
-                   check=True)  # fmt: skip
+    subprocess.run(
+        [sys._base_executable, "-m", "venv", "--without-pip", str(where / "venv")], check=True
+    )
     python = where / "venv" / "bin" / "python"
     where_purelib = "import sysconfig; print(sysconfig.get_path('purelib'))"
-    purelib = subprocess.run([python, "-c", where_purelib], capture_output=True, text=True,
-                             check=True).stdout.strip()  # fmt: skip
+    purelib = subprocess.run(
+        [python, "-c", where_purelib], capture_output=True, text=True, check=True
+    ).stdout.strip()
     (Path(purelib) / "gpu_machine.pth").write_text(f"{where / 'site'}\n")
     return python
 
@@ -103,8 +115,16 @@ def gpu_check(python: Path, wheels: Path, out: Path) -> subprocess.CompletedProc
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env["OMP_NUM_THREADS"] = "1"  # as the suite's smoke run; the machine may be shared
     args = f"--smoke --budget-s 120 --out {out}"
-    command = [*offline(), "make", "-C", str(ROOT), "gpu-check", f"PYTHON={python}",
-               f"GPU_WHEELS={wheels}", f"ARGS={args}"]  # fmt: skip
+    command = [
+        *offline(),
+        "make",
+        "-C",
+        str(ROOT),
+        "gpu-check",
+        f"PYTHON={python}",
+        f"GPU_WHEELS={wheels}",
+        f"ARGS={args}",
+    ]
     return subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
 
 
@@ -146,9 +166,21 @@ def copy_wheelhouse(wheels: Path, dest: Path, leave_out: str | None = None) -> P
 def add_local_pyyaml(dest: Path) -> Path:
     """``dest`` with a PyYAML wheel (the .venv's version) for this interpreter added."""
     version = importlib.metadata.version("PyYAML")
-    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps",
-                    "--only-binary=:all:", "-d", str(dest), f"PyYAML=={version}"],
-                   check=True)  # fmt: skip
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "-q",
+            "--no-deps",
+            "--only-binary=:all:",
+            "-d",
+            str(dest),
+            f"PyYAML=={version}",
+        ],
+        check=True,
+    )
     return dest
 
 
@@ -165,17 +197,23 @@ def main(argv: list[str] | None = None) -> int:
         tmp = Path(tmp)
         with_yaml = add_local_pyyaml(copy_wheelhouse(wheels, tmp / "wheels-local-yaml"))
         no_hydra = copy_wheelhouse(wheels, tmp / "wheels-no-hydra", leave_out="hydra-core")
-        cases = [("1. the GPU machine as described", (), wheels, True),
-                 ("2. without PyYAML and packaging", WITHOUT_YAML, with_yaml, True),
-                 ("3. a wheelhouse without hydra-core", (), no_hydra, False)]  # fmt: skip
+        cases = [
+            ("1. the GPU machine as described", (), wheels, True),
+            ("2. without PyYAML and packaging", WITHOUT_YAML, with_yaml, True),
+            ("3. a wheelhouse without hydra-core", (), no_hydra, False),
+        ]
         for i, (title, leave_out, house, expect_ok) in enumerate(cases, 1):
             python = machine(tmp / f"machine{i}", leave_out)
             seen = importable(python, ("torch", "yaml", "packaging", *NOT_THERE))
             print(f"\n{title}: importable before the install: {' '.join(seen)}")
-            wrong = [m for m in (*NOT_THERE, *(("yaml", "packaging") if leave_out else ()))
-                     if m in seen] + ([] if "torch" in seen else ["torch missing"])  # fmt: skip
-            problems[title] = [f"wrong machine: {wrong}"] if wrong else run_case(
-                title, python, house, tmp / f"report{i}" / "gpu.md", expect_ok)  # fmt: skip
+            wrong = [
+                m for m in (*NOT_THERE, *(("yaml", "packaging") if leave_out else ())) if m in seen
+            ] + ([] if "torch" in seen else ["torch missing"])
+            problems[title] = (
+                [f"wrong machine: {wrong}"]
+                if wrong
+                else run_case(title, python, house, tmp / f"report{i}" / "gpu.md", expect_ok)
+            )
     for title, found in problems.items():
         print(f"{title}: {'ok' if not found else 'FAILED: ' + '; '.join(found)}")
     return 1 if any(problems.values()) else 0

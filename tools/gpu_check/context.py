@@ -28,18 +28,30 @@ GiB = 2**30
 FULL_SHAPE = ["+experiment=gpt_1b", "model.vocab_size=32000"]
 # The same kv-head and feed-forward ratios (8/16, 5504/2048) at toy size.
 TOY_SHAPE = [
-    "+experiment=gpt_1b", "model.vocab_size=512", "model.num_layers=2", "model.hidden_size=64",
-    "model.num_attention_heads=4", "model.num_query_groups=2", "model.ffn_hidden_size=172",
+    "+experiment=gpt_1b",
+    "model.vocab_size=512",
+    "model.num_layers=2",
+    "model.hidden_size=64",
+    "model.num_attention_heads=4",
+    "model.num_query_groups=2",
+    "model.ffn_hidden_size=172",
     "model.seq_length=64",
-]  # fmt: skip
+]
 # One process, nothing but training in a step, a constant learning rate (the reference follows
 # the same run). Every build names its batch (:func:`batch`).
 RUN = [
-    "parallel.tp=1", "parallel.pp=1", "parallel.sp=false", "parallel.zero_stage=0",
-    "trainer.max_steps=1000000", "trainer.eval_interval=0", "scheduler.style=constant",
-    "scheduler.warmup_steps=0", "logging.wandb=false", "logging.log_interval=1000000",
+    "parallel.tp=1",
+    "parallel.pp=1",
+    "parallel.sp=false",
+    "parallel.zero_stage=0",
+    "trainer.max_steps=1000000",
+    "trainer.eval_interval=0",
+    "scheduler.style=constant",
+    "scheduler.warmup_steps=0",
+    "logging.wandb=false",
+    "logging.log_interval=1000000",
     "checkpoint.dir=null",
-]  # fmt: skip
+]
 
 
 def gib(n: float) -> str:

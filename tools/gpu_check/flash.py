@@ -51,8 +51,10 @@ def forced_flash_error(step) -> tuple[str | None, list[str]]:
 def run(ctx: CheckContext, out: SectionResult) -> None:
     built = ctx.build(ctx.small())
     spec = built.spec
-    out.note(f"{spec.num_layers} layers, {spec.num_heads} heads / {spec.num_kv_heads} kv heads "
-             f"of {spec.head_dim}, seq {spec.seq_length}, {ctx.precision}")  # fmt: skip
+    out.note(
+        f"{spec.num_layers} layers, {spec.num_heads} heads / {spec.num_kv_heads} kv heads "
+        f"of {spec.head_dim}, seq {spec.seq_length}, {ctx.precision}"
+    )
     ctx.step(built)  # warm-up: kernels chosen and loaded
     seen = attention_events(lambda: ctx.step(built), ctx.cuda)
     rows = [[f"`{name[:SHOWN]}`", str(n)] for name, n in sorted(seen.items())]

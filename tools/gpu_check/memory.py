@@ -51,16 +51,27 @@ def run(ctx: CheckContext, out: SectionResult) -> None:
     out.note(size.describe())
     held, peak, how = measure(ctx, size.overrides)
     out.note(f"measured with {how}")
-    planned = {"params": stage.states.params, "grads": stage.states.grads,
-               "optimizer": stage.states.optimizer}  # fmt: skip
+    planned = {
+        "params": stage.states.params,
+        "grads": stage.states.grads,
+        "optimizer": stage.states.optimizer,
+    }
     rows = [[k, gib(planned[k]), gib(held[k]), ratio(held[k], planned[k])] for k in planned]
     above, planned_above = peak - sum(held.values()), plan.peak_bytes - stage.states.total
-    rows.append(["activations and temporaries at the peak", gib(planned_above), gib(above),
-                 ratio(above, planned_above)])  # fmt: skip
+    rows.append(
+        [
+            "activations and temporaries at the peak",
+            gib(planned_above),
+            gib(above),
+            ratio(above, planned_above),
+        ]
+    )
     rows.append(["peak", gib(plan.peak_bytes), gib(peak), ratio(peak, plan.peak_bytes)])
     out.table("GiB per rank", ["", "planned", "measured", "measured / planned"], rows)
-    out.note(f"the planner adds {size.runtime_bytes / GiB:.1f} GiB for the runtime (CUDA "
-             "context, workspaces), which the allocator does not count")  # fmt: skip
+    out.note(
+        f"the planner adds {size.runtime_bytes / GiB:.1f} GiB for the runtime (CUDA "
+        "context, workspaces), which the allocator does not count"
+    )
     off = peak / plan.peak_bytes - 1
     if abs(off) > TOLERANCE:
         out.fail(f"the measured peak is {off:+.0%} off the plan (tolerance {TOLERANCE:.0%})")

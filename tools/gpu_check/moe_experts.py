@@ -33,10 +33,16 @@ GROWTH_LIMIT = 1.5  # working memory at 64 experts / at 8
 MiB = 2**20
 FULL = ["+experiment=moe_1b_7b", "model.vocab_size=32000"]
 TOY = [
-    "+experiment=moe_1b_7b", "model.vocab_size=512", "model.hidden_size=64",
-    "model.num_attention_heads=4", "model.num_query_groups=4", "model.ffn_hidden_size=172",
-    "model.moe.ffn_hidden_size=32", "model.moe.top_k=2", "model.seq_length=64",
-]  # fmt: skip
+    "+experiment=moe_1b_7b",
+    "model.vocab_size=512",
+    "model.hidden_size=64",
+    "model.num_attention_heads=4",
+    "model.num_query_groups=4",
+    "model.ffn_hidden_size=172",
+    "model.moe.ffn_hidden_size=32",
+    "model.moe.top_k=2",
+    "model.seq_length=64",
+]
 
 
 class LayerRun:
@@ -100,35 +106,59 @@ def run(ctx: CheckContext, out: SectionResult) -> None:
     runs = {e: LayerRun(ctx, e) for e in EXPERTS}
     first = runs[EXPERTS[0]]
     s, m = first.spec, first.spec.moe
-    out.note(f"hidden {s.hidden_size}, expert ffn {m.ffn_hidden_size}, top-{m.top_k}, "
-             f"{first.tokens} tokens ({first.tokens * m.top_k} routed rows), {ctx.precision}, "
-             f"ep = 1")  # fmt: skip
+    out.note(
+        f"hidden {s.hidden_size}, expert ffn {m.ffn_hidden_size}, top-{m.top_k}, "
+        f"{first.tokens} tokens ({first.tokens * m.top_k} routed rows), {ctx.precision}, "
+        f"ep = 1"
+    )
     budget = ctx.share(SHARE)
-    times = interleaved({e: r.step for e, r in runs.items()}, ctx.max_repeats,
-                        ctx.steps_per_repeat, warmup=ctx.warmup, sync=ctx.sync, budget_s=budget,
-                        min_repeats=2)  # fmt: skip
+    times = interleaved(
+        {e: r.step for e, r in runs.items()},
+        ctx.max_repeats,
+        ctx.steps_per_repeat,
+        warmup=ctx.warmup,
+        sync=ctx.sync,
+        budget_s=budget,
+        min_repeats=2,
+    )
     rows, working = [], {}
     for e, r in runs.items():
         peak = r.peak_above_states()
         grads = r.grad_bytes()
         working[e] = None if peak is None else peak - grads
-        rows.append([str(e), f"{r.tokens * m.top_k // e:,}", "yes" if r.grouped() else "no",
-                     f"{median(times[e]) * 1e3:.2f}", mib(peak), mib(grads),
-                     mib(working[e])])  # fmt: skip
+        rows.append(
+            [
+                str(e),
+                f"{r.tokens * m.top_k // e:,}",
+                "yes" if r.grouped() else "no",
+                f"{median(times[e]) * 1e3:.2f}",
+                mib(peak),
+                mib(grads),
+                mib(working[e]),
+            ]
+        )
     out.table(
         "Forward + backward of one layer (median of the timed repeats)",
-        ["experts", "rows per expert", "grouped matmul", "ms", "peak MiB above the states",
-         "grads MiB", "working MiB (peak - grads)"],
+        [
+            "experts",
+            "rows per expert",
+            "grouped matmul",
+            "ms",
+            "peak MiB above the states",
+            "grads MiB",
+            "working MiB (peak - grads)",
+        ],
         rows,
-    )  # fmt: skip
+    )
     few, many = EXPERTS
-    out.note(f"time at {many} experts / at {few}: "
-             f"{median(times[many]) / median(times[few]):.2f}x")  # fmt: skip
+    out.note(f"time at {many} experts / at {few}: {median(times[many]) / median(times[few]):.2f}x")
     if working[few] is None:
         out.note("peak memory is measured on CUDA only")
         return
     growth = working[many] / max(working[few], 1)
     out.note(f"working memory at {many} experts / at {few}: {growth:.2f}x")
     if growth > GROWTH_LIMIT:
-        out.fail(f"the backward's working memory grows with the experts: {growth:.2f}x "
-                 f"(limit {GROWTH_LIMIT}x)")  # fmt: skip
+        out.fail(
+            f"the backward's working memory grows with the experts: {growth:.2f}x "
+            f"(limit {GROWTH_LIMIT}x)"
+        )

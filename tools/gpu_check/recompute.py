@@ -46,10 +46,19 @@ def run(ctx: CheckContext, out: SectionResult) -> None:
 
     steps = {label(p): with_policy(p) for p in POLICIES}
     budget = ctx.share(SHARE)
-    out.note(f"timing up to {ctx.max_repeats} repeats of {ctx.steps_per_repeat} step(s) per "
-             f"policy after {ctx.warmup} warm-up step(s), within {budget:.0f} s")  # fmt: skip
-    times = interleaved(steps, ctx.max_repeats, ctx.steps_per_repeat, warmup=ctx.warmup,
-                        sync=ctx.sync, budget_s=budget, min_repeats=2)  # fmt: skip
+    out.note(
+        f"timing up to {ctx.max_repeats} repeats of {ctx.steps_per_repeat} step(s) per "
+        f"policy after {ctx.warmup} warm-up step(s), within {budget:.0f} s"
+    )
+    times = interleaved(
+        steps,
+        ctx.max_repeats,
+        ctx.steps_per_repeat,
+        warmup=ctx.warmup,
+        sync=ctx.sync,
+        budget_s=budget,
+        min_repeats=2,
+    )
     peaks = {}
     for p in POLICIES:
         if ctx.cuda:
@@ -63,17 +72,32 @@ def run(ctx: CheckContext, out: SectionResult) -> None:
     rows = []
     for p in POLICIES:
         step = median(times[label(p)])
-        layout = size.plan.layout.with_(recompute=p[0], recompute_method=p[1],
-                                        recompute_num_layers=p[2])  # fmt: skip
+        layout = size.plan.layout.with_(
+            recompute=p[0], recompute_method=p[1], recompute_num_layers=p[2]
+        )
         planned = make_plan(size.plan.spec, layout).peak_bytes
         measured = peaks[label(p)]
-        rows.append([
-            label(p), f"{step * 1e3:.1f}", f"{step / base:.2f}x", f"{tokens / step:,.0f}",
-            ctx.mfu(flops, step), gib(planned), "n/a (CPU)" if measured is None else gib(measured),
-        ])  # fmt: skip
+        rows.append(
+            [
+                label(p),
+                f"{step * 1e3:.1f}",
+                f"{step / base:.2f}x",
+                f"{tokens / step:,.0f}",
+                ctx.mfu(flops, step),
+                gib(planned),
+                "n/a (CPU)" if measured is None else gib(measured),
+            ]
+        )
     out.table(
         f"{ctx.precision}, {tokens:,} tokens per step (MFU counts model FLOPs, not recompute)",
-        ["policy", "ms per step", "vs none", "tokens/s", "MFU", "planned peak GiB",
-         "measured peak GiB"],
+        [
+            "policy",
+            "ms per step",
+            "vs none",
+            "tokens/s",
+            "MFU",
+            "planned peak GiB",
+            "measured peak GiB",
+        ],
         rows,
-    )  # fmt: skip
+    )

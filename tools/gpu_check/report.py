@@ -47,8 +47,9 @@ class Table:
     def markdown(self) -> str:
         lines = [f"**{self.title}**", "", "| " + " | ".join(self.columns) + " |"]
         lines.append("|" + "---|" * len(self.columns))
-        lines += ["| " + " | ".join(str(c).replace("|", "\\|") for c in row) + " |"
-                  for row in self.rows]  # fmt: skip
+        lines += [
+            "| " + " | ".join(str(c).replace("|", "\\|") for c in row) + " |" for row in self.rows
+        ]
         return "\n".join(lines)
 
 
@@ -92,8 +93,9 @@ def git_commit(root: Path) -> str:
     """The checkout's commit (``+ local changes`` when the tree differs), or ``unknown``."""
 
     def git(*args: str) -> str:
-        done = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True,
-                              timeout=10)  # fmt: skip
+        done = subprocess.run(
+            ["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10
+        )
         return done.stdout.strip()
 
     try:
@@ -119,13 +121,21 @@ def environment(device: torch.device, root: Path) -> list[tuple[str, str]]:
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         facts += [
-            ("device", f"{props.name}, {props.total_memory / 2**30:.1f} GiB, "
-                       f"{props.multi_processor_count} SMs"),
+            (
+                "device",
+                f"{props.name}, {props.total_memory / 2**30:.1f} GiB, "
+                f"{props.multi_processor_count} SMs",
+            ),
             ("CUDA", f"{torch.version.cuda} (cuDNN {torch.backends.cudnn.version()})"),
-        ]  # fmt: skip
+        ]
     else:
-        facts.append(("device", f"CPU ({platform.processor() or platform.machine()}), "
-                                f"{torch.get_num_threads()} threads"))  # fmt: skip
+        facts.append(
+            (
+                "device",
+                f"CPU ({platform.processor() or platform.machine()}), "
+                f"{torch.get_num_threads()} threads",
+            )
+        )
     facts += [
         ("torch", torch.__version__),
         ("python", f"{sys.version.split()[0]} ({sys.executable})"),

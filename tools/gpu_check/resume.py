@@ -65,9 +65,11 @@ def compare_continuation(a: Continuation, b: Continuation) -> list[str]:
 @contextlib.contextmanager
 def reproducible() -> Iterator[None]:
     """Deterministic kernels and math attention (see the module docstring)."""
-    before = (torch.are_deterministic_algorithms_enabled(),
-              torch.is_deterministic_algorithms_warn_only_enabled(),
-              torch.utils.deterministic.fill_uninitialized_memory)  # fmt: skip
+    before = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+        torch.utils.deterministic.fill_uninitialized_memory,
+    )
     torch.use_deterministic_algorithms(True, warn_only=True)
     torch.utils.deterministic.fill_uninitialized_memory = False  # same kernels, no extra fills
     try:
@@ -80,8 +82,9 @@ def reproducible() -> Iterator[None]:
 
 def continue_run(ctx: CheckContext, built: Built) -> Continuation:
     losses = [ctx.step(built).loss for _ in range(AFTER)]
-    params = {n: p.detach().cpu().clone() for c in built.trainer.chunks
-              for n, p in c.named_parameters()}  # fmt: skip
+    params = {
+        n: p.detach().cpu().clone() for c in built.trainer.chunks for n, p in c.named_parameters()
+    }
     return Continuation(losses, params)
 
 
@@ -90,8 +93,10 @@ def run(ctx: CheckContext, out: SectionResult) -> None:
         overrides = [*ctx.small(microbatches=2), f"checkpoint.dir={tmp}"]
         first = ctx.build(overrides)
         device = first.trainer.topo.device
-        out.note(f"{first.spec.num_layers} layers, 2 micro batches a step, {ctx.precision} on "
-                 f"{device}, deterministic algorithms, math attention")  # fmt: skip
+        out.note(
+            f"{first.spec.num_layers} layers, 2 micro batches a step, {ctx.precision} on "
+            f"{device}, deterministic algorithms, math attention"
+        )
         for _ in range(BEFORE):
             ctx.step(first)
         path = CheckpointSaver(first.cfg, first.trainer, first.rng).save(blocking=True)
@@ -104,8 +109,10 @@ def run(ctx: CheckContext, out: SectionResult) -> None:
         if second.trainer.state.step != BEFORE:
             out.fail(f"the loaded trainer is at step {second.trainer.state.step}, not {BEFORE}")
         resumed = continue_run(ctx, second)
-    rows = [[str(BEFORE + i + 1), repr(a), repr(b), "yes" if a == b else "NO"]
-            for i, (a, b) in enumerate(zip(uninterrupted.losses, resumed.losses))]  # fmt: skip
+    rows = [
+        [str(BEFORE + i + 1), repr(a), repr(b), "yes" if a == b else "NO"]
+        for i, (a, b) in enumerate(zip(uninterrupted.losses, resumed.losses))
+    ]
     out.table("Losses after the checkpoint", ["step", "uninterrupted", "resumed", "equal"], rows)
     problems = compare_continuation(uninterrupted, resumed)
     if problems:

@@ -103,8 +103,15 @@ def sizing_at(micro: int, cfg, device_bytes: int, runtime: int) -> Sizing | None
     layers = largest(spec.num_layers, side_by_side)
     if not layers:
         return None
-    return Sizing(layers, largest(spec.num_layers, alone), spec.num_layers, micro,
-                  device_bytes, runtime, plan(layers))  # fmt: skip
+    return Sizing(
+        layers,
+        largest(spec.num_layers, alone),
+        spec.num_layers,
+        micro,
+        device_bytes,
+        runtime,
+        plan(layers),
+    )
 
 
 def choose(ctx: CheckContext, device_bytes: int, runtime: int) -> Sizing:

@@ -41,8 +41,9 @@ def cuda_syncs(run_steps) -> Counter:
             run_steps()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    return Counter(f"{Path(w.filename).name}:{w.lineno}" for w in caught
-                   if SYNC_WARNING in str(w.message))  # fmt: skip
+    return Counter(
+        f"{Path(w.filename).name}:{w.lineno}" for w in caught if SYNC_WARNING in str(w.message)
+    )
 
 
 def recorded_syncs(run_steps, device: torch.device) -> Counter:
@@ -59,8 +60,10 @@ def per_step(counts: Counter | None) -> str:
 
 
 def run(ctx: CheckContext, out: SectionResult) -> None:
-    out.note(f"two layers of the shape, {ctx.precision}: {ctx.warmup} warm-up step(s), then "
-             f"{STEPS} steps in CUDA's sync debug mode and {STEPS} in the CPU harness")  # fmt: skip
+    out.note(
+        f"two layers of the shape, {ctx.precision}: {ctx.warmup} warm-up step(s), then "
+        f"{STEPS} steps in CUDA's sync debug mode and {STEPS} in the CPU harness"
+    )
     rows, missed = [], []
     models = {"dense": [], "MoE, 8 experts, top-2": MOE + ([] if ctx.smoke else FULL_MOE_FFN)}
     for label, extra in models.items():

@@ -39,12 +39,19 @@ def run(ctx: CheckContext, out: SectionResult) -> None:
         ctx.sync()
 
     budget = ctx.share(SHARE)
-    out.note(f"timing up to {ctx.max_repeats} repeats of {ctx.steps_per_repeat} step(s) each "
-             f"after {ctx.warmup} warm-up step(s), within {budget:.0f} s")  # fmt: skip
+    out.note(
+        f"timing up to {ctx.max_repeats} repeats of {ctx.steps_per_repeat} step(s) each "
+        f"after {ctx.warmup} warm-up step(s), within {budget:.0f} s"
+    )
     times = interleaved(
-        {"megatronish": mish_step, "reference": ref_step}, ctx.max_repeats,
-        ctx.steps_per_repeat, warmup=ctx.warmup, sync=ctx.sync, budget_s=budget, min_repeats=2,
-    )  # fmt: skip
+        {"megatronish": mish_step, "reference": ref_step},
+        ctx.max_repeats,
+        ctx.steps_per_repeat,
+        warmup=ctx.warmup,
+        sync=ctx.sync,
+        budget_s=budget,
+        min_repeats=2,
+    )
     spec = mish.spec
     tokens = mish.cfg.trainer.global_batch_size * spec.seq_length
     flops = flops_per_token(spec) * tokens
@@ -52,19 +59,39 @@ def run(ctx: CheckContext, out: SectionResult) -> None:
     for name, ts in times.items():
         step = median(ts)
         first, last = losses[name][0], losses[name][-1]
-        rows.append([name, f"{step * 1e3:.1f}", f"{tokens / step:,.0f}", ctx.mfu(flops, step),
-                     f"{first:.4f}", f"{last:.4f}", len(ts)])  # fmt: skip
+        rows.append(
+            [
+                name,
+                f"{step * 1e3:.1f}",
+                f"{tokens / step:,.0f}",
+                ctx.mfu(flops, step),
+                f"{first:.4f}",
+                f"{last:.4f}",
+                len(ts),
+            ]
+        )
     out.table(
         f"{ctx.precision}, {tokens:,} tokens per step, {flops / tokens / 1e9:.2f} GFLOP per token",
-        ["implementation", "ms per step", "tokens/s", "MFU", "first loss", "last loss",
-         "timed repeats"],
+        [
+            "implementation",
+            "ms per step",
+            "tokens/s",
+            "MFU",
+            "first loss",
+            "last loss",
+            "timed repeats",
+        ],
         rows,
-    )  # fmt: skip
+    )
     ratio = paired_ratio(times["reference"], times["megatronish"])
-    out.note(f"megatronish / reference throughput: {ratio:.2f}x (median of per-repeat ratios); "
-             f"peak for MFU: {ctx.peak[1]}")  # fmt: skip
+    out.note(
+        f"megatronish / reference throughput: {ratio:.2f}x (median of per-repeat ratios); "
+        f"peak for MFU: {ctx.peak[1]}"
+    )
     first_m, first_r = losses["megatronish"][0], losses["reference"][0]
     gap = abs(first_m - first_r) / abs(first_r)
     if not gap <= FIRST_LOSS_RTOL[ctx.precision]:
-        out.fail(f"first losses differ by {gap:.2%} ({first_m:.5f} vs {first_r:.5f}): the two "
-                 "runs do not compute the same model")  # fmt: skip
+        out.fail(
+            f"first losses differ by {gap:.2%} ({first_m:.5f} vs {first_r:.5f}): the two "
+            "runs do not compute the same model"
+        )

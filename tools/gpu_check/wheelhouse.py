@@ -86,10 +86,14 @@ def download_commands(dest: Path, python_version: str, versions: dict[str, str])
     for platform in PLATFORMS:
         target += ["--platform", platform]
     published = [f"{w.name}=={versions[w.name]}" for w in WHEELS if not w.from_sdist]
-    commands = [[*pip, "download", "--no-deps", "--only-binary=:all:", *target, "-d", str(dest),
-                 *published]]  # fmt: skip
-    commands += [[*pip, "wheel", "--no-deps", "-w", str(dest), f"{w.name}=={versions[w.name]}"]
-                 for w in WHEELS if w.from_sdist]  # fmt: skip
+    commands = [
+        [*pip, "download", "--no-deps", "--only-binary=:all:", *target, "-d", str(dest), *published]
+    ]
+    commands += [
+        [*pip, "wheel", "--no-deps", "-w", str(dest), f"{w.name}=={versions[w.name]}"]
+        for w in WHEELS
+        if w.from_sdist
+    ]
     return commands
 
 
@@ -100,8 +104,11 @@ def wheel_files(wheelhouse: Path) -> dict[str, Path]:
 
 def tree_bytes(root: Path = ROOT) -> int:
     """Bytes of the working tree that travels: tracked and untracked, not ignored, files."""
-    listed = subprocess.run(["git", "-C", str(root), "ls-files", "-co", "--exclude-standard",
-                             "-z"], capture_output=True, check=True).stdout  # fmt: skip
+    listed = subprocess.run(
+        ["git", "-C", str(root), "ls-files", "-co", "--exclude-standard", "-z"],
+        capture_output=True,
+        check=True,
+    ).stdout
     paths = (root / p for p in listed.decode().split("\0") if p)
     return sum(p.stat().st_size for p in paths if p.is_file() and not p.is_symlink())
 
@@ -123,13 +130,16 @@ def download(dest: Path, python_version: str) -> int:
         if w.from_sdist and not built.name.endswith("-none-any.whl"):
             raise SystemExit(f"[gpu-wheels] {built.name} is not pure Python: it runs here only")
     lines = [f"{w.name}=={versions[w.name]}" for w in WHEELS]
-    (dest / MANIFEST).write_text("# written by `make gpu-wheels`; installed by `make gpu-check`\n"
-                                 + "\n".join(lines) + "\n")  # fmt: skip
+    (dest / MANIFEST).write_text(
+        "# written by `make gpu-wheels`; installed by `make gpu-check`\n" + "\n".join(lines) + "\n"
+    )
     size, tree = sum(p.stat().st_size for p in found.values()), tree_bytes()
-    print(f"[gpu-wheels] {dest}: {len(found)} wheels for CPython {python_version}, "
-          f"{size / MiB:.1f} MiB (limit {WHEELHOUSE_LIMIT / MiB:.0f}); with the working tree "
-          f"({tree / MiB:.1f} MiB) {(size + tree) / MiB:.1f} MiB of the "
-          f"{CARRY_LIMIT / MiB:.0f} MiB a check carries")  # fmt: skip
+    print(
+        f"[gpu-wheels] {dest}: {len(found)} wheels for CPython {python_version}, "
+        f"{size / MiB:.1f} MiB (limit {WHEELHOUSE_LIMIT / MiB:.0f}); with the working tree "
+        f"({tree / MiB:.1f} MiB) {(size + tree) / MiB:.1f} MiB of the "
+        f"{CARRY_LIMIT / MiB:.0f} MiB a check carries"
+    )
     if size <= WHEELHOUSE_LIMIT and size + tree <= CARRY_LIMIT:
         return 0
     print("[gpu-wheels] over budget: a GPU run could not carry this", file=sys.stderr)
@@ -160,27 +170,49 @@ def install_command(wheelhouse: Path, target: Path, requirements: list[str]) -> 
     """pip install of ``requirements`` from ``wheelhouse`` only into ``target``: no index, no
     dependency resolution (the interpreter's torch is never considered), no source builds."""
     return [
-        sys.executable, "-m", "pip", "--disable-pip-version-check", "install", "--no-index",
-        "--find-links", str(wheelhouse), "--no-deps", "--only-binary=:all:", "--no-compile",
-        "--no-cache-dir", "--quiet", "--target", str(target), *requirements,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "pip",
+        "--disable-pip-version-check",
+        "install",
+        "--no-index",
+        "--find-links",
+        str(wheelhouse),
+        "--no-deps",
+        "--only-binary=:all:",
+        "--no-compile",
+        "--no-cache-dir",
+        "--quiet",
+        "--target",
+        str(target),
+        *requirements,
+    ]
 
 
 def install(wheelhouse: Path, target: Path) -> int:
     """Install what this interpreter lacks into ``target``; 2 when it cannot start."""
     if not importable("torch"):
-        print(f"[gpu-env] {sys.executable} has no torch: this path runs the check on the "
-              "interpreter's own torch and installs none", file=sys.stderr)  # fmt: skip
+        print(
+            f"[gpu-env] {sys.executable} has no torch: this path runs the check on the "
+            "interpreter's own torch and installs none",
+            file=sys.stderr,
+        )
         return 2
     if not (wheelhouse / MANIFEST).is_file():
-        print(f"[gpu-env] no wheelhouse at {wheelhouse}: run `make gpu-wheels` on a machine "
-              "with network and bring that folder along", file=sys.stderr)  # fmt: skip
+        print(
+            f"[gpu-env] no wheelhouse at {wheelhouse}: run `make gpu-wheels` on a machine "
+            "with network and bring that folder along",
+            file=sys.stderr,
+        )
         return 2
     versions = read_manifest(wheelhouse)
     requirements = needed(versions)
     kept = [w.name for w in WHEELS if f"{w.name}=={versions[w.name]}" not in requirements]
-    print(f"[gpu-env] installing {', '.join(requirements)} from {wheelhouse} into {target}"
-          + (f"; the interpreter's own {', '.join(kept)}" if kept else ""), flush=True)  # fmt: skip
+    print(
+        f"[gpu-env] installing {', '.join(requirements)} from {wheelhouse} into {target}"
+        + (f"; the interpreter's own {', '.join(kept)}" if kept else ""),
+        flush=True,
+    )
     return subprocess.run(
         install_command(wheelhouse, target, requirements), env=pip_env()
     ).returncode

@@ -1,0 +1,1 @@
+"""Data parallelism: ZeRO 0-3 over flat buckets, gradient reduction, parameter gathering."""

@@ -1,0 +1,419 @@
+"""Data parallelism with ZeRO stages 0-3 over bucketed flat buffers.
+
+- 0: grads all-reduced (averaged) over dp; every rank updates every parameter.
+- 1: grads reduce-scattered; Adam moments only for this rank's shard; params all-gathered.
+- 2: as 1, and full grads exist only per bucket between its last grad of a microbatch and its
+  reduction: every microbatch's grads are reduce-scattered into the rank's shard (as DeepSpeed's
+  stage 2 and FSDP do), so a step communicates ``num_microbatches`` times as much.
+- 3: as 2, and params are kept only as shards: each unit (block, embedding, head) is gathered
+  just before use, the next one prefetched, and freed after (see
+  :mod:`~megatronish.data_parallel.param_gather`); ``keep_gathered`` keeps them for the step.
+
+Zero 1/2 start the all-gathers of the updated params after the optimizer step and each unit
+waits for its own before its first forward of the next step (Megatron's overlap_param_gather;
+``overlap_param_gather=False`` gathers at once).
+
+Precision (Megatron-LM's mixed-precision recipe): the model's params are ``param_dtype`` (bf16
+on GPUs), so activations, sequence-parallel collectives and pipeline messages are bf16 too. The
+optimizer updates fp32 *main* params (only this rank's shard under ZeRO >= 1), which are cast
+into the model's params after every step; grads are accumulated in fp32 ``main_grad`` buffers,
+and reduced over dp in ``reduce_dtype`` (fp32 by default). With fp32 params the main params are
+the params themselves and nothing is copied.
+
+A bucket's reduction starts from a post-accumulate-grad hook as soon as every param in it has
+received its grad (zero 0/1: of all microbatches of the step, zero 2/3: of the microbatch), so
+reductions overlap the rest of backward (:mod:`~megatronish.data_parallel.grad_reduce` bounds
+how many are in flight). Buckets holding params that need a model-parallel sum first
+(sequence-parallel replicas, tied embeddings) are reduced at the end of the step.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from megatronish.data_parallel.buckets import Bucket, is_expert, plan_chunk_buckets
+from megatronish.data_parallel.grad_reduce import GradReducer
+from megatronish.data_parallel.grads import counts_in_norm, flat_all_reduce, tied_rule
+from megatronish.data_parallel.param_gather import ParamGatherer, resize_storage
+from megatronish.data_parallel.param_units import chunk_visits
+from megatronish.distributed.comm import all_gather_into, all_reduce
+from megatronish.distributed.timers import Timers
+from megatronish.distributed.topology import Topology
+from megatronish.tensor_parallel.sharding import param_info
+
+if TYPE_CHECKING:
+    from megatronish.model.init import DeferredInit
+
+
+class ZeroDataParallel:
+    """Owns params, grads and the reductions of this rank's chunks for one ZeRO stage."""
+
+    def __init__(
+        self,
+        chunks: list[nn.Module],
+        topo: Topology,
+        stage: int,
+        bucket_mb: float,
+        keep_gathered: bool = False,
+        timers: Timers | None = None,
+        param_dtype: torch.dtype = torch.float32,
+        reduce_dtype: torch.dtype = torch.float32,
+        overlap_param_gather: bool = True,
+    ):
+        self.chunks, self.topo, self.stage = chunks, topo, stage
+        self.keep_gathered = keep_gathered
+        self.overlap_param_gather = overlap_param_gather
+        self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
+        self.separate_main = param_dtype != torch.float32
+        self.timers = timers or Timers.off()  # param_gather, grad_reduce_wait; profiler ranges
+        # The grad norm sums over every rank when ranks own shards (zero >= 1) or hold different
+        # experts (ep ranks); over tp x pp otherwise (zero 0 keeps whole replicas).
+        self.world_norm = stage > 0 or any(
+            is_expert(p) for chunk in chunks for p in chunk.parameters()
+        )
+        dp = topo.dp_cp_group  # the ranks holding the same params: dp x cp
+        edp = topo.edp_group  # those holding the same experts: dp x cp / ep
+        self.is_tied = tied_rule(bool(chunks) and chunks[0].spec.tie_embeddings, topo.pp)
+        self.buckets_of: list[list[Bucket]] = []
+        units_of, visits_of = [], []
+        for i, chunk in enumerate(chunks):
+            buckets = plan_chunk_buckets(
+                chunk,
+                int(bucket_mb * 2**20),
+                dp.size,
+                dp.rank,
+                self.is_tied,
+                topo.device,
+                per_unit=stage >= 2,
+                expert_dp=(edp.size, edp.rank),
+            )
+            deferred = getattr(chunk, "deferred_init", None)  # a meta build (zero 3)
+            for b in buckets:
+                b.group = edp if b.expert else dp
+                self._allocate(b, deferred)
+            if deferred is not None:  # drawn: a later owner of the chunk takes it as it is
+                del chunk.deferred_init
+            self.buckets_of.append(buckets)
+            units, visits = chunk_visits(chunk, i)
+            bucket_of = {id(p): b for b in buckets for _, p in b.params}
+            for u in units:
+                u.buckets = list({id(b): b for p in u.params for b in [bucket_of[id(p)]]}.values())
+            units_of.append(units)
+            visits_of.append(visits)
+        self.reducer = GradReducer(dp, stage, reduce_dtype, self.timers)
+        # Zero 2/3 accounting: full-grad elements of buffers being filled, and the most alive at
+        # once (those plus the ones reductions in flight hold).
+        self.filling_numel = self.peak_grad_numel = 0
+        self.gatherer = None
+        if stage == 3 or (stage > 0 and overlap_param_gather and dp.size > 1):
+            self.gatherer = ParamGatherer(
+                units_of, visits_of, dp, stage, keep_gathered, self.timers
+            )
+        self.units_of = units_of
+
+    @property
+    def buckets(self) -> list[Bucket]:
+        return [b for bs in self.buckets_of for b in bs]
+
+    def _per_microbatch(self, b: Bucket) -> bool:
+        """Reduced after every microbatch, its full grads freed in between (zero 2/3)."""
+        return self.stage >= 2 and not b.late
+
+    # -- storage ----------------------------------------------------------------------------
+    def _owned(self, b: Bucket) -> tuple[int, int]:
+        return (0, b.numel) if self.stage == 0 else b.shard_range
+
+    @torch.no_grad()
+    def _allocate(self, b: Bucket, deferred: DeferredInit | None = None) -> None:
+        lo, hi = self._owned(b)
+        if any(p.is_meta for _, p in b.params):  # a meta build not yet drawn
+            self._allocate_shard_only(b, deferred, lo, hi)
+        else:
+            main = torch.zeros(b.numel, device=b.device)  # fp32 values as initialised
+            for _, p, view in b.views(main):
+                view.copy_(p.data)
+            flat = main.to(self.param_dtype) if self.separate_main else main
+            b.point_params_at(flat)
+            b.param_flat = flat
+            b.param_shard = flat[lo:hi] if self.stage < 3 else flat[lo:hi].clone()
+            b.main_shard = main[lo:hi].clone() if self.separate_main else b.param_shard
+            if self.stage == 3:
+                resize_storage(flat, 0)  # params live as shards; gathered on demand
+        if self.stage < 2:
+            self._new_grad_buffer(b)
+        if self.stage >= 2:  # the reduced shard outlives the full buffers
+            b.grad_shard = torch.zeros(hi - lo, device=b.device)
+        b.decay_ranges = b.ranges(lambda n, p: param_info(p).weight_decay, lo, hi)
+        b.norm_ranges = b.ranges(lambda n, p: counts_in_norm(n, p, self.topo), lo, hi)
+        if self.stage == 0 and b.group.rank != 0 and self.world_norm:
+            b.norm_ranges = []  # zero 0 keeps whole replicas: the first one counts
+        for _, p in b.params:
+            p.register_post_accumulate_grad_hook(self._make_hook(b))
+            if self.separate_main:  # an op may add its fp32 grad here itself (the fused head)
+                p.accumulate_main_grad = self._make_main_grad_adder(b, p)
+
+    def _allocate_shard_only(self, b: Bucket, deferred: DeferredInit | None, lo: int, hi: int):
+        """Zero 3 on a meta build: draw only this rank's shard ``[lo, hi)`` of ``b`` (one
+        parameter at a time); the full params get storage only when gathered."""
+        if self.stage != 3 or deferred is None:
+            raise ValueError(
+                f"parameters on the meta device need ZeRO 3 and the chunk's deferred_init "
+                f"(stage {self.stage}, deferred_init {deferred}): build_chunks(deferred=True)"
+            )
+        main = b.shard_values(deferred.value, lo, hi)
+        flat = torch.empty(b.numel, dtype=self.param_dtype, device=b.device)  # views need it once
+        b.point_params_at(flat)
+        resize_storage(flat, 0)  # params live as shards; gathered on demand
+        b.param_flat = flat
+        b.param_shard = main.to(self.param_dtype) if self.separate_main else main
+        b.main_shard = main
+
+    def _new_grad_buffer(self, b: Bucket) -> None:
+        b.grad_flat = torch.zeros(b.numel, device=b.device)
+        if self.stage >= 2:
+            self.filling_numel += b.numel
+            live = self.filling_numel + self.reducer.in_flight_numel
+            self.peak_grad_numel = max(self.peak_grad_numel, live)
+        for _, p, view in b.views(b.grad_flat):
+            p.main_grad = view
+            if not self.separate_main:  # autograd accumulates in place (no extra copy)
+                p.grad = view
+        if self.stage == 1:  # reduced in place into this rank's slice
+            lo, hi = b.shard_range
+            b.grad_shard = b.grad_flat[lo:hi]
+
+    def _drop_grad_buffer(self, b: Bucket) -> None:
+        if self.stage >= 2 and b.grad_flat is not None:
+            self.filling_numel -= b.numel
+        b.grad_flat = None
+        for _, p in b.params:
+            p.main_grad = p.grad = None
+
+    # -- parameter gathering (zero 3: per unit; zero 1/2: after the update) -----------------
+    def prefetch(self, chunk_index: int, kind: str) -> None:
+        """Engine hook: a ``kind`` ("fwd"/"bwd") compute of the chunk comes next."""
+        if self.gatherer is not None:
+            self.gatherer.prefetch(chunk_index, kind)
+
+    def after_compute(self, chunk_index: int, kind: str) -> None:
+        """Engine hook: a compute of the chunk ended. After a backward, zero 2/3 finish the
+        reduction still in flight (FSDP2 waits there too), so its full-size buffer does not
+        live through the next forward; zero 3 frees what the compute left gathered."""
+        if kind == "bwd" and self.stage >= 2 and self.reducer.in_flight:
+            with self.timers.region("grad_reduce_wait", "wait grads"):
+                self.reducer.finish_all()
+        if self.gatherer is not None:
+            self.gatherer.after_compute(chunk_index, kind)
+
+    def gather(self, chunk_index: int) -> None:
+        """Make all of a chunk's params whole now (for readers outside a training step)."""
+        if self.gatherer is None:
+            return
+        if self.stage == 3:
+            self.gatherer.gather_all(chunk_index)
+        else:
+            self.finish_param_gather()
+
+    def release_all(self) -> None:
+        """End of a step or an evaluation: zero 3 frees every gathered unit."""
+        if self.stage == 3 and self.gatherer is not None:
+            self.gatherer.release_all()
+
+    def finish_param_gather(self) -> None:
+        """Wait for the after-update all-gathers (zero 1/2 with overlap_param_gather)."""
+        if self.stage in (1, 2) and self.gatherer is not None:
+            self.gatherer.wait_updated()
+
+    # -- gradients --------------------------------------------------------------------------
+    def start_step(self, num_microbatches: int) -> None:
+        """Zero grads and arm the hooks for a step of ``num_microbatches``."""
+        for b in self.buckets:
+            b.extra["rounds"] = 0
+            if self._per_microbatch(b):
+                b.grad_shard.zero_()
+                if b.grad_flat is not None:
+                    self._drop_grad_buffer(b)
+                b.pending = len(b.params)
+                continue
+            if b.grad_flat is None:
+                self._new_grad_buffer(b)
+            else:
+                b.grad_flat.zero_()
+            b.pending = len(b.params) * num_microbatches
+
+    def _make_hook(self, b: Bucket):
+        # The hook is held in C++ by the parameter, out of the garbage collector's sight: strong
+        # references back to this object and the bucket (which holds the parameter) would keep
+        # the model, its buffers and any pending work handle alive after the run.
+        owner, bucket = weakref.ref(self), weakref.ref(b)
+
+        def hook(p: nn.Parameter) -> None:
+            zero, b = owner(), bucket()
+            if zero is None or b is None:
+                return
+            grad = p.grad
+            if b.grad_flat is None:  # zero 2/3: the first grad of this bucket's microbatch
+                zero._new_grad_buffer(b)
+            if getattr(p, "grad_added_to_main_grad", False):  # a placeholder: already summed
+                p.grad_added_to_main_grad = False
+                p.grad = None
+            elif grad.dtype != p.main_grad.dtype:  # a bf16 microbatch grad, summed in fp32
+                p.main_grad.add_(grad)
+                p.grad = None
+            elif grad.data_ptr() != p.main_grad.data_ptr():
+                # Autograd made a new tensor: this microbatch's grad into a fresh (zero) buffer,
+                # or the view's value plus it.
+                p.main_grad.copy_(grad)
+                p.grad = p.main_grad
+            b.pending -= 1
+            if b.pending == 0 and not b.late:
+                zero._launch(b)
+            if zero.gatherer is not None and zero.stage == 3:
+                zero.gatherer.grad_ready(p)
+
+        return hook
+
+    def _make_main_grad_adder(self, b: Bucket, p: nn.Parameter):
+        """``p.accumulate_main_grad(grad, grad_is_placeholder)``: add an fp32 ``grad`` of ``p``
+        to its main grad now, without rounding it to ``p``'s dtype (Megatron's
+        gradient-accumulation fusion). The op still returns a grad for ``p``, so the hook runs
+        and counts it; ``grad_is_placeholder``: that grad holds nothing more and is dropped."""
+        owner, bucket, param = weakref.ref(self), weakref.ref(b), weakref.ref(p)  # see _make_hook
+
+        def accumulate(grad: torch.Tensor, grad_is_placeholder: bool) -> None:
+            zero, b, p = owner(), bucket(), param()
+            if b.grad_flat is None:  # zero 2/3: the first grad of this bucket's microbatch
+                zero._new_grad_buffer(b)
+            p.main_grad.add_(grad)
+            p.grad_added_to_main_grad = grad_is_placeholder
+
+        return accumulate
+
+    def _launch(self, b: Bucket) -> None:
+        """Start ``b``'s reduction (zero 2/3: into its shard, re-armed for the next microbatch)."""
+        rounds = b.extra["rounds"]
+        b.extra["rounds"] = rounds + 1
+        if self.stage >= 2:
+            full = b.grad_flat
+            self._drop_grad_buffer(b)  # the reduction holds it until done
+            if not b.late:
+                b.pending = len(b.params)
+            self.reducer.launch(full, b.grad_shard, accumulate=rounds > 0, group=b.group)
+        else:
+            self.reducer.launch(b.grad_flat, self.owned_grad(b), group=b.group)
+
+    def finish_reduction(self) -> None:
+        """Wait for every reduction; sum late buckets over tp / the embedding group first."""
+        with self.timers.region("grad_reduce_wait", "grad reduction wait"):
+            self._finish_reduction()
+
+    def _finish_reduction(self) -> None:
+        self.finish_param_gather()
+        for b in self.buckets:  # buckets some of whose params got no grad this step
+            if (
+                not b.late
+                and b.grad_flat is not None
+                and (self._per_microbatch(b) or b.extra["rounds"] == 0)
+            ):
+                self._launch(b)
+        late = [b for b in self.buckets if b.late]
+        sp = [p.main_grad for b in late for _, p in b.params if param_info(p).sequence_parallel]
+        flat_all_reduce(sp, self.topo.tp_group)
+        tied = [p.main_grad for b in late for n, p in b.params if self.is_tied(n, p)]
+        flat_all_reduce(tied, self.topo.embedding_group)
+        for b in late:
+            self._launch(b)
+        self.reducer.finish_all()
+        scale = 1.0 / self.topo.dp_cp  # each rank's loss is its own tokens' mean
+        for b in self.buckets:
+            self.owned_grad(b).mul_(scale)
+
+    def owned_grad(self, b: Bucket) -> torch.Tensor:
+        return b.grad_flat if self.stage == 0 else b.grad_shard
+
+    # -- norm, clip, update -----------------------------------------------------------------
+    def grad_norm(self, local_fault: torch.Tensor | None = None) -> torch.Tensor:
+        """Global L2 norm: every parameter element counted exactly once across tp, pp, dp. It
+        stays on the device (the host reads nothing).
+
+        ``local_fault``: this rank saw a non-finite value elsewhere (its loss; a 0-dim bool tensor
+        on the device); the norm then comes out nan on every rank, so all ranks skip
+        the step together without another collective.
+        """
+        sq = torch.zeros((), device=self.topo.device)
+        if local_fault is not None:
+            sq = torch.where(local_fault, float("nan"), sq)
+        for b in self.buckets:
+            grad = self.owned_grad(b)
+            for lo, hi in b.norm_ranges:
+                sq += grad[lo:hi].square().sum()  # torch's cascade sum keeps round-off small
+        group = self.topo.world_group if self.world_norm else self.topo.mp_group
+        with self.timers.region(None, "grad norm all-reduce"):
+            all_reduce(sq, group)
+        return sq.sqrt()
+
+    def optimizer_shards(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """``(fp32 main params, fp32 grads, decay ranges)`` of this rank's owned part."""
+        return [(b.main_shard, self.owned_grad(b), b.decay_ranges) for b in self.buckets]
+
+    def model_load_targets(self) -> list[tuple[torch.Tensor, int, int]]:
+        """Where a checkpoint's parameter values go, per bucket: ``(dest, lo, hi)`` for
+        elements ``[lo, hi)`` of the bucket; call :meth:`params_from_main` after loading."""
+        self.finish_param_gather()
+        if self.separate_main:
+            return [(b.main_shard, *self._owned(b)) for b in self.buckets]
+        if self.stage < 3:  # every rank holds the whole bucket's params
+            return [(b.param_flat, 0, b.numel) for b in self.buckets]
+        return [(b.param_shard, *b.shard_range) for b in self.buckets]
+
+    @torch.no_grad()
+    def params_from_main(self) -> None:
+        """Cast the main params into the model's params and make them whole (after a load)."""
+        if self.separate_main:
+            self._cast_main()
+            self._gather_updated()
+            self.finish_param_gather()
+
+    @torch.no_grad()
+    def _cast_main(self) -> None:
+        for b in self.buckets:
+            b.param_shard.copy_(b.main_shard)
+
+    @torch.no_grad()
+    def after_update(self) -> None:
+        """Make every rank's params whole again (zero 1/2, overlapping the next forward when
+        ``overlap_param_gather``); zero 3 keeps shards."""
+        if self.separate_main:
+            self._cast_main()
+        self._gather_updated()
+        self.release_all()
+
+    def _gather_updated(self) -> None:
+        if self.stage not in (1, 2) or self.topo.dp_cp == 1:
+            return
+        if self.gatherer is not None:  # waited for unit by unit in the next forward
+            order = [b for bs in self.buckets_of for b in reversed(bs)]  # forward order
+            self.gatherer.start_updated_gather(order)
+            return
+        with self.timers.region("param_gather", "all-gather params"):
+            for b in self.buckets:
+                all_gather_into(b.param_flat, b.param_shard, b.group)  # in place
+
+    # -- accounting -------------------------------------------------------------------------
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds for params and grads at a step boundary (optimizer separate)."""
+        params = grads = 0
+        for b in self.buckets:
+            model = b.param_shard if self.stage == 3 else b.param_flat
+            params += model.numel() * model.element_size()
+            if self.separate_main:
+                params += b.main_shard.numel() * 4
+            if b.grad_flat is not None:
+                grads += b.grad_flat.numel() * 4
+            if self.stage >= 2:
+                grads += b.grad_shard.numel() * 4
+        return {"params": params, "grads": grads}

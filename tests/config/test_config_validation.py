@@ -1,0 +1,148 @@
+"""Config schema and cross-field validation: every rule, reported all at once."""
+
+import pytest
+from hydra.errors import ConfigCompositionException
+from omegaconf.errors import ValidationError
+
+from megatronish.config.compose import load_config
+from megatronish.config.derived import derive, pad_vocab
+from megatronish.config.validate import ConfigError, check_config, config_errors
+
+
+def errors_for(overrides, world=1, vocab=None):
+    return config_errors(load_config(overrides), world, vocab_size=vocab)
+
+
+GPU_EXPERIMENTS = ["gpt_125m", "gpt_1b", "gpt_7b", "gpt_1b_32k", "moe_1b_7b"]
+
+
+def test_default_and_every_experiment_are_valid():
+    assert errors_for([]) == []
+    assert errors_for(["+experiment=tiny"]) == []
+    for name in GPU_EXPERIMENTS:  # their data is the user's: a dry run does not need it
+        cfg = load_config([f"+experiment={name}"])
+        assert config_errors(cfg, 8, data=False) == [], name
+
+
+@pytest.mark.parametrize("name", GPU_EXPERIMENTS)
+def test_gpu_experiments_need_a_corpus_and_save_during_training(name):
+    cfg = load_config([f"+experiment={name}"])
+    errors = config_errors(cfg, 8)
+    assert len(errors) == 2, errors
+    assert "needs data.prefix" in errors[0] and "tools/preprocess_data.py" in errors[0]
+    assert "data.tokenizer_model" in errors[1]
+    assert cfg.data.vocab_size == 32000  # what dry runs and the planner assume
+    assert 0 < cfg.checkpoint.interval < cfg.trainer.max_steps
+
+
+def test_only_gpu_experiments_train_on_a_corpus_of_their_own():
+    import os
+
+    from megatronish.config.compose import CONFIG_DIR
+
+    names = {f[:-5] for f in os.listdir(os.path.join(CONFIG_DIR, "experiment"))}
+    indexed = {n for n in names if load_config([f"+experiment={n}"]).data.source == "indexed"}
+    assert indexed == set(GPU_EXPERIMENTS)
+
+
+@pytest.mark.parametrize(
+    "overrides, world, needle",
+    [
+        (["parallel.tp=2"], 3, "not divisible by tp*pp"),
+        (["parallel.tp=2", "parallel.dp=2"], 2, "tp*pp*dp"),
+        (["parallel.cp=2"], 3, "not divisible by tp*cp*pp = 1*2*1"),
+        (["parallel.cp=2", "parallel.dp=2"], 2, "tp*cp*pp*dp = 1*2*1*2 = 4"),
+        (["parallel.cp=3", "model.seq_length=256"], 3, "not divisible by 2*cp = 6"),
+        (
+            [
+                "parallel.cp=2",
+                "parallel.tp=4",
+                "parallel.sp=true",
+                "model.seq_length=12",
+                "model.num_query_groups=4",
+            ],
+            8,
+            "seq_length/cp = 6 is not divisible by parallel.tp=4",
+        ),
+        (["parallel.cp=0"], 1, "parallel.cp=0"),
+        (["parallel.zero_stage=4"], 1, "zero_stage=4"),
+        (["parallel.vpp=2"], 1, "vpp=2 needs parallel.pp > 1"),
+        (["model.hidden_size=130"], 1, "hidden_size=130 is not divisible"),
+        (["model.hidden_size=132", "model.num_attention_heads=4"], 1, "must be even"),
+        (["parallel.tp=8"], 8, "num_attention_heads=4 is not divisible by parallel.tp=8"),
+        (["model.num_query_groups=3"], 1, "must divide model.num_attention_heads"),
+        (["parallel.tp=4"], 4, "(kv heads) is not divisible by parallel.tp=4"),
+        (["parallel.tp=2", "model.ffn_hidden_size=353"], 2, "ffn hidden size 353"),
+        (["parallel.tp=2", "parallel.sp=true", "model.seq_length=255"], 2, "sequence parallelism"),
+        (["model.num_layers=5", "parallel.pp=2"], 2, "num_layers=5 is not divisible by pp*vpp"),
+        (["parallel.pp=2", "parallel.pipeline_layer_split=[1,2]"], 2, "pipeline_layer_split"),
+        (["trainer.global_batch_size=12"], 1, "global_batch_size=12 is not divisible"),
+        (["parallel.pp=4", "trainer.global_batch_size=16"], 4, "fewer than parallel.pp=4"),
+        (
+            ["parallel.pp=2", "parallel.vpp=2", "trainer.global_batch_size=24"],
+            2,
+            "divisible by parallel.pp=2",
+        ),
+        (["model.arch=gpt3"], 1, "model.arch='gpt3'"),
+        (["trainer.precision=fp16"], 1, "trainer.precision"),
+        (["trainer.recompute=some"], 1, "trainer.recompute"),
+        (["model.num_layers=0"], 1, "model.num_layers=0 must be >= 1"),
+        (["trainer.micro_batch_size=-1"], 1, "micro_batch_size=-1"),
+        (["model.hidden_dropout=1.5"], 1, "hidden_dropout=1.5"),
+        (["optimizer.lr=0"], 1, "optimizer.lr=0"),
+        (["scheduler.min_lr=1"], 1, "scheduler.min_lr=1"),
+        (
+            ["scheduler.warmup_steps=1000", "scheduler.decay_steps=100"],
+            1,
+            "warmup_steps=1000 exceeds",
+        ),
+        (["model.arch=gpt2", "model.max_position_embeddings=128"], 1, "exceeds model.max_position"),
+        (["data=indexed"], 1, "needs data.prefix"),
+        (
+            ["data.source=indexed", "data.prefix=/nope", "data.tokenizer_model=/nope.model"],
+            1,
+            "does not exist",
+        ),
+        (["data.valid_fraction=0"], 1, "valid_fraction=0"),
+        (
+            ["model.vocab_size=999", "model.make_vocab_size_divisible_by=3", "parallel.tp=2"],
+            2,
+            "padded vocab",
+        ),
+    ],
+)
+def test_each_rule_names_the_values(overrides, world, needle):
+    errors = errors_for(overrides, world)
+    assert any(needle in e for e in errors), errors
+
+
+def test_tokenizer_larger_than_model_vocab_is_reported():
+    errors = errors_for(["model.vocab_size=1000"], vocab=4096)
+    assert any("tokenizer has 4096 tokens" in e for e in errors)
+
+
+def test_all_violations_are_reported_at_once():
+    cfg = load_config(["parallel.tp=3", "model.num_layers=5", "parallel.pp=2"])
+    with pytest.raises(ConfigError) as info:
+        check_config(cfg, 5)
+    assert len(info.value.errors) >= 3
+    assert "invalid config" in str(info.value)
+
+
+def test_schema_rejects_unknown_keys_and_wrong_types():
+    with pytest.raises(ConfigCompositionException):
+        load_config(["model.not_a_key=1"])
+    with pytest.raises((ConfigCompositionException, ValidationError)):
+        load_config(["model.num_layers=four"])
+    with pytest.raises(ConfigCompositionException):
+        load_config(["+experiment=does_not_exist"])
+
+
+def test_derived_values():
+    cfg = load_config(["parallel.tp=2", "trainer.global_batch_size=32"])
+    d = derive(cfg, 8)
+    assert d.dp == 4 and d.num_microbatches == 1 and d.tokens_per_step == 32 * 256
+    assert d.layers_per_chunk == (4,)
+    assert pad_vocab(4097, 128) == 4224 and pad_vocab(4096, 128) == 4096
+    gpt2 = derive(load_config(["+experiment=tiny_gpt2"]), 1)
+    assert gpt2.tie_embeddings and gpt2.bias and gpt2.ffn_hidden_size == 512

@@ -1,0 +1,109 @@
+"""Pipeline timelines become valid Chrome traces, Gantt charts and measured bubble fractions."""
+
+import json
+from collections import Counter
+
+import pytest
+
+from megatronish.pipeline.grouping import run_order, training_steps
+from megatronish.pipeline.schedule import schedule_ops
+from megatronish.pipeline.trace import (
+    chrome_trace,
+    gantt_png,
+    measured_bubble,
+    parse_op,
+    phase_of,
+    write_chrome_trace,
+)
+from megatronish.testing.multiproc import run_world
+
+# Two ranks of a hand-made step, in perf_counter-like seconds (origin 100 s).
+SYNTHETIC = {
+    0: [
+        ("fwd mb0 c0", 100.0, 100.001),
+        ("send_act mb0 c0", 100.001, 100.0012),
+        ("recv_grad mb0 c0", 100.0012, 100.004),
+        ("bwd mb0 c0", 100.004, 100.006),
+    ],
+    1: [
+        ("recv_act mb0 c1", 100.0005, 100.0013),
+        ("fwd mb0 c1", 100.0013, 100.0023),
+        ("bwd mb0 c1", 100.0023, 100.0033),
+        ("send_grad mb0 c1", 100.0033, 100.0035),
+    ],
+}
+
+
+def test_parse_and_phase_of_op_names():
+    assert parse_op("recv_act mb12 c3") == ("recv_act", 12, 3)
+    assert parse_op("optimizer") is None
+    assert [phase_of(n) for n in ("fwd mb0 c1", "bwd mb2 c0", "send_grad mb0 c1")] == [
+        "fwd",
+        "bwd",
+        "comm",
+    ]
+    assert phase_of("optimizer step") == "other"
+
+
+def test_chrome_trace_events_are_microseconds_with_one_thread_per_rank():
+    trace = chrome_trace(SYNTHETIC)
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    meta = {
+        e["tid"]: e["args"]["name"]
+        for e in trace["traceEvents"]
+        if e["ph"] == "M" and e["name"] == "thread_name"
+    }
+    assert meta == {0: "pp rank 0", 1: "pp rank 1"}
+    assert len(spans) == 8 and {e["pid"] for e in spans} == {0}
+    assert [e["name"] for e in spans if e["tid"] == 1] == [n for n, _, _ in SYNTHETIC[1]]
+    first = spans[0]  # re-based to the earliest start, in microseconds
+    assert first["ts"] == pytest.approx(0.0) and first["dur"] == pytest.approx(1000.0)
+    recv = next(e for e in spans if e["name"] == "recv_act mb0 c1")
+    assert recv["ts"] == pytest.approx(500.0) and recv["dur"] == pytest.approx(800.0)
+    assert recv["cat"] == "comm" and recv["args"] == {"microbatch": 0, "chunk": 1}
+    assert {e["cat"] for e in spans} == {"fwd", "bwd", "comm"}
+
+
+def test_chrome_trace_json_round_trip(tmp_path):
+    path = write_chrome_trace(tmp_path / "sub" / "trace.json", SYNTHETIC)
+    assert json.loads(path.read_text()) == chrome_trace(SYNTHETIC)
+
+
+def test_measured_bubble_on_hand_made_timeline():
+    # Rank 0 computes 3 ms in its own 6 ms span: (6 - 3) / 3.
+    assert measured_bubble(SYNTHETIC[0]) == pytest.approx(1.0)
+    # Rank 1 computes 2 ms; its own span is 3 ms, the step's span 6 ms.
+    assert measured_bubble(SYNTHETIC[1]) == pytest.approx(0.5)
+    assert measured_bubble(SYNTHETIC[1], span=(100.0, 100.006)) == pytest.approx(2.0)
+    with pytest.raises(ValueError, match="fwd or bwd"):
+        measured_bubble([("recv_act mb0 c1", 0.0, 1.0)])
+
+
+def test_gantt_png_writes_a_png(tmp_path):
+    path = gantt_png(tmp_path / "gantt.png", SYNTHETIC, "synthetic")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 5000
+
+
+def _record_step(rank, world):
+    from megatronish.pipeline.engine import Timeline
+    from megatronish.testing.runs import build_trainer
+
+    trainer = build_trainer(rank, world, ["parallel.pp=2", "parallel.vpp=2"], steps=1)
+    trainer.timeline = timeline = Timeline()
+    trainer.train_step()
+    return [(n, s + timeline.origin, e + timeline.origin) for n, s, e in timeline.events]
+
+
+def test_real_pp2_vpp2_step_records_every_schedule_op(tmp_path):
+    timelines = dict(enumerate(run_world(_record_step, 2)))
+    for rank, events in timelines.items():
+        ops = run_order(training_steps(2, 2, 4, rank))  # the schedule's ops as posted
+        assert Counter(ops) == Counter(schedule_ops(2, 2, 4, rank))
+        assert [n for n, _, _ in events] == [
+            f"{op.kind} mb{op.microbatch} c{op.chunk}" for op in ops
+        ]
+        assert all(end >= start for _, start, end in events)
+        assert measured_bubble(events) >= 0
+    trace = chrome_trace(timelines)
+    assert {e["tid"] for e in trace["traceEvents"] if e["ph"] == "X"} == {0, 1}
+    assert gantt_png(tmp_path / "real.png", timelines, "pp=2 vpp=2").stat().st_size > 5000

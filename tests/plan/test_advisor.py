@@ -1,0 +1,327 @@
+"""The layout advisor: valid candidates, the fast plans, the step-time model, ranking, the
+written parallel file and the command line (pure: no processes)."""
+
+import copy
+import itertools
+import math
+import shutil
+
+import pytest
+from omegaconf import OmegaConf
+
+from megatronish.config import compose
+from megatronish.config.compose import load_config
+from megatronish.config.validate import config_errors
+from megatronish.plan.advisor import Ranked, advise, reason
+from megatronish.plan.candidates import MICRO_BATCH_SIZES, divisors, valid_layouts
+from megatronish.plan.cli import main as plan_main
+from megatronish.plan.estimate import Planner, make_plan, representative_stages
+from megatronish.plan.layout import layout_from_config, spec_of
+from megatronish.plan.matmul_efficiency import matmul_efficiency, model_efficiency
+from megatronish.plan.report import write_parallel_file
+from megatronish.plan.step_time import TERMS, Hardware, StepTime, lower_bound, step_time
+from megatronish.testing.runs import test_config as tiny_config
+
+GiB = 2**30
+# Eight layers, so that pipelines of 2, 4 and 8 stages with interleaving are candidates.
+EIGHT_LAYERS = ["model.num_layers=8", "trainer.global_batch_size=16"]
+H100 = Hardware(peak_flops=989e12)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    cfg = tiny_config(EIGHT_LAYERS, 1)
+    return cfg, spec_of(cfg)
+
+
+@pytest.fixture(scope="module")
+def tiny_layouts(tiny):
+    return valid_layouts(tiny[0], 8)
+
+
+def _real_config(cfg, layout):
+    """A composed config with the layout's values, as a user would write them."""
+    new = copy.deepcopy(cfg)
+    for key, value in {
+        "parallel.tp": layout.tp,
+        "parallel.cp": layout.cp,
+        "parallel.pp": layout.pp,
+        "parallel.vpp": layout.vpp,
+        "parallel.dp": None,
+        "parallel.sp": layout.sp,
+        "parallel.zero_stage": layout.zero_stage,
+        "trainer.micro_batch_size": layout.micro_batch_size,
+        "trainer.recompute": layout.recompute,
+    }.items():
+        OmegaConf.update(new, key, value, merge=False)
+    return new
+
+
+def test_candidates_are_exactly_the_layouts_the_trainer_accepts():
+    cfg = tiny_config([], 1)  # 4 layers, 8 heads / 4 kv heads, global batch 8
+    layouts = valid_layouts(cfg, 4)
+    shapes = {}
+    for x in layouts:
+        shapes.setdefault((x.tp, x.cp, x.pp, x.vpp, x.sp, x.micro_batch_size), x)
+    for layout in shapes.values():
+        assert config_errors(_real_config(cfg, layout), 4) == [], layout.describe()
+    # Every shape left out breaks a rule (same search space: tp, cp and pp divide the world).
+    base = layout_from_config(cfg, 1)
+    for tp, cp, pp in itertools.product(divisors(4), repeat=3):
+        if 4 % (tp * cp * pp):
+            continue
+        for vpp, mbs in itertools.product(range(1, 5), MICRO_BATCH_SIZES):
+            for sp in (False, True) if tp > 1 else (False,):
+                key = (tp, cp, pp, vpp, sp, mbs)
+                if key in shapes or mbs * (4 // (tp * cp * pp)) > 8:
+                    continue
+                lay = base.with_(tp=tp, cp=cp, pp=pp, vpp=vpp, sp=sp, micro_batch_size=mbs)
+                assert config_errors(_real_config(cfg, lay), 4), lay.describe()
+    kinds = {(x.tp, x.pp, x.vpp) for x in layouts}
+    assert {(2, 2, 1), (1, 2, 2), (4, 1, 1), (1, 4, 1)} <= kinds
+    assert (1, 4, 2) not in kinds  # 4 layers cannot make 8 chunks
+    assert {(2, 2), (4, 1)} <= {(x.cp, x.dp) for x in layouts}  # cp=2 and 4 (seq 16)
+    assert {x.zero_stage for x in layouts if x.dp_cp == 1} == {0}
+    assert {x.zero_stage for x in layouts if x.dp_cp > 1} == {0, 1, 2, 3}
+    assert {x.recompute for x in layouts} == {"none", "selective", "full"}
+
+
+def test_representative_stages_of_one_planner_equal_make_plan(tiny, tiny_layouts):
+    """One planner shares every building block across layouts and plans three stages; the
+    peak and those stages equal a fresh full plan of each layout."""
+    spec = tiny[1]
+    planner = Planner(spec)
+    for layout in tiny_layouts[::9]:
+        fast, full = planner.plan(layout, representative=True), make_plan(spec, layout)
+        assert fast.peak_bytes == full.peak_bytes, layout.describe()
+        assert [s.pp_rank for s in fast.stages] == representative_stages(layout.pp)
+        for stage in fast.stages:
+            assert stage == full.stages[stage.pp_rank], layout.describe()
+        assert (fast.bubble, fast.hardware_flops_per_step) == (
+            full.bubble,
+            full.hardware_flops_per_step,
+        )
+
+
+def test_lower_bound_never_exceeds_the_step_time(tiny, tiny_layouts):
+    spec = tiny[1]
+    planner = Planner(spec)
+    cpu = Hardware(peak_flops=5e10, intra_node_bw=2e9, inter_node_bw=2e9, shared_cores=2)
+    for hw in (H100, cpu, Hardware(peak_flops=1e12, gpus_per_node=2, latency_s=1e-4)):
+        for layout in tiny_layouts[::3]:
+            total = step_time(planner.plan(layout, representative=True), hw).total
+            assert lower_bound(spec, layout, hw) <= total * (1 + 1e-12), layout.describe()
+
+
+def _time(spec, layout, hw=H100):
+    return step_time(make_plan(spec, layout), hw)
+
+
+def test_step_time_terms_follow_the_layout():
+    cfg = load_config(["+experiment=gpt_1b", "model.vocab_size=32000"])
+    spec = spec_of(cfg)
+    base = layout_from_config(cfg, 8).with_(tp=1, sp=False, dp=8, zero_stage=0)
+    plain = _time(spec, base)
+    assert plain.tp == plain.bubble == plain.pp == plain.recompute == 0
+    assert plain.total == pytest.approx(sum(plain.terms().values()))
+
+    tp2, tp4 = (_time(spec, base.with_(tp=t, dp=8 // t)) for t in (2, 4))
+    assert 0 < tp2.tp < tp4.tp
+    across = _time(spec, base.with_(tp=4, dp=2), Hardware(peak_flops=989e12, gpus_per_node=2))
+    assert across.tp > 5 * tp4.tp  # the tp group leaves the node: the network, not NVLink
+
+    pp2, pp4 = (_time(spec, base.with_(pp=p, dp=8 // p)) for p in (2, 4))
+    assert 0 < pp2.bubble < pp4.bubble and pp2.pp > 0
+    interleaved = _time(spec, base.with_(pp=4, vpp=2, dp=2))
+    assert interleaved.bubble < pp4.bubble
+    assert pp2.compute > plain.compute  # the last stage also computes the head
+
+    rc = {r: _time(spec, base.with_(recompute=r)).recompute for r in ("none", "selective", "full")}
+    assert rc["none"] == 0 < rc["selective"] < rc["full"]
+
+    zero3 = _time(spec, base.with_(zero_stage=3))
+    assert zero3.dp > plain.dp  # parameter gathers before every forward and backward
+    slow_net = _time(spec, base, Hardware(peak_flops=989e12, intra_node_bw=1e9))
+    assert slow_net.dp > plain.dp  # grad reduction no longer hidden behind the backward
+
+
+def test_matmul_efficiency_is_monotone_bounded_and_half_at_the_ridge():
+    hw = Hardware(peak_flops=989e12, efficiency=0.6, memory_bw=3.35e12)
+    ridge = 0.6 * 989e12 / 3.35e12
+    sizes = [64, 256, 1024, 2048, 4096, 16384, 65536]
+    for k, n in itertools.product(sizes, repeat=2):
+        effs = [matmul_efficiency(m, k, n, 2, hw) for m in sizes]
+        assert all(0 < e < 0.6 for e in effs) and effs == sorted(effs), (k, n)
+        assert matmul_efficiency(4096, k, n, 4, hw) < matmul_efficiency(4096, k, n, 2, hw)
+    # Half of the top at the ridge point: a square matmul of intensity m / 3 (2 bytes each).
+    assert matmul_efficiency(3 * ridge, 3 * ridge, 3 * ridge, 2, hw) == pytest.approx(0.3)
+    unbounded = Hardware(peak_flops=989e12, efficiency=0.6, memory_bw=math.inf)
+    assert matmul_efficiency(1, 1, 1, 2, unbounded) == 0.6  # the flat model of old
+
+
+def test_efficiency_rises_with_the_micro_batch_and_falls_with_tp_and_cp():
+    cfg = load_config(["+experiment=gpt_1b", "model.vocab_size=32000"])
+    spec = spec_of(cfg)
+    base = layout_from_config(cfg, 8).with_(tp=1, sp=False, dp=8, zero_stage=1)
+    by_mbs = [
+        model_efficiency(spec, base.with_(micro_batch_size=b), H100) for b in MICRO_BATCH_SIZES
+    ]
+    assert by_mbs == sorted(by_mbs) and len(set(by_mbs)) == len(by_mbs)
+    assert 0.8 * H100.efficiency < by_mbs[0] < by_mbs[-1] < H100.efficiency
+    by_tp = [
+        model_efficiency(spec, base.with_(tp=t, sp=t > 1, dp=8 // t), H100) for t in (1, 2, 4, 8)
+    ]
+    assert by_tp == sorted(by_tp, reverse=True) and len(set(by_tp)) == 4
+    by_cp = [model_efficiency(spec, base.with_(cp=c, dp=8 // c), H100) for c in (1, 2, 4)]
+    assert by_cp == sorted(by_cp, reverse=True) and len(set(by_cp)) == 3
+    # Without a pipeline a larger micro batch is never slower (the same tokens per step);
+    # in a pipeline fewer, larger microbatches widen the bubble while the compute shrinks.
+    steps = [_time(spec, base.with_(micro_batch_size=b)).total for b in MICRO_BATCH_SIZES]
+    assert steps == sorted(steps, reverse=True)
+    piped = [_time(spec, base.with_(pp=4, dp=2, micro_batch_size=b)) for b in (1, 16)]
+    assert piped[0].compute > piped[1].compute and piped[0].bubble < piped[1].bubble
+
+
+def test_the_advisor_takes_the_largest_micro_batch_that_fits():
+    """gpt_1b on one node: with room, tp=1 micro batch 16 ranks first (the largest matmuls); a
+    device too small for it gets micro batch 8 in the same shape."""
+    cfg = load_config(["+experiment=gpt_1b", "model.vocab_size=32000"])
+    spec = spec_of(cfg)
+    roomy = advise(cfg, spec, 8, H100, 80 * GiB, int(1.5 * GiB), top=2).ranked[0].layout
+    assert (roomy.tp, roomy.cp, roomy.pp, roomy.micro_batch_size) == (1, 1, 1, 16)
+    # Too small for micro batch 16 without recompute at any ZeRO stage: micro batch 8 beats
+    # micro batch 16 with recompute (its forward again costs more than the larger matmuls gain).
+    peak = min(make_plan(spec, roomy.with_(zero_stage=z)).peak_bytes for z in range(4))
+    small = advise(cfg, spec, 8, H100, peak - 1, 0, top=2)
+    first = [r.layout for r in small.best_of_each_shape() if r.shape == (1, 1, 1, 1)][0]
+    assert (first.micro_batch_size, first.recompute) == (8, "none")
+    flat = Hardware(peak_flops=989e12, memory_bw=math.inf)  # one efficiency: sizes tie
+    tied = [
+        r for r in advise(cfg, spec, 8, flat, 80 * GiB, 0, top=2).ranked if r.shape == (1, 1, 1, 1)
+    ]
+    assert tied[0].layout.micro_batch_size == 1  # on a tie the smaller memory wins
+
+
+def test_shared_cores_slow_every_rank_and_hide_the_bubble():
+    cfg = tiny_config(EIGHT_LAYERS, 1)
+    spec = spec_of(cfg)
+    lay = layout_from_config(cfg, 4).with_(pp=2, dp=2)
+    own = Hardware(peak_flops=1e10)
+    shared = Hardware(peak_flops=1e10, shared_cores=2)
+    t_own, t_shared = _time(spec, lay, own), _time(spec, lay, shared)
+    assert t_shared.compute == pytest.approx(2 * t_own.compute)  # 4 ranks on 2 cores
+    assert t_own.bubble > 0 and t_shared.bubble == 0  # 2 ranks per stage keep 2 cores busy
+
+
+def _ranked(time: StepTime, **layout) -> Ranked:
+    cfg = tiny_config([], 1)
+    lay = layout_from_config(cfg, 4).with_(**layout)
+    return Ranked.of(make_plan(spec_of(cfg), lay), time)
+
+
+def test_reason_names_the_terms_that_win():
+    zero = dict.fromkeys(TERMS, 0.0)
+    win = _ranked(StepTime(**{**zero, "compute": 1.0, "tp": 0.1}), tp=2, dp=2, zero_stage=1)
+    lose = _ranked(StepTime(**{**zero, "compute": 1.0, "tp": 0.5, "bubble": 0.6}), tp=4, dp=1, pp=1)
+    hw = Hardware(peak_flops=1e12, gpus_per_node=2)
+    assert reason(win, lose, hw) == "no bubble, tp inside a node, fits with zero 1"
+    same = _ranked(StepTime(**{**zero, "compute": 1.0, "tp": 0.1}), tp=2, dp=2, zero_stage=2)
+    assert reason(win, same, hw) == "as fast as the next, fits with zero 1"
+    full = _ranked(StepTime(**zero), recompute="full", dp=4)
+    assert reason(full, None, hw) == "fits with zero 0 and full recompute"
+
+
+def test_advisor_ranks_what_fits_by_the_model(tiny):
+    cfg, spec = tiny
+    roomy = advise(cfg, spec, 8, H100, 2**40, 0, top=10_000)  # everything planned, all fit
+    assert roomy.planned == roomy.valid == len(roomy.ranked) and roomy.too_big == 0
+    peaks = sorted(r.plan.peak_bytes for r in roomy.ranked)
+    limit = peaks[len(peaks) // 2]
+    tight = advise(cfg, spec, 8, H100, limit, 0, top=10_000)
+    assert tight.too_big > 0 and len(tight.ranked) + tight.too_big == tight.valid
+    for advice in (roomy, tight):
+        totals = [r.time.total for r in advice.ranked]
+        assert totals == sorted(totals)
+    assert all(r.plan.peak_bytes <= limit for r in tight.ranked)
+    best = tight.ranked[0]
+    again = step_time(make_plan(spec, best.layout), H100)  # the full plan agrees
+    assert again.total == pytest.approx(best.time.total, rel=1e-12)
+    # Planning fewer layouts (a top of 3) does not change the top of the full ranking.
+    top3 = advise(cfg, spec, 8, H100, limit, 0, top=3)
+    assert top3.planned < top3.valid
+    firsts = [r.layout for r in tight.best_of_each_shape()[:4]]
+    assert [r.layout for r in top3.best_of_each_shape()[:4]] == firsts
+
+
+@pytest.fixture
+def config_copy(tmp_path, monkeypatch):
+    """A copy of configs/ that load_config reads (written group files stay in tmp_path)."""
+    root = tmp_path / "configs"
+    shutil.copytree(compose.CONFIG_DIR, root)
+    monkeypatch.setattr(compose, "CONFIG_DIR", str(root))
+    return root
+
+
+def test_written_parallel_file_composes(config_copy, tiny):
+    layout = layout_from_config(tiny[0], 8).with_(
+        tp=2, pp=2, vpp=2, dp=2, sp=True, zero_stage=1, micro_batch_size=2, recompute="full"
+    )
+    path = config_copy / "parallel" / "advised.yaml"
+    command = write_parallel_file(path, layout, ["model.num_layers=8", "parallel.tp=4"], "test")
+    assert "parallel=advised" in command and "parallel.tp=4" not in command
+    assert "trainer.micro_batch_size=2 trainer.recompute=full" in command
+    cfg = load_config(["parallel=advised"])
+    p = cfg.parallel
+    assert (p.tp, p.pp, p.vpp, p.dp, p.sp, p.zero_stage) == (2, 2, 2, None, True, 1)
+    assert "trainer.micro_batch_size=2" in path.read_text()  # the trainer keys, in the header
+    # An experiment that sets parallel keys itself wins over a group file: explicit keys then.
+    command = write_parallel_file(path, layout, ["+experiment=gpt_1b"], "test")
+    assert "parallel=advised" not in command and "parallel.tp=2" in command
+    ran = layout_from_config(load_config(command.split("   ")[0].split()[3:]), 8)
+    fields = ("tp", "pp", "vpp", "dp", "sp", "zero_stage", "micro_batch_size", "recompute")
+    assert [getattr(ran, f) for f in fields] == [getattr(layout, f) for f in fields]
+
+
+GPT_1B = ["+experiment=gpt_1b", "model.vocab_size=32000", "world_size=8", "peak_tflops=989"]
+
+
+def test_cli_prints_the_table_and_writes_the_layout(config_copy, capsys):
+    out_file = config_copy / "parallel" / "advised.yaml"
+    args = [*GPT_1B, "device_memory_gb=80", "advise=true", "top=3", f"advise_out={out_file}"]
+    assert plan_main(args) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| ") and "tp=" in line]
+    assert len(rows) == 3 and rows[0].startswith("| 1 ")
+    assert "fits with zero" in rows[0] and "valid layouts" in out
+    assert "run it with:" in out and out_file.exists()
+    tiny_job = ["+experiment=tiny", "world_size=2", "peak_tflops=1", "advise=true"]
+    assert plan_main([*tiny_job, "device_memory_gb=0.01"]) == 1
+    assert "none of the" in capsys.readouterr().err
+
+
+def test_cli_rejects_bad_advisor_options(capsys):
+    assert plan_main(["+experiment=gpt_1b", "advise=true", "peak_tflops=989"]) == 2
+    assert "world_size=N" in capsys.readouterr().err
+    assert plan_main([*GPT_1B, "top=3"]) == 2
+    assert "add advise=true" in capsys.readouterr().err
+    assert plan_main([*GPT_1B, "advise=true", "efficiency=2", "device_memory_gb=80"]) == 2
+    assert "efficiency=2.0" in capsys.readouterr().err
+    assert plan_main([*GPT_1B, "advise=true", "top=ten"]) == 2
+    assert "top=ten: expected a whole number" in capsys.readouterr().err
+
+
+def test_long_sequences_are_advised_context_parallelism():
+    """When no layout without cp fits a long sequence's activations, the advisor ranks cp
+    layouts (and only those); with room for everything, the fastest has no cp traffic."""
+    cfg = tiny_config(
+        ["model.seq_length=4096", "trainer.micro_batch_size=1", "trainer.global_batch_size=4"], 1
+    )
+    spec = spec_of(cfg)
+    planner = Planner(spec)
+    without_cp = [x for x in valid_layouts(cfg, 4) if x.cp == 1]
+    least = min(planner.plan(x, representative=True).peak_bytes for x in without_cp)
+    tight = advise(cfg, spec, 4, H100, device_bytes=least - 1, runtime_bytes=0)
+    assert tight.ranked and all(r.layout.cp > 1 for r in tight.ranked)
+    assert tight.ranked[0].time.cp > 0
+    roomy = advise(cfg, spec, 4, H100, device_bytes=2**40, runtime_bytes=0)
+    assert roomy.ranked[0].time.cp == 0

@@ -101,7 +101,7 @@ gpu-wheels: $(STAMP)
 # Pythons that see only the GPU machine's packages (.venv's torch & co.; no Hydra, wandb, datasets).
 gpu-env-check: $(STAMP)
 	$(if $(wildcard $(GPU_WHEELS)/requirements.txt),,$(MAKE) gpu-wheels)
-	$(PY) tools/gpu_check/bare_python.py --wheelhouse $(GPU_WHEELS)
+	cd tools && $(abspath $(PY)) -m gpu_check.bare_python --wheelhouse $(abspath $(GPU_WHEELS))
 
 lint: $(STAMP)
 	$(PY) -m ruff check megatronish tools tests

@@ -23,11 +23,12 @@ import contextlib
 import os
 import sys
 import traceback
+from typing import TYPE_CHECKING
 
 import hydra
 import torch
 from hydra.errors import HydraException
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from megatronish.checkpoint.format import CheckpointError
@@ -35,7 +36,7 @@ from megatronish.checkpoint.run_identity import ConfigChanged, RunComplete
 from megatronish.config.cli_errors import composition_error_reason, repeated_keys_reason
 from megatronish.config.compose import CONFIG_DIR
 from megatronish.config.derived import derive, pad_vocab
-from megatronish.config.schema import register_configs
+from megatronish.config.schema import TrainConfig, register_configs
 from megatronish.config.sweep import sweep_job_dir, swept_keys
 from megatronish.config.validate import ConfigError, config_errors
 from megatronish.config.value_rules import config_notes
@@ -43,10 +44,15 @@ from megatronish.distributed.agree import PeerError, agree
 from megatronish.distributed.comm import CollectiveError
 from megatronish.distributed.launch import LaunchEnv, detect_launch
 from megatronish.distributed.nccl_errors import describe_comm_error, failed_groups_message
-from megatronish.distributed.rank_math import rank_map_table
+from megatronish.distributed.parallel_grid import ParallelGrid, rank_map_table
 from megatronish.distributed.shutdown import shutdown_process_groups
-from megatronish.training.numerics import TooManySkippedSteps
+from megatronish.training.numerics import StepResult, TooManySkippedSteps
 from megatronish.training.stop import StopRequest
+
+if TYPE_CHECKING:
+    from megatronish.checkpoint.resume import ResumePlan
+    from megatronish.training.job import Job
+    from megatronish.training.progress import ProgressLogger
 
 EXIT_CONFIG = 2
 EXIT_DATA = 3
@@ -58,11 +64,11 @@ EXIT_ABORTED = 130  # Ctrl-C twice (or during start-up): the shell's code for SI
 SHUTDOWN_WAIT_S = 30.0  # the longest wait for process-group threads to end at exit
 
 
-def dry_run_report(cfg, world_size: int) -> str:
+def dry_run_report(cfg: TrainConfig, world_size: int) -> str:
     """The resolved config and every derived value, as printed by ``trainer.dry_run=true``."""
     from megatronish.model.flops import active_parameters, count_parameters, flops_per_token
-    from megatronish.model.spec import ModelSpec
     from megatronish.plan.vocab import planned_vocab
+    from megatronish.spec import ModelSpec
 
     d = derive(cfg, world_size)
     vocab = planned_vocab(cfg)  # reads no data: an indexed corpus's tokenizer may not exist yet
@@ -86,12 +92,11 @@ def dry_run_report(cfg, world_size: int) -> str:
     }
     lines += [f"  {k}: {v}" for k, v in values.items()]
     if world_size <= 64:  # larger maps are printed at start-up by rank 0
-        p = cfg.parallel
-        lines += ["", rank_map_table(p.tp, d.dp, p.pp, p.cp, p.ep)]
+        lines += ["", rank_map_table(ParallelGrid.from_config(cfg.parallel, world_size))]
     return "\n".join(lines)
 
 
-def run(cfg, stop: StopRequest | None = None, launch: LaunchEnv | None = None):
+def run(cfg: TrainConfig, stop: StopRequest | None = None, launch: LaunchEnv | None = None):
     """Train with a composed, validated config; returns the trainer's step results on this rank.
 
     ``stop``'s signal handlers are installed for training and the final save only: a signal
@@ -111,7 +116,7 @@ def run(cfg, stop: StopRequest | None = None, launch: LaunchEnv | None = None):
         topo.close()  # its process groups are destroyed by main_with_config
 
 
-def _train(cfg, launch: LaunchEnv, topo, derived, stop: StopRequest | None):
+def _train(cfg: TrainConfig, launch: LaunchEnv, topo, derived, stop: StopRequest | None):
     from megatronish.checkpoint.resume import plan_resume, start_run
     from megatronish.training.job import build_on
 
@@ -132,7 +137,7 @@ def _train(cfg, launch: LaunchEnv, topo, derived, stop: StopRequest | None):
             logger.close()
 
 
-def _start_logging(cfg, topo, run_id: str):
+def _start_logging(cfg: TrainConfig, topo, run_id: str):
     """Collective: the run's ProgressLogger (its log file and W&B run on the rank that holds the
     loss); a log file that cannot be written stops every rank with one line."""
     from megatronish.training.progress import ProgressLogger
@@ -155,7 +160,7 @@ def _start_logging(cfg, topo, run_id: str):
     return logger
 
 
-def _save_config(cfg, topo) -> None:
+def _save_config(cfg: TrainConfig, topo) -> None:
     """Collective: rank 0 writes ``out_dir/config.yaml`` (the resolved config of this launch, the
     only file written outside checkpoints and logging); a failure stops every rank."""
     error = None
@@ -169,7 +174,14 @@ def _save_config(cfg, topo) -> None:
     agree(error, topo.world_group)
 
 
-def _fit_and_save(cfg, job, plan, run_id: str, logger, stop: StopRequest | None):
+def _fit_and_save(
+    cfg: TrainConfig,
+    job: Job,
+    plan: ResumePlan,
+    run_id: str,
+    logger: ProgressLogger,
+    stop: StopRequest | None,
+) -> list[StepResult]:
     from megatronish.checkpoint.resume import load_with_fallback
     from megatronish.checkpoint.save import Saving
     from megatronish.training.peaks import device_peak_flops
@@ -195,7 +207,7 @@ def _fit_and_save(cfg, job, plan, run_id: str, logger, stop: StopRequest | None)
         saving=saving,
         stop=stop,
     )
-    load_with_fallback(trainer, plan, job.rng, cfg.trainer.seed, log=logger.info)
+    load_with_fallback(trainer.checkpoint_parts, plan, job.rng, cfg.trainer.seed, log=logger.info)
     log_startup(cfg, job, trainer, logger)
     with stop or contextlib.nullcontext():
         try:
@@ -219,7 +231,7 @@ def _fit_and_save(cfg, job, plan, run_id: str, logger, stop: StopRequest | None)
     return history
 
 
-def main_with_config(cfg, launch: LaunchEnv | None = None) -> int:
+def main_with_config(cfg: TrainConfig, launch: LaunchEnv | None = None) -> int:
     """Validate, dry-run or train; returns the process exit code. Never raises for user errors.
 
     ``launch``: the launcher's environment (read from this process's when not given).
@@ -274,7 +286,7 @@ def main_with_config(cfg, launch: LaunchEnv | None = None) -> int:
     return code
 
 
-def _run_and_report(cfg, stop: StopRequest, launch: LaunchEnv, prefix: str) -> int:
+def _run_and_report(cfg: TrainConfig, stop: StopRequest, launch: LaunchEnv, prefix: str) -> int:
     """Train; a failure a user can act on is one line on stderr and its exit code."""
     try:
         run(cfg, stop, launch)
@@ -318,7 +330,7 @@ def _run_and_report(cfg, stop: StopRequest, launch: LaunchEnv, prefix: str) -> i
     return 0
 
 
-def _end_process_groups(cfg, code: int, prefix: str) -> None:
+def _end_process_groups(cfg: TrainConfig, code: int, prefix: str) -> None:
     """Destroy every process group before returning (see megatronish/distributed/shutdown.py).
 
     When some of their threads are still there after the wait (a worker in an op with a peer
@@ -352,7 +364,7 @@ def main() -> None:
     started = []
     swept = swept_keys(sys.argv[1:])
 
-    def task(cfg) -> None:
+    def task(cfg: DictConfig) -> None:
         sweep_job = sweep_job_dir(cfg.out_dir, swept)
         if sweep_job is not None:  # a -m sweep: this job's own run directory
             cfg.out_dir = sweep_job

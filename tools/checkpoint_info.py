@@ -23,7 +23,6 @@ import os
 import re
 import sys
 from collections import defaultdict
-from pathlib import Path
 
 MIB = 1 << 20
 KIND_ORDER = ("model", "exp_avg", "exp_avg_sq")
@@ -32,17 +31,8 @@ EXIT_VERIFY = 1
 EXIT_DATA = 3
 
 
-def _importable() -> None:
-    """Let the tool run from a checkout without ``pip install -e .``."""
-    try:
-        import megatronish  # noqa: F401
-    except ImportError:
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options."""
-    _importable()
     from megatronish.config.cli_errors import OneLineArgumentParser
 
     p = OneLineArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)

@@ -56,21 +56,13 @@ class MissingComments(ValueError):
     """Schema fields without a comment saying what they mean."""
 
 
-def _importable() -> None:
-    """Let the tool run from a checkout without ``pip install -e .``."""
-    try:
-        import megatronish  # noqa: F401
-    except ImportError:
-        sys.path.insert(0, str(ROOT))
-
-
 def field_comments(source: str) -> dict[tuple[str, str], str]:
     """``(class name, field name) -> comment`` of every dataclass field in ``source``: the
     comment after the field, else the comment lines right above it (joined)."""
     comments = {
         tok.start[0]: tok.string.lstrip("#").strip()
         for tok in tokenize.generate_tokens(io.StringIO(source).readline)
-        if tok.type == tokenize.COMMENT and not tok.string.lstrip("# ").startswith("fmt:")
+        if tok.type == tokenize.COMMENT
     }
     lines = source.splitlines()
     found = {}
@@ -219,7 +211,6 @@ def option_table(options) -> list[str]:
 
 def render() -> str:
     """The whole page; raises :class:`MissingComments`."""
-    _importable()
     from megatronish.config.schema import TrainConfig
     from megatronish.generate.option_docs import GENERATE_OPTION_DOCS
     from megatronish.plan.option_docs import ADVISOR_OPTION_DOCS, PLAN_OPTION_DOCS
@@ -263,7 +254,6 @@ def render() -> str:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """Command-line options."""
-    _importable()
     from megatronish.config.cli_errors import OneLineArgumentParser
 
     p = OneLineArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)

@@ -43,14 +43,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-for _path in (ROOT, ROOT / "tools"):  # runs from a checkout without `pip install -e .` too
-    if str(_path) not in sys.path:
-        sys.path.insert(0, str(_path))
-
-from docs_check.extract import all_commands  # noqa: E402
-from docs_check.identity import identity_problem, resolved_config, without_missing_tokenizer  # noqa: E402
-from docs_check.rules import (  # noqa: E402
+from docs_check.extract import all_commands
+from docs_check.identity import identity_problem, resolved_config, without_missing_tokenizer
+from docs_check.rules import (
     Check,
     check_script,
     classify,
@@ -58,10 +53,11 @@ from docs_check.rules import (  # noqa: E402
     expected_codes,
     is_sweep,
 )
-from docs_check.sandbox import copy_tree, run_bash, sandbox_env  # noqa: E402
+from docs_check.sandbox import copy_tree, run_bash, sandbox_env
 
-from megatronish.config.cli_errors import OneLineArgumentParser  # noqa: E402
+from megatronish.config.cli_errors import OneLineArgumentParser
 
+ROOT = Path(__file__).resolve().parents[1]
 TIMEOUTS = {"run": 900.0, "dry": 300.0, "make": 120.0}  # seconds per command of each class
 TRAIN_TIMEOUT = 3600.0
 TRAIN_RUN = "outputs/tiny"  # the run directory of `make train` (the default job)

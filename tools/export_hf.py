@@ -46,17 +46,8 @@ class ArgumentError(ValueError):
     """An argument that does not fit the checkpoint or cannot be used (exit 2)."""
 
 
-def _importable() -> None:
-    """Let the tool run from a checkout without ``pip install -e .``."""
-    try:
-        import megatronish  # noqa: F401
-    except ImportError:
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options."""
-    _importable()
     from megatronish.config.cli_errors import OneLineArgumentParser
 
     p = OneLineArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)

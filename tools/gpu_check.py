@@ -40,16 +40,13 @@ import sys  # noqa: E402
 import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from megatronish.distributed.launch import pick_device  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT / "tools") not in sys.path:
-    sys.path.insert(0, str(ROOT / "tools"))
-
 from gpu_check.context import CheckContext  # noqa: E402
 from gpu_check.report import environment, render  # noqa: E402
 from gpu_check.run import run_all  # noqa: E402
 
+from megatronish.distributed.launch import pick_device  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_BUDGET_S = {False: 420.0, True: 90.0}  # GPU (8 minutes with start-up), smoke
 
 

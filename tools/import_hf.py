@@ -29,7 +29,6 @@ import json
 import os
 import shutil
 import sys
-from pathlib import Path
 
 EXIT_ARGS = 2
 EXIT_DATA = 3
@@ -43,17 +42,8 @@ class InputError(ValueError):
     """The HF model directory is missing, unreadable or not a model megatronish can hold."""
 
 
-def _importable() -> None:
-    """Let the tool run from a checkout without ``pip install -e .``."""
-    try:
-        import megatronish  # noqa: F401
-    except ImportError:
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options."""
-    _importable()
     from megatronish.config.cli_errors import OneLineArgumentParser
 
     p = OneLineArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)

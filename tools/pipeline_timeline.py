@@ -22,14 +22,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 from pathlib import Path
-
-try:
-    import megatronish  # noqa: F401
-except ImportError:  # run from a checkout without `pip install -e .`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # The model every rank builds; the command's overrides come after these and win.
 MODEL = [

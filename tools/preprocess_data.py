@@ -30,21 +30,13 @@ import argparse
 import os
 import sys
 import time
-from pathlib import Path
 
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
-try:
-    from megatronish.config.cli_errors import OneLineArgumentParser
-    from megatronish.data import preprocess
-    from megatronish.data.indexed import dtype_for_vocab
-    from megatronish.data.tokenizer import Tokenizer, load_tokenizer
-except ImportError:  # run from a checkout without `pip install -e .`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from megatronish.config.cli_errors import OneLineArgumentParser
-    from megatronish.data import preprocess
-    from megatronish.data.indexed import dtype_for_vocab
-    from megatronish.data.tokenizer import Tokenizer, load_tokenizer
+from megatronish.config.cli_errors import OneLineArgumentParser
+from megatronish.data import preprocess
+from megatronish.data.indexed import dtype_for_vocab
+from megatronish.data.tokenizer import Tokenizer, load_tokenizer
 
 EXIT_ARGS = 2
 EXIT_DATA = 3

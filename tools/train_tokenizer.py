@@ -22,19 +22,11 @@ import re
 import sys
 import tempfile
 import time
-from pathlib import Path
 
-try:
-    from megatronish.config.cli_errors import OneLineArgumentParser
-    from megatronish.data.preprocess import check_output_prefix
-    from megatronish.data.sentencepiece_tokenizer import SentencePieceTokenizer, train_sentencepiece
-    from megatronish.distributed.cpus import usable_cpus
-except ImportError:  # run from a checkout without `pip install -e .`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from megatronish.config.cli_errors import OneLineArgumentParser
-    from megatronish.data.preprocess import check_output_prefix
-    from megatronish.data.sentencepiece_tokenizer import SentencePieceTokenizer, train_sentencepiece
-    from megatronish.distributed.cpus import usable_cpus
+from megatronish.config.cli_errors import OneLineArgumentParser
+from megatronish.data.preprocess import check_output_prefix
+from megatronish.data.sentencepiece_tokenizer import SentencePieceTokenizer, train_sentencepiece
+from megatronish.distributed.cpus import usable_cpus
 
 EXIT_ARGS = 2
 EXIT_DATA = 3

@@ -21,10 +21,13 @@ from megatronish.checkpoint.format import (
     read_metadata,
     resolve_step_dir,
 )
+from megatronish.checkpoint.parts import CheckpointParts
 from megatronish.checkpoint.pieces import copy_threads, range_requests, saved_name
 from megatronish.checkpoint.shard_reader import READ_THREADS, ShardReader
 from megatronish.config.schema import FUNCTION_KEYS
-from megatronish.model.spec import ModelSpec
+from megatronish.distributed.topology import Topology
+from megatronish.spec import ModelSpec
+from megatronish.tensor_parallel.random import RNGTracker
 
 # Never allowed to differ: they decide which tensors there are and their shapes, and arch also
 # the norm (RMSNorm / LayerNorm) and the activation (SwiGLU / GELU). FUNCTION_KEYS change what the
@@ -115,16 +118,16 @@ def check_compatible(
         )
 
 
-def check_tensor_shapes(meta: Metadata, trainer, where: str) -> None:
+def check_tensor_shapes(meta: Metadata, spec: ModelSpec, where: str) -> None:
     """Every model tensor of the checkpoint has this model's global shape, and none is left over.
 
     A whole model is compared: this rank's parameters plus the names and shapes every other rank
     would read (parameter names are global), so a tensor that would be cut or dropped is caught.
     """
     from megatronish.model.build import build_chunks
-    from megatronish.tensor_parallel.context import TPContext
+    from megatronish.model.parallel_context import ParallelContext
 
-    full = build_chunks(trainer.spec, TPContext(), [trainer.spec.num_layers], device="meta")[0]
+    full = build_chunks(spec, ParallelContext(), [spec.num_layers], device="meta")[0]
     wanted = {f"model/{n}": list(p.shape) for n, p in full.named_parameters()}
     stored = {n: e.shape for n, e in meta.tensors.items() if n.startswith("model/")}
     wrong = [
@@ -145,43 +148,49 @@ def check_tensor_shapes(meta: Metadata, trainer, where: str) -> None:
 
 
 @torch.no_grad()
-def load_into(trainer, path: str, rng=None, seed: int = 0, threads: int = READ_THREADS) -> Metadata:
-    """Load the checkpoint at ``path`` (a dir with ``latest`` or a step dir) into ``trainer``,
+def load_into(
+    parts: CheckpointParts,
+    path: str,
+    rng: RNGTracker | None = None,
+    seed: int = 0,
+    threads: int = READ_THREADS,
+) -> Metadata:
+    """Load the checkpoint at ``path`` (a dir with ``latest`` or a step dir) into ``parts``,
     reading the files with ``threads`` threads."""
     step_dir = resolve_step_dir(path)
     meta = read_metadata(step_dir)
-    check_compatible(meta, trainer.spec, step_dir, trainer.cfg.checkpoint.allow_model_changes)
-    zero, topo, opt = trainer.zero, trainer.topo, trainer.optimizer
+    check_compatible(meta, parts.spec, step_dir, parts.cfg.checkpoint.allow_model_changes)
+    zero, topo, opt = parts.zero, parts.topo, parts.optimizer
     has_moments = any(name.startswith("exp_avg/") for name in meta.tensors)
     if not has_moments and int(meta.trainer.get("optimizer_steps", 0)) > 0:
         raise CheckpointError(f"{step_dir} has optimizer steps but no Adam moments")
-    check_tensor_shapes(meta, trainer, step_dir)
-    verify = trainer.cfg.checkpoint.verify  # CRC32 of every shard read
+    check_tensor_shapes(meta, parts.spec, step_dir)
+    verify = parts.cfg.checkpoint.verify  # CRC32 of every shard read
     with ShardReader(step_dir, meta, verify, threads) as reader, copy_threads():
         ranges = []
         targets = zero.model_load_targets()
         for i, bucket in enumerate(zero.buckets):
             ranges.append((bucket, "model", *targets[i]))
             if has_moments:
-                lo, hi = zero._owned(bucket)
+                lo, hi = zero.owned_range(bucket)
                 ranges.append((bucket, "exp_avg", opt.exp_avg[i], lo, hi))
                 ranges.append((bucket, "exp_avg_sq", opt.exp_avg_sq[i], lo, hi))
         _fill(reader, ranges, topo)
     zero.params_from_main()
     opt.step_count = int(meta.trainer.get("optimizer_steps", 0))
-    trainer.state.step = meta.step
-    trainer.state.consumed_samples = meta.consumed_samples
-    trainer.state.skipped_steps = int(meta.trainer.get("skipped_steps", 0))
-    trainer.state.skipped_in_a_row = 0  # a saved step never ends a skip streak
+    parts.progress.step = meta.step
+    parts.progress.consumed_samples = meta.consumed_samples
+    parts.progress.skipped_steps = int(meta.trainer.get("skipped_steps", 0))
+    parts.progress.skipped_in_a_row = 0  # a saved step never ends a skip streak
     # Steps run before the load and not yet settled belong to the replaced state: a later
     # settle must not add them to history or skipped_steps (reading one raises).
-    trainer._unsettled.clear()
+    parts.drop_unsettled()
     if rng is not None:
-        _restore_rng(rng, step_dir, meta, topo, trainer.cfg.parallel.vpp, seed)
+        _restore_rng(rng, step_dir, meta, topo, parts.cfg.parallel.vpp, seed)
     return meta
 
 
-def _fill(reader: ShardReader, ranges: list[tuple], topo) -> None:
+def _fill(reader: ShardReader, ranges: list[tuple], topo: Topology) -> None:
     """Read each ``(bucket, kind, dest, lo, hi)`` of ``ranges``: elements ``[lo, hi)`` of the
     bucket's flat ``kind`` into ``dest`` (``hi - lo`` long), all in one pass over the files.
 
@@ -201,7 +210,9 @@ def _fill(reader: ShardReader, ranges: list[tuple], topo) -> None:
     reader.read_many(requests)
 
 
-def _restore_rng(rng, step_dir: str, meta: Metadata, topo, vpp: int, seed: int) -> None:
+def _restore_rng(
+    rng: RNGTracker, step_dir: str, meta: Metadata, topo: Topology, vpp: int, seed: int
+) -> None:
     layout = meta.layout
     saved = (
         layout.get("tp"),

@@ -17,7 +17,9 @@ import torch
 from torch import nn
 
 from megatronish.data_parallel.buckets import Bucket
+from megatronish.data_parallel.zero import ZeroDataParallel
 from megatronish.distributed.comm import all_gather_into
+from megatronish.optim.sharded_adamw import ShardedAdamW
 from megatronish.tensor_parallel.sharding import global_shape, param_info
 
 
@@ -140,7 +142,11 @@ def writes(name: str, p: nn.Parameter, bucket: Bucket, offset: int, tp_rank: int
 
 @torch.no_grad()
 def full_local_values(
-    zero, optimizer, index: int, bucket: Bucket, into: Sequence[torch.Tensor] | None = None
+    zero: ZeroDataParallel,
+    optimizer: ShardedAdamW,
+    index: int,
+    bucket: Bucket,
+    into: Sequence[torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Full flat fp32 ``(main params, exp_avg, exp_avg_sq)`` of one bucket on this rank
     (collective). Under ZeRO 1-3 they are gathered into ``into`` (three flat buffers of

@@ -45,9 +45,12 @@ from megatronish.checkpoint.load import (
     find_resume_path,
     load_into,
 )
+from megatronish.checkpoint.parts import CheckpointParts
 from megatronish.checkpoint.run_identity import ConfigChanged, RunComplete, check_same_run
+from megatronish.config.schema import CheckpointConfig
 from megatronish.distributed.agree import PeerError, agree
 from megatronish.distributed.comm import ParallelGroup, broadcast
+from megatronish.tensor_parallel.random import RNGTracker
 
 DAMAGE = (CheckpointError, OSError, SafetensorError)  # what a damaged checkpoint raises
 
@@ -66,7 +69,7 @@ class ResumePlan:
     def __enter__(self) -> ResumePlan:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         """The run ends: another run may use ``checkpoint.dir``."""
         if self.lock is not None:
             self.lock.release()
@@ -101,7 +104,9 @@ def _log(line: str) -> None:
     print(line, flush=True)
 
 
-def plan_resume(ckpt_cfg, group: ParallelGroup, label: str | None = None) -> ResumePlan:
+def plan_resume(
+    ckpt_cfg: CheckpointConfig, group: ParallelGroup, label: str | None = None
+) -> ResumePlan:
     """Collective. Take ``checkpoint.dir`` for this run (:func:`open_checkpoint_dir`), let rank 0
     tidy it after an interrupted save and list the candidates; every rank gets rank 0's list."""
     resume, ckpt_dir = ckpt_cfg.resume, ckpt_cfg.dir
@@ -236,7 +241,9 @@ def _agreed_error(error: str | None, group: ParallelGroup) -> str | None:
     return None
 
 
-def _attempt(group: ParallelGroup, fn: Callable[..., object], *args) -> tuple[object, str | None]:
+def _attempt(
+    group: ParallelGroup, fn: Callable[..., object], *args: object
+) -> tuple[object, str | None]:
     """Collective: ``(fn(*args), None)`` on every rank, or ``(None, why)`` on every rank when
     ``fn`` found damage on any rank. Any other exception (a bug, not the files) stops every rank
     with :class:`PeerError`; the rank that raised it prints its traceback first."""
@@ -254,27 +261,31 @@ def _attempt(group: ParallelGroup, fn: Callable[..., object], *args) -> tuple[ob
 
 
 def load_with_fallback(
-    trainer, plan: ResumePlan, rng=None, seed: int = 0, log: Callable[[str], None] = print
+    parts: CheckpointParts,
+    plan: ResumePlan,
+    rng: RNGTracker | None = None,
+    seed: int = 0,
+    log: Callable[[str], None] = print,
 ) -> Metadata | None:
     """Collective. Load the first candidate of ``plan`` that every rank can read into
-    ``trainer``; returns its metadata (None when there is nothing to resume from).
+    ``parts``; returns its metadata (None when there is nothing to resume from).
 
     Raises :class:`CheckpointError` on every rank when a candidate does not fit the model, when
     a damaged candidate cannot be skipped (``plan.fallback`` off), or when none loads.
     """
-    group = trainer.topo.world_group
+    group = parts.topo.world_group
     skipped: list[str] = []
     damaged: list[tuple[str, str]] = []
     for i, path in enumerate(plan.candidates):
         if i > 0:  # a failed attempt may have filled some Adam moments; the next may have none
-            for t in (*trainer.optimizer.exp_avg, *trainer.optimizer.exp_avg_sq):
+            for t in (*parts.optimizer.exp_avg, *parts.optimizer.exp_avg_sq):
                 t.zero_()
         meta, reason = _attempt(group, _read_metadata, path)
         if reason is None:
-            misfit = _attempt(group, _check_fits, meta, trainer, path)[1]
+            misfit = _attempt(group, _check_fits, meta, parts, path)[1]
             if misfit is not None:
                 raise CheckpointError(misfit)
-            meta, reason = _attempt(group, load_into, trainer, path, rng, seed)
+            meta, reason = _attempt(group, load_into, parts, path, rng, seed)
         if reason is None:
             after = f", the newest that loads ({len(skipped)} skipped)" if skipped else ""
             log(f"resumed from {path} at step {meta.step} (saved with {meta.layout}){after}")
@@ -298,7 +309,12 @@ def load_with_fallback(
     return None
 
 
-def _set_aside(damaged: list[tuple[str, str]], loaded: str, group: ParallelGroup, log) -> None:
+def _set_aside(
+    damaged: list[tuple[str, str]],
+    loaded: str,
+    group: ParallelGroup,
+    log: Callable[[str], None],
+) -> None:
     """Collective, after ``loaded`` loaded in place of newer ``damaged`` steps: rank 0 renames
     them ``damaged_step_*`` and points ``latest`` at ``loaded``, so that neither ``latest`` nor
     pruning (``checkpoint.keep_last``) ever prefers a damaged step to the one the run uses.
@@ -326,6 +342,6 @@ def _read_metadata(path: str) -> Metadata:
     return read_metadata(resolve_step_dir(path))
 
 
-def _check_fits(meta: Metadata, trainer, path: str) -> None:
-    check_compatible(meta, trainer.spec, path, trainer.cfg.checkpoint.allow_model_changes)
-    check_tensor_shapes(meta, trainer, path)
+def _check_fits(meta: Metadata, parts: CheckpointParts, path: str) -> None:
+    check_compatible(meta, parts.spec, path, parts.cfg.checkpoint.allow_model_changes)
+    check_tensor_shapes(meta, parts.spec, path)

@@ -50,7 +50,9 @@ from megatronish.checkpoint.format import (
     step_dir_name,
 )
 from megatronish.checkpoint.host_copies import HostCopies, host_copies_for
+from megatronish.checkpoint.parts import CheckpointParts
 from megatronish.checkpoint.snapshot import start_snapshot
+from megatronish.config.schema import TrainConfig
 from megatronish.distributed.agree import PeerError, agree
 from megatronish.distributed.comm import CollectiveError, all_reduce
 from megatronish.distributed.nccl_errors import failed_groups_message
@@ -70,7 +72,9 @@ def write_failure(path: str, error: BaseException) -> str:
     return f"{path}: {text}"
 
 
-def write_rank_files(tmp_dir: str, rank: int, tensors, index) -> None:
+def write_rank_files(
+    tmp_dir: str, rank: int, tensors: dict[str, dict[str, torch.Tensor]], index: list[dict]
+) -> None:
     """Write this rank's safetensors files and index, flushed to disk.
 
     Raises OSError naming the file and the cause (disk full, file size limit, I/O error).
@@ -132,7 +136,7 @@ class CopiesGate:
     """Between a writer thread that waits for its snapshot's copies and :meth:`CheckpointSaver.
     join_writer`, which may give up on copies that never complete (a stuck GPU stream)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._lock = threading.Lock()
         self._done = threading.Event()
         self._abandoned = False
@@ -166,8 +170,9 @@ class PendingSave(NamedTuple):
 
 @dataclass(frozen=True)
 class Saving:
-    """What a Trainer's checkpoints record besides its own state: the RNG tracker whose streams
-    they hold, the logging run id, and the tokenizer's special token ids (for exports)."""
+    """What a run's checkpoints record besides its :class:`CheckpointParts`: the RNG tracker
+    whose streams they hold, the logging run id, and the tokenizer's special token ids (for
+    exports)."""
 
     rng: RNGTracker | None = None
     run_id: str | None = None
@@ -175,42 +180,40 @@ class Saving:
 
 
 class CheckpointSaver:
-    """Periodic, final and asynchronous saves of a Trainer's state."""
+    """Periodic, final and asynchronous saves of a run's :class:`CheckpointParts`."""
 
     def __init__(
         self,
-        cfg,
-        trainer,
-        rng=None,
+        cfg: TrainConfig,
+        parts: CheckpointParts,
+        rng: RNGTracker | None = None,
         run_id: str | None = None,
         special_tokens: dict | None = None,
         copies: HostCopies | None = None,
-    ):
+    ) -> None:
         """``copies``: the device->host copy layer of every save (default: the one for the
-        trainer's device and ``checkpoint.async_save``, see
+        parts' device and ``checkpoint.async_save``, see
         :func:`~megatronish.checkpoint.host_copies.host_copies_for`)."""
-        self.cfg, self.trainer, self.rng = cfg, trainer, rng
-        self.copies = copies or host_copies_for(
-            trainer.topo.device, bool(cfg.checkpoint.async_save)
-        )
+        self.cfg, self.parts, self.rng = cfg, parts, rng
+        self.copies = copies or host_copies_for(parts.topo.device, bool(cfg.checkpoint.async_save))
         self.special_tokens = dict(special_tokens or {})  # the tokenizer's, recorded for exports
         self.dir = os.path.expanduser(cfg.checkpoint.dir)
         self.run_id = run_id
         self.config_dict = OmegaConf.to_container(cfg, resolve=True)
         # The real vocabulary (the tokenizer's when model.vocab_size is null) for exports.
-        self.config_dict["model"]["vocab_size"] = trainer.spec.vocab_size
+        self.config_dict["model"]["vocab_size"] = parts.spec.vocab_size
         self.pending: PendingSave | None = None
         self.last_published: str | None = None
 
     def _header(self, optimizer_steps: int | None = None) -> dict:
         """The metadata besides the tensors; ``optimizer_steps`` defaults to the optimizer's
         count (a host read of a device value)."""
-        t, p = self.trainer, self.cfg.parallel
+        t, p = self.parts, self.cfg.parallel
         if optimizer_steps is None:
             optimizer_steps = t.optimizer.step_count
         return {
-            "step": t.state.step,
-            "consumed_samples": t.state.consumed_samples,
+            "step": t.progress.step,
+            "consumed_samples": t.progress.consumed_samples,
             "layout": {
                 "tp": t.topo.tp,
                 "cp": t.topo.cp,
@@ -224,7 +227,7 @@ class CheckpointSaver:
             },
             "config": self.config_dict,
             "trainer": {
-                "skipped_steps": t.state.skipped_steps,
+                "skipped_steps": t.progress.skipped_steps,
                 "optimizer_steps": optimizer_steps,
                 "run_id": self.run_id,
             },
@@ -234,16 +237,14 @@ class CheckpointSaver:
     def save(self, blocking: bool | None = None) -> str | None:
         """Save the current step. Collective. Returns the published path (None while async).
 
-        The trainer's pending steps are settled first; while the last of them were skipped
+        The run's pending steps are settled first; while the last of them were skipped
         (``skipped_in_a_row``) nothing is saved, as in the training loop: one line is logged and
         None returned."""
-        self.trainer.settle()  # learn the skips (and skipped_steps) of steps run before this
+        self.parts.settle()  # learn the skips (and skipped_steps) of steps run before this
         self.wait()
-        topo, step = self.trainer.topo, self.trainer.state.step
-        if in_a_row := self.trainer.state.skipped_in_a_row:  # state a skip streak may poison
-            self.trainer.logger.info(
-                f"not saving step {step}: the last {in_a_row} step(s) were skipped"
-            )
+        topo, step = self.parts.topo, self.parts.progress.step
+        if in_a_row := self.parts.progress.skipped_in_a_row:  # state a skip streak may poison
+            self.parts.log(f"not saving step {step}: the last {in_a_row} step(s) were skipped")
             return None
         if (failed := failed_groups_message(topo.groups.values())) is not None:
             raise CollectiveError(failed)  # never save what an aborted NCCL op left behind
@@ -258,7 +259,7 @@ class CheckpointSaver:
             except OSError as e:
                 error = f"saving checkpoint step {step} failed: {write_failure(tmp_dir, e)}"
         self._agree(error, tmp_dir)  # the directory exists for everyone
-        shot = start_snapshot(self.trainer, self.rng, self.copies)
+        shot = start_snapshot(self.parts, self.rng, self.copies)
         header = self._header(optimizer_steps=0)  # the writer sets it from the snapshot
         errors: list[str] = []
         gate = CopiesGate()
@@ -286,7 +287,7 @@ class CheckpointSaver:
         if self.pending is None:
             return None
         done = torch.tensor([0.0 if self.pending[2].is_alive() else 1.0])
-        all_reduce(done, self.trainer.topo.world_group, op="min")
+        all_reduce(done, self.parts.topo.world_group, op="min")
         return self._publish() if done.item() == 1.0 else None
 
     def wait(self) -> str | None:
@@ -312,7 +313,7 @@ class CheckpointSaver:
             wait_s = min(COPIES_WAIT_S, self.cfg.parallel.collective_timeout_s)
         if pending.gate.abandon_after(wait_s):
             self.pending = None
-            topo = self.trainer.topo
+            topo = self.parts.topo
             prefix = f"[rank {topo.rank}] " if topo.world_size > 1 else ""
             line = (
                 f"{prefix}note: checkpoint step {pending.step} was not saved: its "
@@ -327,7 +328,7 @@ class CheckpointSaver:
     def _publish(self) -> str:
         step, tmp_dir, _, header, errors, _ = self.pending
         self.pending = None
-        topo = self.trainer.topo
+        topo = self.parts.topo
         self._agree(errors[0] if errors else None, tmp_dir)  # every rank's files are on disk
         path, error = os.path.join(self.dir, step_dir_name(step)), None
         if topo.rank == 0:
@@ -344,7 +345,7 @@ class CheckpointSaver:
     def _agree(self, error: str | None, tmp_dir: str) -> None:
         """Collective: on any rank's failure, rank 0 removes the unpublished step and every rank
         raises :class:`CheckpointError` with the first failure and what is still published."""
-        topo = self.trainer.topo
+        topo = self.parts.topo
         try:
             agree(error, topo.world_group)
         except PeerError as e:

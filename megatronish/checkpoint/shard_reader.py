@@ -15,7 +15,14 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from megatronish.checkpoint.format import CheckpointError, Metadata, TensorEntry, crc32_of
-from megatronish.checkpoint.shardfile import Piece, ShardFile, Staging, piece, split_runs
+from megatronish.checkpoint.shardfile import (
+    Piece,
+    ShardFile,
+    Staging,
+    StoredTensor,
+    piece,
+    split_runs,
+)
 from megatronish.distributed.cpus import usable_cpus
 
 READ_THREADS = min(4, usable_cpus())  # threads reading a load, one run of pieces each
@@ -42,7 +49,7 @@ class ShardReader:
     def __enter__(self) -> ShardReader:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def close(self) -> None:
@@ -140,6 +147,6 @@ class ShardReader:
         return pieces
 
 
-def _whole(src: tuple[slice, ...], stored) -> bool:
+def _whole(src: tuple[slice, ...], stored: StoredTensor) -> bool:
     """Whether region ``src`` is all of ``stored``."""
     return all(s.start == 0 and s.stop == n for s, n in zip(src, stored.shape))

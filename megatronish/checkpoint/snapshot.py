@@ -53,6 +53,7 @@ from megatronish.checkpoint.host_copies import (
     PendingCopies,
     host_copies_for,
 )
+from megatronish.checkpoint.parts import CheckpointParts
 from megatronish.checkpoint.pieces import (
     copy_threads,
     full_local_values,
@@ -60,6 +61,10 @@ from megatronish.checkpoint.pieces import (
     saved_name,
     writes,
 )
+from megatronish.data_parallel.zero import ZeroDataParallel
+from megatronish.distributed.topology import Topology
+from megatronish.optim.sharded_adamw import ShardedAdamW
+from megatronish.tensor_parallel.random import RNGTracker
 from megatronish.tensor_parallel.sharding import global_shape
 
 KINDS = ("model", "exp_avg", "exp_avg_sq")
@@ -76,32 +81,32 @@ class Snapshot:
     copied: PendingCopies  # wait() before reading ``tensors`` or ``optimizer_steps``
 
 
-def start_snapshot(trainer, rng, copies: HostCopies) -> Snapshot:
+def start_snapshot(parts: CheckpointParts, rng: RNGTracker | None, copies: HostCopies) -> Snapshot:
     """Queue the copies of this rank's tensors to write and return without waiting for them.
 
-    Collective (ZeRO's gathers run here); reads no device value on the host. The trainer's
+    Collective (ZeRO's gathers run here); reads no device value on the host. The run's
     next optimizer update waits for the copies on the device; whoever reads the host tensors
     first calls ``copied.wait()``.
     """
     tensors: dict[str, dict[str, torch.Tensor]] = {"model": {}, "optim": {}, "rng": {}}
     index: list[dict] = []
     copies.follow_training()
-    steps = copies.to_host(trainer.optimizer.steps_on_device, "optimizer_steps")
+    steps = copies.to_host(parts.optimizer.steps_on_device, "optimizer_steps")
     with copy_threads():
-        buffers = _snapshot_buckets(
-            trainer.zero, trainer.optimizer, trainer.topo, copies, tensors, index
-        )
+        buffers = _snapshot_buckets(parts.zero, parts.optimizer, parts.topo, copies, tensors, index)
     event = copies.record()
-    trainer.optimizer.before_next_update(functools.partial(copies.training_waits, event))
+    parts.optimizer.before_next_update(functools.partial(copies.training_waits, event))
     if rng is not None:
         tensors["rng"] = {k: v.clone() for k, v in rng.state_dict().items()}
     return Snapshot(tensors, index, steps, PendingCopies(copies, event, buffers))
 
 
-def snapshot(trainer, rng) -> tuple[dict[str, dict[str, torch.Tensor]], list[dict]]:
+def snapshot(
+    parts: CheckpointParts, rng: RNGTracker | None
+) -> tuple[dict[str, dict[str, torch.Tensor]], list[dict]]:
     """This rank's tensors to write (complete host copies) and their index entries. Collective;
     blocks until the copies are done."""
-    shot = start_snapshot(trainer, rng, host_copies_for(trainer.topo.device, async_save=False))
+    shot = start_snapshot(parts, rng, host_copies_for(parts.topo.device, async_save=False))
     shot.copied.wait()
     return shot.tensors, shot.index
 
@@ -136,7 +141,14 @@ class GatherRing:
         return [buf for buffers in self.slots for buf in buffers]
 
 
-def _snapshot_buckets(zero, optimizer, topo, copies: HostCopies, tensors, index) -> list:
+def _snapshot_buckets(
+    zero: ZeroDataParallel,
+    optimizer: ShardedAdamW,
+    topo: Topology,
+    copies: HostCopies,
+    tensors: dict[str, dict[str, torch.Tensor]],
+    index: list[dict],
+) -> list[torch.Tensor]:
     """Queue every piece's copy; returns the gather buffers the copies read (ZeRO 1-3)."""
     ring = None
     if zero.stage > 0 and zero.buckets:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+from megatronish.config.schema import TrainConfig
 from megatronish.config.value_rules import MIN_STDLIB_VOCAB
 
 
@@ -76,7 +77,7 @@ def _stdlib_errors(d) -> list[str]:
     return errors
 
 
-def data_errors(cfg, present: bool = True) -> list[str]:
+def data_errors(cfg: TrainConfig, present: bool = True) -> list[str]:
     """Every problem of ``cfg.data``. ``present=False`` (dry runs, the planner): only whether the
     keys agree, not whether the dataset and tokenizer are given and exist."""
     d, errors = cfg.data, []

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from megatronish.config.schema import ParallelConfig, TrainConfig
 
 
 def pad_vocab(vocab_size: int, multiple: int) -> int:
@@ -40,10 +44,16 @@ class Derived:
     max_position_embeddings: int
 
 
-def derive(cfg, world_size: int) -> Derived:
+def data_parallel_size(parallel: ParallelConfig, world_size: int) -> int:
+    """``parallel.dp``, or when null what the world leaves: ``world_size / (tp * cp * pp)``."""
+    p = parallel
+    return p.dp if p.dp is not None else world_size // (p.tp * p.cp * p.pp)
+
+
+def derive(cfg: TrainConfig, world_size: int) -> Derived:
     """Derived values of a config that passed validation."""
     m, p, t = cfg.model, cfg.parallel, cfg.trainer
-    dp = p.dp if p.dp is not None else world_size // (p.tp * p.cp * p.pp)
+    dp = data_parallel_size(p, world_size)
     chunks = p.pp * p.vpp
     split = p.pipeline_layer_split or even_layer_split(m.num_layers, chunks)
     gpt2 = m.arch == "gpt2"

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
 
-def moe_errors(cfg, dp: int) -> list[str]:
+if TYPE_CHECKING:
+    from megatronish.config.schema import TrainConfig
+
+
+def moe_errors(cfg: TrainConfig, dp: int) -> list[str]:
     """Every rule of ``model.moe`` / ``parallel.ep`` that ``cfg`` breaks (``dp``: its data-parallel
     size, already checked against the world)."""
     moe, p = cfg.model.moe, cfg.parallel

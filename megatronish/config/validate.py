@@ -12,6 +12,7 @@ from megatronish.config.cli_errors import unknown_key_reason
 from megatronish.config.data_rules import data_errors
 from megatronish.config.derived import default_ffn_hidden, pad_vocab
 from megatronish.config.moe_rules import moe_errors
+from megatronish.config.schema import TrainConfig
 from megatronish.config.value_rules import get, not_finite, value_errors
 
 CHOICES = {
@@ -72,7 +73,7 @@ def _positive(cfg, keys: list[str], errors: list[str], allow_zero: bool = False)
 
 
 def config_errors(
-    cfg,
+    cfg: TrainConfig,
     world_size: int,
     vocab_size: int | None = None,
     cuda_available: bool | None = None,
@@ -306,7 +307,7 @@ def config_errors(
     return errors
 
 
-def vocab_errors(cfg, vocab_size: int | None) -> list[str]:
+def vocab_errors(cfg: TrainConfig, vocab_size: int | None) -> list[str]:
     """The rules that need the vocabulary: ``model.vocab_size``, or the tokenizer's
     ``vocab_size`` once it is loaded (the rest of :func:`config_errors` does not)."""
     m, tp = cfg.model, cfg.parallel.tp
@@ -325,7 +326,7 @@ def vocab_errors(cfg, vocab_size: int | None) -> list[str]:
     return errors
 
 
-def check_config(cfg, world_size: int, vocab_size: int | None = None) -> None:
+def check_config(cfg: TrainConfig, world_size: int, vocab_size: int | None = None) -> None:
     """Raise :class:`ConfigError` listing every violated rule."""
     errors = config_errors(cfg, world_size, vocab_size)
     if errors:

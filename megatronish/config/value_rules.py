@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 from omegaconf import DictConfig
 
-from megatronish.config.schema import FUNCTION_KEYS
+from megatronish.config.schema import FUNCTION_KEYS, TrainConfig
 
 # The smallest vocabulary a tokenizer trained on the built-in corpus can have: byte fallback
 # takes 259 ids (256 bytes, unk, bos, eos) and every character of the corpus one more (222 in
@@ -18,7 +18,7 @@ MIN_STDLIB_VOCAB = 512
 RESUME_WORDS = ("auto", "never")
 
 
-def get(cfg, dotted: str):
+def get(cfg: TrainConfig, dotted: str):
     """``cfg``'s value at a dotted key (``"optimizer.lr"``)."""
     node = cfg
     for part in dotted.split("."):
@@ -38,7 +38,7 @@ def not_finite(cfg, prefix: str = "") -> list[str]:
     return errors
 
 
-def value_errors(cfg) -> list[str]:
+def value_errors(cfg: TrainConfig) -> list[str]:
     """Single values out of range (ranges other than plain positivity)."""
     o, c, errors = cfg.optimizer, cfg.checkpoint, []
     for key in ("optimizer.beta1", "optimizer.beta2"):
@@ -85,7 +85,7 @@ def value_errors(cfg) -> list[str]:
     return errors
 
 
-def config_notes(cfg) -> list[str]:
+def config_notes(cfg: TrainConfig) -> list[str]:
     """Settings that are valid but do nothing here, said once at start-up by rank 0."""
     notes = []
     if cfg.parallel.sp and cfg.parallel.tp == 1:

@@ -16,7 +16,7 @@ the :class:`torch.backends.cuda.SDPAParams` SDPA builds (so the GPU, the torch v
 backends the user turned off and deterministic mode all count), once per shape, dtype, layout,
 mask kind and dropout (:class:`SDPAChecks`). :func:`attention_kernel` is the same rule as a
 table, written from torch 2.13's ``sdp_utils.cpp``: the fallback where torch lacks those
-checks, the planner's view (:mod:`megatronish.plan.activations`), and the CPU's rule (torch's
+checks, the planner's view (:mod:`megatronish.plan.dense`), and the CPU's rule (torch's
 flash kernel without dropout, the math kernel with it; K and V stay grouped).
 """
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megatronish.data_parallel.stages import ZeroStage
 from megatronish.distributed.comm import ParallelGroup, all_reduce, reduce_scatter_into
 from megatronish.distributed.timers import Timers
 
@@ -42,18 +43,18 @@ class Reduction:
 
 
 class GradReducer:
-    """Launches the dp reductions of ZeRO ``stage`` (0: all-reduce, else reduce-scatter)."""
+    """Launches the dp reductions of a ZeRO stage (all-reduce, or reduce-scatter into shards)."""
 
     def __init__(
         self,
         group: ParallelGroup,
-        stage: int,
+        zero_stage: ZeroStage,
         reduce_dtype: torch.dtype,
         timers: Timers | None = None,
     ):
-        self.group, self.stage, self.reduce_dtype = group, stage, reduce_dtype
+        self.group, self.zero_stage, self.reduce_dtype = group, zero_stage, reduce_dtype
         self.timers = timers or Timers.off()
-        self.max_in_flight = MAX_IN_FLIGHT if stage >= 2 else None
+        self.max_in_flight = MAX_IN_FLIGHT if zero_stage.shards_grads else None
         self.in_flight: deque[Reduction] = deque()
         self.in_flight_numel = 0  # elements of the full buffers the reductions in flight hold
 
@@ -70,7 +71,7 @@ class GradReducer:
         group, wire = group or self.group, full
         if self.reduce_dtype != full.dtype and group.size > 1:  # reduced in a narrower dtype
             wire = full.to(self.reduce_dtype)
-        if self.stage == 0:
+        if not self.zero_stage.reduce_scatters_grads:
             out = wire
             with self.timers.region(None, "all-reduce grads"):
                 work = all_reduce(wire, group, async_op=True)

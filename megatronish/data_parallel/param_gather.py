@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from megatronish.data_parallel.param_units import ParamUnit, Visit, install_visit_hooks
+from megatronish.data_parallel.stages import ZeroStage
 from megatronish.distributed.comm import ParallelGroup, all_gather_into
 from megatronish.distributed.timers import Timers
 from megatronish.tensor_parallel.mappings import in_backward
@@ -40,11 +41,11 @@ class ParamGatherer:
         units_of: list[list[ParamUnit]],
         visits_of: list[list[Visit]],
         group: ParallelGroup,
-        stage: int,
+        zero_stage: ZeroStage,
         keep_gathered: bool = False,
         timers: Timers | None = None,
     ):
-        self.units_of, self.group, self.stage = units_of, group, stage
+        self.units_of, self.group, self.zero_stage = units_of, group, zero_stage
         self.keep_gathered = keep_gathered
         self.timers = timers or Timers.off()
         self.unit_of_param = {id(p): u for us in units_of for u in us for p in u.params}
@@ -53,10 +54,12 @@ class ParamGatherer:
         }
         for units in units_of:
             for u in units:
-                u.gathered = stage < 3
+                u.gathered = not zero_stage.shards_params
                 u.grads_pending = len(u.named_params)
         self.handles = [
-            h for visits in visits_of for h in install_visit_hooks(visits, self, after=stage == 3)
+            h
+            for visits in visits_of
+            for h in install_visit_hooks(visits, self, after=zero_stage.shards_params)
         ]
         self.gathered_numel = self.peak_gathered_numel = 0  # zero 3 accounting
 
@@ -102,7 +105,7 @@ class ParamGatherer:
     def release(self, unit: ParamUnit) -> None:
         """Free ``unit``'s full params (zero 3)."""
         unit.grads_pending = len(unit.named_params)
-        if self.stage < 3 or not unit.gathered:
+        if not self.zero_stage.shards_params or not unit.gathered:
             return
         self.wait(unit)  # a buffer an all-gather still writes is never freed
         for b in unit.buckets:
@@ -117,7 +120,7 @@ class ParamGatherer:
     # -- hooks (param_units.install_visit_hooks) ----------------------------------------------
     def before_forward(self, visits: list[Visit], i: int) -> None:
         unit = visits[i].unit
-        if self.stage < 3:
+        if not self.zero_stage.shards_params:
             self.wait_updated(unit)
             return
         self.ensure(unit)
@@ -125,7 +128,7 @@ class ParamGatherer:
             self.start_gather(visits[i + 1].unit)
 
     def after_forward(self, visits: list[Visit], i: int) -> None:
-        if self.stage < 3 or self.keep_gathered or not visits[i].last:
+        if not self.zero_stage.shards_params or self.keep_gathered or not visits[i].last:
             return
         if in_backward():  # a recomputed forward: its backward comes next
             return
@@ -134,7 +137,7 @@ class ParamGatherer:
         self.release(visits[i].unit)
 
     def before_backward(self, visits: list[Visit], i: int) -> None:
-        if self.stage < 3:
+        if not self.zero_stage.shards_params:
             return
         self.ensure(visits[i].unit)
         if i > 0:
@@ -161,7 +164,7 @@ class ParamGatherer:
     def prefetch(self, chunk_index: int, kind: str) -> None:
         """Start gathering the unit a compute of ``kind`` ("fwd" / "bwd") on the chunk needs
         first, e.g. while the pipeline waits for that compute's input."""
-        if self.stage < 3 or not self.units_of[chunk_index]:
+        if not self.zero_stage.shards_params or not self.units_of[chunk_index]:
             return
         units = self.units_of[chunk_index]
         self.start_gather(units[0] if kind == "fwd" else units[-1])
@@ -169,7 +172,7 @@ class ParamGatherer:
     def after_compute(self, chunk_index: int, kind: str) -> None:
         """A forward or backward of the chunk ended: free what it left gathered (except the
         loss's unit after a training forward, and everything under ``keep_gathered``)."""
-        if self.stage < 3 or self.keep_gathered:
+        if not self.zero_stage.shards_params or self.keep_gathered:
             return
         for unit in self.units_of[chunk_index]:
             if kind == "fwd" and torch.is_grad_enabled() and unit.holds_loss:

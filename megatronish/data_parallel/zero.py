@@ -1,13 +1,10 @@
 """Data parallelism with ZeRO stages 0-3 over bucketed flat buffers.
 
-- 0: grads all-reduced (averaged) over dp; every rank updates every parameter.
-- 1: grads reduce-scattered; Adam moments only for this rank's shard; params all-gathered.
-- 2: as 1, and full grads exist only per bucket between its last grad of a microbatch and its
-  reduction: every microbatch's grads are reduce-scattered into the rank's shard (as DeepSpeed's
-  stage 2 and FSDP do), so a step communicates ``num_microbatches`` times as much.
-- 3: as 2, and params are kept only as shards: each unit (block, embedding, head) is gathered
-  just before use, the next one prefetched, and freed after (see
-  :mod:`~megatronish.data_parallel.param_gather`); ``keep_gathered`` keeps them for the step.
+What each stage shards is :mod:`~megatronish.data_parallel.stages`; where a bucket's params
+live, :mod:`~megatronish.data_parallel.bucket_storage`; the hooks that count grads into buckets,
+:mod:`~megatronish.data_parallel.grad_hooks`. Under ZeRO 3 each unit (block, embedding, head) is
+gathered just before use, the next one prefetched, and freed after (see
+:mod:`~megatronish.data_parallel.param_gather`); ``keep_gathered`` keeps them for the step.
 
 Zero 1/2 start the all-gathers of the updated params after the optimizer step and each unit
 waits for its own before its first forward of the next step (Megatron's overlap_param_gather;
@@ -29,18 +26,21 @@ how many are in flight). Buckets holding params that need a model-parallel sum f
 
 from __future__ import annotations
 
-import weakref
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
+from megatronish.data_parallel.bucket_storage import allocate_params, owned_elements
 from megatronish.data_parallel.buckets import Bucket, is_expert, plan_chunk_buckets
+from megatronish.data_parallel.grad_hooks import make_grad_hook, make_main_grad_adder
+from megatronish.data_parallel.grad_norm import global_grad_norm
 from megatronish.data_parallel.grad_reduce import GradReducer
 from megatronish.data_parallel.grads import counts_in_norm, flat_all_reduce, tied_rule
-from megatronish.data_parallel.param_gather import ParamGatherer, resize_storage
+from megatronish.data_parallel.param_gather import ParamGatherer
 from megatronish.data_parallel.param_units import chunk_visits
-from megatronish.distributed.comm import all_gather_into, all_reduce
+from megatronish.data_parallel.stages import ZERO_STAGES
+from megatronish.distributed.comm import all_gather_into
 from megatronish.distributed.timers import Timers
 from megatronish.distributed.topology import Topology
 from megatronish.tensor_parallel.sharding import param_info
@@ -64,7 +64,8 @@ class ZeroDataParallel:
         reduce_dtype: torch.dtype = torch.float32,
         overlap_param_gather: bool = True,
     ):
-        self.chunks, self.topo, self.stage = chunks, topo, stage
+        self.chunks, self.topo = chunks, topo
+        self.zero_stage = zs = ZERO_STAGES[stage]  # what it shards
         self.keep_gathered = keep_gathered
         self.overlap_param_gather = overlap_param_gather
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
@@ -72,7 +73,7 @@ class ZeroDataParallel:
         self.timers = timers or Timers.off()  # param_gather, grad_reduce_wait; profiler ranges
         # The grad norm sums over every rank when ranks own shards (zero >= 1) or hold different
         # experts (ep ranks); over tp x pp otherwise (zero 0 keeps whole replicas).
-        self.world_norm = stage > 0 or any(
+        self.world_norm = zs.norm_over_world or any(
             is_expert(p) for chunk in chunks for p in chunk.parameters()
         )
         dp = topo.dp_cp_group  # the ranks holding the same params: dp x cp
@@ -88,7 +89,7 @@ class ZeroDataParallel:
                 dp.rank,
                 self.is_tied,
                 topo.device,
-                per_unit=stage >= 2,
+                per_unit=zs.shards_grads,  # the full grads alive are about one unit's
                 expert_dp=(edp.size, edp.rank),
             )
             deferred = getattr(chunk, "deferred_init", None)  # a meta build (zero 3)
@@ -104,16 +105,19 @@ class ZeroDataParallel:
                 u.buckets = list({id(b): b for p in u.params for b in [bucket_of[id(p)]]}.values())
             units_of.append(units)
             visits_of.append(visits)
-        self.reducer = GradReducer(dp, stage, reduce_dtype, self.timers)
+        self.reducer = GradReducer(dp, zs, reduce_dtype, self.timers)
         # Zero 2/3 accounting: full-grad elements of buffers being filled, and the most alive at
         # once (those plus the ones reductions in flight hold).
         self.filling_numel = self.peak_grad_numel = 0
         self.gatherer = None
-        if stage == 3 or (stage > 0 and overlap_param_gather and dp.size > 1):
-            self.gatherer = ParamGatherer(
-                units_of, visits_of, dp, stage, keep_gathered, self.timers
-            )
+        if zs.shards_params or (zs.gathers_after_update and overlap_param_gather and dp.size > 1):
+            self.gatherer = ParamGatherer(units_of, visits_of, dp, zs, keep_gathered, self.timers)
         self.units_of = units_of
+
+    @property
+    def stage(self) -> int:
+        """The stage's number (for logs and checkpoints); ``zero_stage`` says what it shards."""
+        return self.zero_stage.number
 
     @property
     def buckets(self) -> list[Bucket]:
@@ -121,60 +125,37 @@ class ZeroDataParallel:
 
     def _per_microbatch(self, b: Bucket) -> bool:
         """Reduced after every microbatch, its full grads freed in between (zero 2/3)."""
-        return self.stage >= 2 and not b.late
+        return self.zero_stage.reduces_per_microbatch and not b.late
+
+    def owned_range(self, b: Bucket) -> tuple[int, int]:
+        """Elements ``[lo, hi)`` of bucket ``b`` whose optimizer state this rank holds."""
+        return self._owned(b)
 
     # -- storage ----------------------------------------------------------------------------
     def _owned(self, b: Bucket) -> tuple[int, int]:
-        return (0, b.numel) if self.stage == 0 else b.shard_range
+        return owned_elements(b, self.zero_stage)
 
     @torch.no_grad()
     def _allocate(self, b: Bucket, deferred: DeferredInit | None = None) -> None:
+        allocate_params(b, self.zero_stage, self.param_dtype, deferred)
         lo, hi = self._owned(b)
-        if any(p.is_meta for _, p in b.params):  # a meta build not yet drawn
-            self._allocate_shard_only(b, deferred, lo, hi)
-        else:
-            main = torch.zeros(b.numel, device=b.device)  # fp32 values as initialised
-            for _, p, view in b.views(main):
-                view.copy_(p.data)
-            flat = main.to(self.param_dtype) if self.separate_main else main
-            b.point_params_at(flat)
-            b.param_flat = flat
-            b.param_shard = flat[lo:hi] if self.stage < 3 else flat[lo:hi].clone()
-            b.main_shard = main[lo:hi].clone() if self.separate_main else b.param_shard
-            if self.stage == 3:
-                resize_storage(flat, 0)  # params live as shards; gathered on demand
-        if self.stage < 2:
-            self._new_grad_buffer(b)
-        if self.stage >= 2:  # the reduced shard outlives the full buffers
+        if self.zero_stage.shards_grads:  # the reduced shard outlives the full buffers
             b.grad_shard = torch.zeros(hi - lo, device=b.device)
+        else:
+            self.new_grad_buffer(b)
         b.decay_ranges = b.ranges(lambda n, p: param_info(p).weight_decay, lo, hi)
         b.norm_ranges = b.ranges(lambda n, p: counts_in_norm(n, p, self.topo), lo, hi)
-        if self.stage == 0 and b.group.rank != 0 and self.world_norm:
+        if not self.zero_stage.shards_optimizer_state and b.group.rank != 0 and self.world_norm:
             b.norm_ranges = []  # zero 0 keeps whole replicas: the first one counts
         for _, p in b.params:
-            p.register_post_accumulate_grad_hook(self._make_hook(b))
+            p.register_post_accumulate_grad_hook(make_grad_hook(self, b))
             if self.separate_main:  # an op may add its fp32 grad here itself (the fused head)
-                p.accumulate_main_grad = self._make_main_grad_adder(b, p)
+                p.accumulate_main_grad = make_main_grad_adder(self, b, p)
 
-    def _allocate_shard_only(self, b: Bucket, deferred: DeferredInit | None, lo: int, hi: int):
-        """Zero 3 on a meta build: draw only this rank's shard ``[lo, hi)`` of ``b`` (one
-        parameter at a time); the full params get storage only when gathered."""
-        if self.stage != 3 or deferred is None:
-            raise ValueError(
-                f"parameters on the meta device need ZeRO 3 and the chunk's deferred_init "
-                f"(stage {self.stage}, deferred_init {deferred}): build_chunks(deferred=True)"
-            )
-        main = b.shard_values(deferred.value, lo, hi)
-        flat = torch.empty(b.numel, dtype=self.param_dtype, device=b.device)  # views need it once
-        b.point_params_at(flat)
-        resize_storage(flat, 0)  # params live as shards; gathered on demand
-        b.param_flat = flat
-        b.param_shard = main.to(self.param_dtype) if self.separate_main else main
-        b.main_shard = main
-
-    def _new_grad_buffer(self, b: Bucket) -> None:
+    def new_grad_buffer(self, b: Bucket) -> None:
+        """Give ``b`` a zeroed full grad buffer and point its params' main grads into it."""
         b.grad_flat = torch.zeros(b.numel, device=b.device)
-        if self.stage >= 2:
+        if self.zero_stage.shards_grads:
             self.filling_numel += b.numel
             live = self.filling_numel + self.reducer.in_flight_numel
             self.peak_grad_numel = max(self.peak_grad_numel, live)
@@ -182,12 +163,13 @@ class ZeroDataParallel:
             p.main_grad = view
             if not self.separate_main:  # autograd accumulates in place (no extra copy)
                 p.grad = view
-        if self.stage == 1:  # reduced in place into this rank's slice
+        if self.zero_stage.reduce_scatters_grads and not self.zero_stage.shards_grads:
+            # reduced in place into this rank's slice
             lo, hi = b.shard_range
             b.grad_shard = b.grad_flat[lo:hi]
 
     def _drop_grad_buffer(self, b: Bucket) -> None:
-        if self.stage >= 2 and b.grad_flat is not None:
+        if self.zero_stage.shards_grads and b.grad_flat is not None:
             self.filling_numel -= b.numel
         b.grad_flat = None
         for _, p in b.params:
@@ -203,7 +185,7 @@ class ZeroDataParallel:
         """Engine hook: a compute of the chunk ended. After a backward, zero 2/3 finish the
         reduction still in flight (FSDP2 waits there too), so its full-size buffer does not
         live through the next forward; zero 3 frees what the compute left gathered."""
-        if kind == "bwd" and self.stage >= 2 and self.reducer.in_flight:
+        if kind == "bwd" and self.zero_stage.shards_grads and self.reducer.in_flight:
             with self.timers.region("grad_reduce_wait", "wait grads"):
                 self.reducer.finish_all()
         if self.gatherer is not None:
@@ -213,19 +195,19 @@ class ZeroDataParallel:
         """Make all of a chunk's params whole now (for readers outside a training step)."""
         if self.gatherer is None:
             return
-        if self.stage == 3:
+        if self.zero_stage.shards_params:
             self.gatherer.gather_all(chunk_index)
         else:
             self.finish_param_gather()
 
     def release_all(self) -> None:
         """End of a step or an evaluation: zero 3 frees every gathered unit."""
-        if self.stage == 3 and self.gatherer is not None:
+        if self.zero_stage.shards_params and self.gatherer is not None:
             self.gatherer.release_all()
 
     def finish_param_gather(self) -> None:
         """Wait for the after-update all-gathers (zero 1/2 with overlap_param_gather)."""
-        if self.stage in (1, 2) and self.gatherer is not None:
+        if self.zero_stage.gathers_after_update and self.gatherer is not None:
             self.gatherer.wait_updated()
 
     # -- gradients --------------------------------------------------------------------------
@@ -240,64 +222,16 @@ class ZeroDataParallel:
                 b.pending = len(b.params)
                 continue
             if b.grad_flat is None:
-                self._new_grad_buffer(b)
+                self.new_grad_buffer(b)
             else:
                 b.grad_flat.zero_()
             b.pending = len(b.params) * num_microbatches
 
-    def _make_hook(self, b: Bucket):
-        # The hook is held in C++ by the parameter, out of the garbage collector's sight: strong
-        # references back to this object and the bucket (which holds the parameter) would keep
-        # the model, its buffers and any pending work handle alive after the run.
-        owner, bucket = weakref.ref(self), weakref.ref(b)
-
-        def hook(p: nn.Parameter) -> None:
-            zero, b = owner(), bucket()
-            if zero is None or b is None:
-                return
-            grad = p.grad
-            if b.grad_flat is None:  # zero 2/3: the first grad of this bucket's microbatch
-                zero._new_grad_buffer(b)
-            if getattr(p, "grad_added_to_main_grad", False):  # a placeholder: already summed
-                p.grad_added_to_main_grad = False
-                p.grad = None
-            elif grad.dtype != p.main_grad.dtype:  # a bf16 microbatch grad, summed in fp32
-                p.main_grad.add_(grad)
-                p.grad = None
-            elif grad.data_ptr() != p.main_grad.data_ptr():
-                # Autograd made a new tensor: this microbatch's grad into a fresh (zero) buffer,
-                # or the view's value plus it.
-                p.main_grad.copy_(grad)
-                p.grad = p.main_grad
-            b.pending -= 1
-            if b.pending == 0 and not b.late:
-                zero._launch(b)
-            if zero.gatherer is not None and zero.stage == 3:
-                zero.gatherer.grad_ready(p)
-
-        return hook
-
-    def _make_main_grad_adder(self, b: Bucket, p: nn.Parameter):
-        """``p.accumulate_main_grad(grad, grad_is_placeholder)``: add an fp32 ``grad`` of ``p``
-        to its main grad now, without rounding it to ``p``'s dtype (Megatron's
-        gradient-accumulation fusion). The op still returns a grad for ``p``, so the hook runs
-        and counts it; ``grad_is_placeholder``: that grad holds nothing more and is dropped."""
-        owner, bucket, param = weakref.ref(self), weakref.ref(b), weakref.ref(p)  # see _make_hook
-
-        def accumulate(grad: torch.Tensor, grad_is_placeholder: bool) -> None:
-            zero, b, p = owner(), bucket(), param()
-            if b.grad_flat is None:  # zero 2/3: the first grad of this bucket's microbatch
-                zero._new_grad_buffer(b)
-            p.main_grad.add_(grad)
-            p.grad_added_to_main_grad = grad_is_placeholder
-
-        return accumulate
-
-    def _launch(self, b: Bucket) -> None:
+    def launch_reduction(self, b: Bucket) -> None:
         """Start ``b``'s reduction (zero 2/3: into its shard, re-armed for the next microbatch)."""
         rounds = b.extra["rounds"]
         b.extra["rounds"] = rounds + 1
-        if self.stage >= 2:
+        if self.zero_stage.reduces_per_microbatch:
             full = b.grad_flat
             self._drop_grad_buffer(b)  # the reduction holds it until done
             if not b.late:
@@ -319,21 +253,21 @@ class ZeroDataParallel:
                 and b.grad_flat is not None
                 and (self._per_microbatch(b) or b.extra["rounds"] == 0)
             ):
-                self._launch(b)
+                self.launch_reduction(b)
         late = [b for b in self.buckets if b.late]
         sp = [p.main_grad for b in late for _, p in b.params if param_info(p).sequence_parallel]
         flat_all_reduce(sp, self.topo.tp_group)
         tied = [p.main_grad for b in late for n, p in b.params if self.is_tied(n, p)]
         flat_all_reduce(tied, self.topo.embedding_group)
         for b in late:
-            self._launch(b)
+            self.launch_reduction(b)
         self.reducer.finish_all()
         scale = 1.0 / self.topo.dp_cp  # each rank's loss is its own tokens' mean
         for b in self.buckets:
             self.owned_grad(b).mul_(scale)
 
     def owned_grad(self, b: Bucket) -> torch.Tensor:
-        return b.grad_flat if self.stage == 0 else b.grad_shard
+        return b.grad_shard if self.zero_stage.shards_optimizer_state else b.grad_flat
 
     # -- norm, clip, update -----------------------------------------------------------------
     def grad_norm(self, local_fault: torch.Tensor | None = None) -> torch.Tensor:
@@ -344,17 +278,9 @@ class ZeroDataParallel:
         on the device); the norm then comes out nan on every rank, so all ranks skip
         the step together without another collective.
         """
-        sq = torch.zeros((), device=self.topo.device)
-        if local_fault is not None:
-            sq = torch.where(local_fault, float("nan"), sq)
-        for b in self.buckets:
-            grad = self.owned_grad(b)
-            for lo, hi in b.norm_ranges:
-                sq += grad[lo:hi].square().sum()  # torch's cascade sum keeps round-off small
         group = self.topo.world_group if self.world_norm else self.topo.mp_group
-        with self.timers.region(None, "grad norm all-reduce"):
-            all_reduce(sq, group)
-        return sq.sqrt()
+        owned = ((self.owned_grad(b), b.norm_ranges) for b in self.buckets)
+        return global_grad_norm(owned, group, self.topo.device, self.timers, local_fault)
 
     def optimizer_shards(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """``(fp32 main params, fp32 grads, decay ranges)`` of this rank's owned part."""
@@ -366,7 +292,7 @@ class ZeroDataParallel:
         self.finish_param_gather()
         if self.separate_main:
             return [(b.main_shard, *self._owned(b)) for b in self.buckets]
-        if self.stage < 3:  # every rank holds the whole bucket's params
+        if not self.zero_stage.shards_params:  # every rank holds the whole bucket's params
             return [(b.param_flat, 0, b.numel) for b in self.buckets]
         return [(b.param_shard, *b.shard_range) for b in self.buckets]
 
@@ -393,7 +319,7 @@ class ZeroDataParallel:
         self.release_all()
 
     def _gather_updated(self) -> None:
-        if self.stage not in (1, 2) or self.topo.dp_cp == 1:
+        if not self.zero_stage.gathers_after_update or self.topo.dp_cp == 1:
             return
         if self.gatherer is not None:  # waited for unit by unit in the next forward
             order = [b for bs in self.buckets_of for b in reversed(bs)]  # forward order
@@ -408,12 +334,12 @@ class ZeroDataParallel:
         """Bytes this rank holds for params and grads at a step boundary (optimizer separate)."""
         params = grads = 0
         for b in self.buckets:
-            model = b.param_shard if self.stage == 3 else b.param_flat
+            model = b.param_shard if self.zero_stage.shards_params else b.param_flat
             params += model.numel() * model.element_size()
             if self.separate_main:
                 params += b.main_shard.numel() * 4
             if b.grad_flat is not None:
                 grads += b.grad_flat.numel() * 4
-            if self.stage >= 2:
+            if self.zero_stage.shards_grads:
                 grads += b.grad_shard.numel() * 4
         return {"params": params, "grads": grads}

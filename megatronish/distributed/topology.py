@@ -8,34 +8,62 @@ from __future__ import annotations
 
 import datetime
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from megatronish.distributed.comm import CommStats, ParallelGroup
-from megatronish.distributed.rank_math import Coords, group_of, group_ranks, rank_to_coords
+from megatronish.distributed.parallel_grid import GROUP_NAMES, Coords, ParallelGrid
 
-GROUP_NAMES = ("tp", "cp", "dp", "dp_cp", "ep", "edp", "pp", "mp", "embedding", "world")
+if TYPE_CHECKING:
+    from megatronish.config.schema import ParallelConfig
 
 
 @dataclass
 class Topology:
-    """Grid shape, this rank's coordinates, its groups, its device and the comm counter."""
+    """This rank, the grid, its groups (by name: :data:`GROUP_NAMES`), its device and the comm
+    counter."""
 
-    tp: int
-    dp: int
-    pp: int
     rank: int
-    coords: Coords
+    grid: ParallelGrid
     groups: dict[str, ParallelGroup]
     device: torch.device
     stats: CommStats
-    cp: int = 1
-    ep: int = 1
+
+    def group(self, name: str) -> ParallelGroup:
+        """This rank's group ``name`` (tp, cp, dp, dp_cp, ep, edp, pp, mp, embedding, world)."""
+        if name not in self.groups:
+            raise KeyError(f"no group {name!r} in this Topology: it has {', '.join(self.groups)}")
+        return self.groups[name]
+
+    @property
+    def coords(self) -> Coords:
+        return self.grid.coords(self.rank)
+
+    @property
+    def tp(self) -> int:
+        return self.grid.size("tp")
+
+    @property
+    def cp(self) -> int:
+        return self.grid.size("cp")
+
+    @property
+    def dp(self) -> int:
+        return self.grid.size("dp")
+
+    @property
+    def pp(self) -> int:
+        return self.grid.size("pp")
+
+    @property
+    def ep(self) -> int:
+        return self.grid.size("ep")
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.cp * self.dp * self.pp
+        return self.grid.world_size
 
     @property
     def dp_cp(self) -> int:
@@ -46,50 +74,50 @@ class Topology:
     @property
     def edp(self) -> int:
         """Ranks holding the same experts (expert data parallel): ``dp * cp / ep``."""
-        return self.dp_cp // self.ep
+        return self.grid.size("edp")
 
     @property
     def ep_group(self) -> ParallelGroup:
         """The ranks that exchange tokens and hold different experts."""
-        return self.groups["ep"]
+        return self.group("ep")
 
     @property
     def edp_group(self) -> ParallelGroup:
         """The ranks holding the same experts: expert grads are reduced, their ZeRO shards
         spread, over them."""
-        return self.groups["edp"]
+        return self.group("edp")
 
     @property
     def cp_group(self) -> ParallelGroup:
-        return self.groups["cp"]
+        return self.group("cp")
 
     @property
     def dp_cp_group(self) -> ParallelGroup:
-        return self.groups["dp_cp"]
+        return self.group("dp_cp")
 
     @property
     def tp_group(self) -> ParallelGroup:
-        return self.groups["tp"]
+        return self.group("tp")
 
     @property
     def dp_group(self) -> ParallelGroup:
-        return self.groups["dp"]
+        return self.group("dp")
 
     @property
     def pp_group(self) -> ParallelGroup:
-        return self.groups["pp"]
+        return self.group("pp")
 
     @property
     def mp_group(self) -> ParallelGroup:
-        return self.groups["mp"]
+        return self.group("mp")
 
     @property
     def embedding_group(self) -> ParallelGroup:
-        return self.groups["embedding"]
+        return self.group("embedding")
 
     @property
     def world_group(self) -> ParallelGroup:
-        return self.groups["world"]
+        return self.group("world")
 
     def close(self) -> None:
         """Drop this Topology's references to its process groups, so that destroying them
@@ -114,6 +142,7 @@ class Topology:
     @classmethod
     def build(
         cls,
+        *,
         tp: int,
         dp: int,
         pp: int,
@@ -123,7 +152,33 @@ class Topology:
         cp: int = 1,
         ep: int = 1,
     ) -> Topology:
-        """Create every group of the grid. Collective: all ranks call it with the same shape.
+        """:meth:`create` on the grid of these degrees."""
+        grid = ParallelGrid.of(tp=tp, cp=cp, dp=dp, pp=pp, ep=ep)
+        return cls.create(grid, rank, device, timeout_s)
+
+    @classmethod
+    def from_config(
+        cls,
+        parallel: ParallelConfig,
+        rank: int,
+        world_size: int,
+        device: torch.device | str = "cpu",
+    ) -> Topology:
+        """:meth:`create` for a validated config's ``parallel`` section in a world of
+        ``world_size`` ranks (``parallel.dp: null`` takes what the world leaves), every op
+        bounded by ``parallel.collective_timeout_s``."""
+        grid = ParallelGrid.from_config(parallel, world_size)
+        return cls.create(grid, rank, device, parallel.collective_timeout_s)
+
+    @classmethod
+    def create(
+        cls,
+        grid: ParallelGrid,
+        rank: int,
+        device: torch.device | str = "cpu",
+        timeout_s: float | None = None,
+    ) -> Topology:
+        """Create every group of the grid. Collective: all ranks call it with the same grid.
 
         torch.distributed must already be initialised when the world has more than one rank.
         ``timeout_s`` (``parallel.collective_timeout_s``) bounds every op of the new groups: they
@@ -131,24 +186,27 @@ class Topology:
         description (``group_desc``) is its name; the world group is torch's default group,
         described as ``default_pg``.
         """
-        world = tp * cp * dp * pp
+        world = grid.world_size
+        if not 0 <= rank < world:
+            raise ValueError(f"rank {rank} is outside a world of {world} ({grid.dense})")
         if world > 1 and not (dist.is_available() and dist.is_initialized()):
-            raise RuntimeError("Topology.build needs torch.distributed initialised for world > 1")
+            raise RuntimeError("a Topology needs torch.distributed initialised for world > 1")
         if world > 1 and dist.get_world_size() != world:
+            degrees = "*".join(str(grid.size(a)) for a in ("tp", "cp", "dp", "pp"))
             raise ValueError(
-                f"tp*cp*dp*pp = {tp}*{cp}*{dp}*{pp} = {world} but the job has "
-                f"{dist.get_world_size()} ranks"
+                f"tp*cp*dp*pp = {degrees} = {world} but the job has {dist.get_world_size()} ranks"
             )
         stats = CommStats()
         timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
         groups: dict[str, ParallelGroup] = {}
-        for name, all_groups in group_ranks(tp, dp, pp, cp, ep).items():
-            if name == "dp_cp" and cp == 1:  # the dp group itself: no second communicator
+        for name in GROUP_NAMES:
+            if name == "dp_cp" and grid.size("cp") == 1:  # the dp group: no second communicator
                 groups[name] = groups["dp"]
                 continue
-            if name == "edp" and ep == 1:  # the dp_cp group itself
+            if name == "edp" and grid.size("ep") == 1:  # the dp_cp group itself
                 groups[name] = groups["dp_cp"]
                 continue
+            all_groups = grid.groups(name)
             mine = None
             # Every rank creates every group in the same order (torch.distributed requires it).
             for ranks in all_groups:
@@ -161,7 +219,10 @@ class Topology:
                 if rank in ranks:
                     mine = pg
             # Middle pipeline stages hold no embedding copy: their embedding group is themselves.
-            ranks = [rank] if mine is None and name == "embedding" else group_of(rank, all_groups)
+            if mine is None and name == "embedding":
+                ranks = [rank]
+            else:
+                ranks = next(g for g in all_groups if rank in g)
             if len(ranks) == 1:
                 mine = None
             groups[name] = ParallelGroup(
@@ -172,15 +233,4 @@ class Topology:
                 stats=stats,
                 timeout_s=timeout_s,
             )
-        return cls(
-            tp=tp,
-            dp=dp,
-            pp=pp,
-            rank=rank,
-            coords=rank_to_coords(rank, tp, dp, pp, cp),
-            groups=groups,
-            device=torch.device(device),
-            stats=stats,
-            cp=cp,
-            ep=ep,
-        )
+        return cls(rank=rank, grid=grid, groups=groups, device=torch.device(device), stats=stats)

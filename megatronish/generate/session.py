@@ -20,8 +20,8 @@ from megatronish.checkpoint.format import (
 from megatronish.checkpoint.shard_reader import ShardReader
 from megatronish.hf.common import model_spec
 from megatronish.model.gpt import GPTChunk
-from megatronish.model.spec import ModelSpec
-from megatronish.tensor_parallel.context import TPContext
+from megatronish.model.parallel_context import ParallelContext
+from megatronish.spec import ModelSpec
 
 
 @dataclass
@@ -84,7 +84,7 @@ def load_model(path: str, device: torch.device | str = "cpu", verify: bool = Tru
     meta = read_metadata(step_dir)
     spec = spec_of(meta, step_dir)
     model = GPTChunk(
-        spec, TPContext(), range(spec.num_layers), first=True, last=True, device=device
+        spec, ParallelContext(), range(spec.num_layers), first=True, last=True, device=device
     )
     _check_tensors(model, meta, step_dir)
     with ShardReader(step_dir, meta, verify=verify) as reader:

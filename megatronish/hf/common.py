@@ -37,7 +37,7 @@ import dataclasses
 import torch
 
 from megatronish.config.schema import ModelConfig, MoEConfig, RouterConfig
-from megatronish.model.spec import ModelSpec
+from megatronish.spec import ModelSpec
 
 VOCAB_MULTIPLE = 128
 GPT2_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")  # all the tanh approximation

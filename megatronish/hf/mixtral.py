@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from megatronish.model.spec import ModelSpec
+from megatronish.spec import ModelSpec
 
 MOE_BLOCKS = ("block_sparse_moe.", "mlp.")  # checkpoint names, then transformers 5 module names
 

@@ -11,7 +11,7 @@ import torch
 
 from megatronish.hf.common import DEFAULT_SPECIAL_TOKENS, model_spec, own_copy
 from megatronish.hf.mixtral import mixtral_config, moe_to_hf
-from megatronish.model.spec import ModelSpec
+from megatronish.spec import ModelSpec
 
 
 def _zeros_if_missing(t: dict, name: str, n: int) -> torch.Tensor:

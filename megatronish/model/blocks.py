@@ -16,14 +16,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatronish.context_parallel.attention import (
+    CPContext,
     causal_mask,
     cp_causal_attention,
     gather_sequence,
 )
 from megatronish.context_parallel.attention_kernel import sdpa
+from megatronish.model.parallel_context import ParallelContext
 from megatronish.model.rms_norm import rms_norm
-from megatronish.model.spec import ModelSpec
 from megatronish.moe.layer import MoELayer
+from megatronish.spec import ModelSpec
 from megatronish.tensor_parallel.context import TPContext
 from megatronish.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatronish.tensor_parallel.sharding import mark_param
@@ -100,12 +102,13 @@ class KVCache:
 
 
 class Attention(nn.Module):
-    """Causal self-attention with grouped-query heads split over tp."""
+    """Causal self-attention with grouped-query heads split over tp (and, under context
+    parallelism, local queries against the keys and values of the whole sequence)."""
 
-    def __init__(self, spec: ModelSpec, tp: TPContext, device=None):
+    def __init__(self, spec: ModelSpec, tp: TPContext, cp: CPContext, device=None):
         super().__init__()
         d, h = spec.head_dim, spec.hidden_size
-        self.spec, self.tp = spec, tp
+        self.spec, self.tp, self.cp = spec, tp, cp
         self.q_heads = spec.num_heads // tp.size
         self.kv_heads = spec.num_kv_heads // tp.size
         sp = tp.sequence_parallel
@@ -142,8 +145,8 @@ class Attention(nn.Module):
         return self._attend(q, k, v, p)
 
     def _attend(self, q, k, v, p: float) -> torch.Tensor:
-        if self.tp.cp.size > 1:  # local queries, the whole sequence's keys and values
-            return cp_causal_attention(q, k, v, self.tp.cp, p)
+        if self.cp.size > 1:  # local queries, the whole sequence's keys and values
+            return cp_causal_attention(q, k, v, self.cp, p)
         return sdpa(q, k, v, "causal", dropout_p=p, is_causal=True)
 
     def _attend_cached(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -171,8 +174,8 @@ class Attention(nn.Module):
             qk = apply_rope(qk, rope[0][:s], rope[1][:s])
         q, k = qk.split([self.q_heads, self.kv_heads], dim=2)
         v = v.view(s, b, self.kv_heads, d)
-        if self.tp.cp.size > 1:  # one all-gather of k|v over cp, at the kv-head count
-            kv = gather_sequence(torch.cat([k, v], dim=2), self.tp.cp)
+        if self.cp.size > 1:  # one all-gather of k|v over cp, at the kv-head count
+            kv = gather_sequence(torch.cat([k, v], dim=2), self.cp)
             k, v = kv.split([self.kv_heads, self.kv_heads], dim=2)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
         if cache is not None:  # decoding: these queries see every token the cache holds
@@ -219,27 +222,31 @@ class MLP(nn.Module):
         return self.fc2(y)
 
 
-def moe_layer(spec: ModelSpec, tp: TPContext, device=None) -> MoELayer:
-    """A mixture-of-experts MLP, with its shared experts as one dense MLP (no biases)."""
-    moe, shared = spec.moe, None
+def moe_layer(spec: ModelSpec, ctx: ParallelContext, device=None, layer: int = 0) -> MoELayer:
+    """Block ``layer``'s mixture-of-experts MLP, with its shared experts as one dense MLP (no
+    biases)."""
+    moe, shared, tp = spec.moe, None, ctx.tp
     if moe.shared_experts:
         size = moe.shared_experts * moe.ffn_hidden_size
         shared = MLP(replace(spec, ffn_hidden_size=size, bias=False), tp, device)
-    return MoELayer(spec, tp, device, shared=shared)
+    return MoELayer(spec, tp, ctx.cp, ctx.ep, device, shared=shared, layer_id=layer)
 
 
 class TransformerBlock(nn.Module):
     """Pre-norm block: ``x + drop(attn(norm(x)))``, then ``+ drop(mlp(norm(.)))``; the MLP is a
     mixture of experts in the blocks ``model.moe.layer_freq`` picks."""
 
-    def __init__(self, spec: ModelSpec, tp: TPContext, device=None, layer: int = 0):
+    def __init__(self, spec: ModelSpec, ctx: ParallelContext, device=None, layer: int = 0):
         super().__init__()
+        tp = ctx.tp
         self.spec, self.tp = spec, tp
         self.attn_norm = Norm(spec, tp, device)
-        self.attn = Attention(spec, tp, device)
+        self.attn = Attention(spec, tp, ctx.cp, device)
         self.mlp_norm = Norm(spec, tp, device)
         self.mlp = (
-            moe_layer(spec, tp, device) if spec.is_moe_layer(layer) else MLP(spec, tp, device)
+            moe_layer(spec, ctx, device, layer)
+            if spec.is_moe_layer(layer)
+            else MLP(spec, tp, device)
         )
 
     def forward(self, x: torch.Tensor, rope=None, cache: KVCache | None = None) -> torch.Tensor:

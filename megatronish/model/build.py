@@ -10,8 +10,8 @@ from torch.nn.modules.module import register_module_parameter_registration_hook
 
 from megatronish.model.gpt import GPTChunk
 from megatronish.model.init import DeferredInit, init_parameters
-from megatronish.model.spec import ModelSpec
-from megatronish.tensor_parallel.context import TPContext
+from megatronish.model.parallel_context import ParallelContext
+from megatronish.spec import ModelSpec
 
 
 def chunk_layer_ranges(layers_per_chunk: list[int] | tuple[int, ...]) -> list[range]:
@@ -30,7 +30,7 @@ def chunk_ids_of_stage(pp_rank: int, pp: int, vpp: int) -> list[int]:
 
 def build_chunks(
     spec: ModelSpec,
-    tp: TPContext,
+    ctx: ParallelContext,
     layers_per_chunk: list[int] | tuple[int, ...],
     pp_rank: int = 0,
     pp: int = 1,
@@ -52,11 +52,11 @@ def build_chunks(
     chunks = []
     for c in chunk_ids_of_stage(pp_rank, pp, vpp):
         with parameters_on_meta() if deferred else contextlib.nullcontext():
-            chunk = GPTChunk(spec, tp, ranges[c], first=c == 0, last=c == n - 1, device=device)
+            chunk = GPTChunk(spec, ctx, ranges[c], first=c == 0, last=c == n - 1, device=device)
         if deferred:
-            chunk.deferred_init = DeferredInit(seed, tp.group.rank, tp.size, device)
+            chunk.deferred_init = DeferredInit(seed, ctx.tp.group.rank, ctx.tp.size, device)
         else:
-            init_parameters(chunk, seed, tp.group.rank, tp.size)
+            init_parameters(chunk, seed, ctx.tp.group.rank, ctx.tp.size)
         chunks.append(chunk)
     return chunks
 

@@ -17,7 +17,7 @@ ones a token uses.
 
 from __future__ import annotations
 
-from megatronish.model.spec import ModelSpec
+from megatronish.spec import ModelSpec
 
 
 def _mlp_weights(spec: ModelSpec, ffn: int) -> int:

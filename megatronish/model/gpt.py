@@ -11,10 +11,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megatronish.context_parallel.attention import CPContext
 from megatronish.model.blocks import KVCache, Norm, TransformerBlock, rope_tables
 from megatronish.model.linear_cross_entropy import linear_cross_entropy
+from megatronish.model.parallel_context import ParallelContext
 from megatronish.model.recompute import checkpointed
-from megatronish.model.spec import ModelSpec
+from megatronish.spec import ModelSpec
 from megatronish.tensor_parallel.context import TPContext
 from megatronish.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatronish.tensor_parallel.layers import VocabParallelEmbedding
@@ -25,9 +27,9 @@ from megatronish.tensor_parallel.sharding import TPShard, mark_param, update_par
 class Embedding(nn.Module):
     """Token embedding (+ learned positions for gpt2), output ``[s, b, h]`` (or its sp shard)."""
 
-    def __init__(self, spec: ModelSpec, tp: TPContext, device=None):
+    def __init__(self, spec: ModelSpec, tp: TPContext, cp: CPContext, device=None):
         super().__init__()
-        self.spec, self.tp = spec, tp
+        self.spec, self.tp, self.cp = spec, tp, cp
         self.word = VocabParallelEmbedding(
             spec.padded_vocab_size,
             spec.hidden_size,
@@ -52,8 +54,8 @@ class Embedding(nn.Module):
         if self.position is not None:
             s_local = x.shape[0]
             start = self.tp.group.rank * s_local if self.tp.sequence_parallel else offset
-            if self.tp.cp.size > 1:  # this cp rank's two chunks of positions
-                rows = self.tp.cp.positions(x.device)[start : start + s_local]
+            if self.cp.size > 1:  # this cp rank's two chunks of positions
+                rows = self.cp.positions(x.device)[start : start + s_local]
                 x = x + self.position[rows].unsqueeze(1)
             else:
                 x = x + self.position[start : start + s_local].unsqueeze(1)
@@ -129,7 +131,7 @@ class GPTChunk(nn.Module):
     def __init__(
         self,
         spec: ModelSpec,
-        tp: TPContext,
+        ctx: ParallelContext,
         layer_ids: range,
         *,
         first: bool,
@@ -137,13 +139,13 @@ class GPTChunk(nn.Module):
         device=None,
     ):
         super().__init__()
-        self.spec, self.tp, self.first, self.last = spec, tp, first, last
+        self.spec, self.parallel, self.first, self.last = spec, ctx, first, last
         self.layer_ids = layer_ids
-        self.embedding = Embedding(spec, tp, device) if first else None
+        self.embedding = Embedding(spec, ctx.tp, ctx.cp, device) if first else None
         self.layers = nn.ModuleDict(
-            {str(i): TransformerBlock(spec, tp, device, layer=i) for i in layer_ids}
+            {str(i): TransformerBlock(spec, ctx, device, layer=i) for i in layer_ids}
         )
-        self.head = Head(spec, tp, self.embedding, device) if last else None
+        self.head = Head(spec, ctx.tp, self.embedding, device) if last else None
         # (start, end, checkpointed) runs of layers; see megatronish.model.recompute.
         self.segments = [(0, len(self.layers), False)]
         self.recompute_rng = None
@@ -156,8 +158,8 @@ class GPTChunk(nn.Module):
             cos, sin = rope_tables(
                 self.spec.seq_length, self.spec.head_dim, self.spec.rope_theta, device
             )
-            if self.tp.cp.size > 1:  # the rows of this cp rank's positions
-                pos = self.tp.cp.positions(device)
+            if self.parallel.cp.size > 1:  # the rows of this cp rank's positions
+                pos = self.parallel.cp.positions(device)
                 cos, sin = cos[pos], sin[pos]
             self._rope = (cos, sin)
         return self._rope
@@ -185,7 +187,7 @@ class GPTChunk(nn.Module):
 
         Generation runs the whole model on one rank (tp = cp = pp = 1), in eval mode.
         """
-        if not (self.first and self.last) or self.tp.size > 1 or self.tp.cp.size > 1:
+        if not (self.first and self.last) or self.parallel.tp.size > 1 or self.parallel.cp.size > 1:
             raise ValueError("decoding runs the whole model on one rank (tp = cp = pp = 1)")
         start, s = cache[0].length, ids.shape[1]
         if start + s > self.spec.seq_length:

@@ -9,17 +9,14 @@ rows), so checkpoints store them by global expert index and Mixtral's ``gate_up_
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from megatronish.moe.grouped_mm import expert_offsets, grouped_linear, grouped_mm_supported
+from megatronish.spec import ModelSpec
 from megatronish.tensor_parallel.sharding import ExpertShard, TPShard, mark_param
-
-if TYPE_CHECKING:
-    from megatronish.model.spec import ModelSpec
 
 
 class GroupedExperts(nn.Module):

@@ -16,13 +16,13 @@ needs in one copy); the routing statistics (``stats``) stay on the device until 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megatronish.context_parallel.attention import CPContext
 from megatronish.distributed.comm import all_gather_dim0, all_reduce
+from megatronish.moe.context import EPContext
 from megatronish.moe.dispatch import combine, dispatch
 from megatronish.moe.experts import GroupedExperts
 from megatronish.moe.routing import (
@@ -33,12 +33,10 @@ from megatronish.moe.routing import (
     sort_assignments,
     z_loss,
 )
+from megatronish.spec import ModelSpec
+from megatronish.tensor_parallel.context import TPContext
 from megatronish.tensor_parallel.mappings import gather_from_sp, in_backward, reduce_scatter_to_sp
 from megatronish.tensor_parallel.sharding import mark_param
-
-if TYPE_CHECKING:
-    from megatronish.model.spec import ModelSpec
-    from megatronish.tensor_parallel.context import TPContext
 
 AUX, Z, DROPPED = -3, -2, -1  # the last entries of MoELayer.stats (the first E: assignments)
 
@@ -59,16 +57,25 @@ class MoELayer(nn.Module):
     """Top-k mixture of experts (+ shared experts) in place of a block's MLP."""
 
     def __init__(
-        self, spec: ModelSpec, tp: TPContext, device=None, shared: nn.Module | None = None
+        self,
+        spec: ModelSpec,
+        tp: TPContext,
+        cp: CPContext,
+        ep: EPContext,
+        device=None,
+        shared: nn.Module | None = None,
+        layer_id: int = 0,
     ):
-        """``shared``: the always-on experts' MLP (input and output like the block's)."""
+        """``shared``: the always-on experts' MLP (input and output like the block's);
+        ``layer_id``: the global index of the block (the row of its routing statistics)."""
         super().__init__()
-        moe, ep = spec.moe, tp.ep
+        moe = spec.moe
         if tp.size > 1 and not tp.sequence_parallel:
             raise ValueError("mixture-of-experts blocks with tp > 1 need sequence parallelism")
         if moe.num_experts % ep.size:
             raise ValueError(f"{moe.num_experts} experts do not split over ep={ep.size}")
-        self.spec, self.moe, self.tp = spec, moe, tp
+        self.spec, self.moe, self.tp, self.cp, self.ep = spec, moe, tp, cp, ep
+        self.layer_id = layer_id
         self.router = mark_param(
             nn.Parameter(torch.empty(moe.num_experts, spec.hidden_size, device=device)),
             std=spec.init_std,
@@ -83,7 +90,7 @@ class MoELayer(nn.Module):
         self.stats = torch.zeros(moe.num_experts + 3, dtype=torch.float64, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        moe, tp = self.moe, self.tp
+        moe, tp, ep = self.moe, self.tp, self.ep.group
         s, b, h = x.shape
         logits = F.linear(x.reshape(-1, h).float(), self.router.float())
         probs, weights, experts = route(logits, moe.top_k, moe.renormalize)
@@ -101,9 +108,9 @@ class MoELayer(nn.Module):
         order, counts, dropped = sort_assignments(
             all_experts, all_weights, moe.num_experts, capacity
         )
-        rows, record = dispatch(tokens, order, counts, moe.top_k, tp.ep)  # the one host read
+        rows, record = dispatch(tokens, order, counts, moe.top_k, ep)  # the one host read
         outputs = self.experts(rows, record.local_counts, offsets=record.local_ends)
-        out = combine(outputs, record, all_weights, tp.ep).view(-1, b, h)
+        out = combine(outputs, record, all_weights, ep).view(-1, b, h)
         if tp.sequence_parallel:
             out = reduce_scatter_to_sp(out, tp.group)
         if self.shared is not None:
@@ -114,7 +121,7 @@ class MoELayer(nn.Module):
 
     def _auxiliary_losses(self, out, logits, probs, all_experts, experts, dropped):
         """Attach the balancing and z losses to ``out``'s gradient; record the step's stats."""
-        moe, cp = self.moe, self.tp.cp
+        moe, cp = self.moe, self.cp
         total = all_experts.shape[0] * cp.size  # the microbatch's tokens, every cp chunk
         counts = count_per_expert(all_experts, moe.num_experts)
         all_reduce(counts, cp.group)

@@ -1,5 +1,6 @@
-"""What the trainer does with the mixture-of-experts blocks of its chunks: the auxiliary losses'
-gradient scale, and the routing statistics of a step (tokens per expert, losses, drops)."""
+"""What the trainer does with the mixture-of-experts blocks of its chunks (found once, by
+:func:`moe_layers`): the auxiliary losses' gradient scale, and the routing statistics of a step
+(tokens per expert, losses, drops)."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ def start_step(layers: list[MoELayer], loss_scale: float) -> None:
 
 
 def step_metrics(
-    chunks: list[nn.Module],
+    layers: list[MoELayer],
     num_layers: int,
     num_experts: int,
     world: ParallelGroup,
@@ -32,7 +33,8 @@ def step_metrics(
     num_microbatches: int,
     device: torch.device,
 ) -> dict[str, float]:
-    """The last step's routing metrics over every rank (collective over ``world``).
+    """The last step's routing metrics over every rank (collective over ``world``); ``layers``:
+    this rank's blocks (:func:`moe_layers`), none on a rank without any.
 
     Keys are ``moe/...``:
 
@@ -43,10 +45,8 @@ def step_metrics(
     - ``dropped_tokens``: assignments over capacity, all blocks, the whole step.
     """
     rows = torch.zeros(num_layers, num_experts + 3, dtype=torch.float64, device=device)
-    for c in chunks:
-        for index, block in getattr(c, "layers", {}).items():
-            if isinstance(block.mlp, MoELayer):
-                rows[int(index)] = block.mlp.stats
+    for layer in layers:
+        rows[layer.layer_id] = layer.stats
     all_reduce(rows, world)
     host = rows.tolist()  # one device read, on log steps only
     counts = [row[:num_experts] for row in host if sum(row[:num_experts]) > 0]

@@ -20,13 +20,14 @@ import heapq
 import math
 from dataclasses import dataclass
 
-from megatronish.model.spec import ModelSpec
 from megatronish.plan.candidates import valid_layouts
 from megatronish.plan.estimate import Plan, Planner
 from megatronish.plan.layout import Layout
+from megatronish.plan.recompute import POLICIES
 from megatronish.plan.step_time import Hardware, StepTime, lower_bound, step_time
+from megatronish.spec import ModelSpec
 
-RECOMPUTE_ORDER = {"none": 0, "selective": 1, "full": 2}
+RECOMPUTE_ORDER = {policy: i for i, policy in enumerate(POLICIES)}  # none, selective, full
 
 
 @dataclass(frozen=True)

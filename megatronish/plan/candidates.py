@@ -23,9 +23,10 @@ from omegaconf import OmegaConf
 
 from megatronish.config.validate import config_errors
 from megatronish.plan.layout import Layout
+from megatronish.plan.recompute import POLICIES
 
 MICRO_BATCH_SIZES = (1, 2, 4, 8, 16)
-RECOMPUTE = ("none", "selective", "full")
+RECOMPUTE = POLICIES
 ZERO_STAGES = (0, 1, 2, 3)
 
 

@@ -1,7 +1,7 @@
 """What a device offers: the named-GPU table (peak FLOP/s, memory), how much memory a rank may
 use on this machine, and what the runtime itself takes.
 
-:data:`GPUS` is the one table of GPU models: ``metrics.device_peak_flops`` finds the running
+:data:`GPUS` is the one table of GPU models: ``training.peaks.device_peak_flops`` finds the running
 GPU in it by its CUDA name, the planner by the name given as ``device=NAME``. FLOP/s are the
 dense tensor-core peaks of the vendor datasheets (half the "with sparsity" figures); ``fp32``
 is the non-tensor-core rate (what fp32 matmuls run at unless TF32 is allowed). The memory

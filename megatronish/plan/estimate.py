@@ -1,9 +1,12 @@
 """The plan of a job: memory per rank, FLOPs, tokens, communication and the pipeline bubble.
 
 Nothing is allocated: the model is built on the meta device, everything else is arithmetic on
-the layout (see :mod:`~megatronish.plan.states`, :mod:`~megatronish.plan.activations` and
-:mod:`~megatronish.plan.comm` for what each number counts). :func:`make_plan` plans one layout;
-the layout advisor plans thousands of one model with one :class:`Planner`, which is fast because
+the layout. This file only adds up what each feature's file says it costs: the dense blocks
+(:mod:`~megatronish.plan.dense`), mixtures of experts (:mod:`~megatronish.plan.moe`), recompute
+(:mod:`~megatronish.plan.recompute`), the pipeline (:mod:`~megatronish.plan.pipeline`), context
+parallelism (:mod:`~megatronish.plan.context_parallel`) and ZeRO / data parallelism
+(:mod:`~megatronish.plan.data_parallel`). :func:`make_plan` plans one layout; the layout advisor
+plans thousands of one model with one :class:`Planner`, which is fast because
 
 - ``representative=True`` plans only the first, the second and the last stage. Stages between
   the first and the last hold the same chunks (an even layer split), so the same states and
@@ -23,26 +26,67 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from megatronish.data_parallel.grads import tied_rule
-from megatronish.model.flops import (
-    active_parameters,
-    count_parameters,
-    flops_per_token,
-    matmul_params,
-)
-from megatronish.model.spec import ModelSpec
-from megatronish.pipeline.schedule import analytic_bubble
-from megatronish.plan import comm, moe
-from megatronish.plan.activations import ActivationPlan, activation_plan
+from megatronish.model.flops import active_parameters, count_parameters, flops_per_token
+from megatronish.plan import context_parallel, data_parallel, dense, moe, pipeline, recompute
+from megatronish.plan.data_parallel import StateBytes
+from megatronish.plan.hardware import add_volumes
 from megatronish.plan.layout import Layout
-from megatronish.plan.states import (
-    FP32,
-    StateBytes,
-    chunk_buckets,
-    meta_chunks,
-    state_bytes,
-)
-from megatronish.plan.zero3_gather import chunk_units
+from megatronish.plan.pipeline import representative_stages
+from megatronish.plan.rank_model import chunk_key, meta_chunks
+from megatronish.spec import ModelSpec
+
+
+@dataclass(frozen=True)
+class ActivationPlan:
+    per_layer: float  # bytes a layer keeps per microbatch under the recompute policy
+    in_flight: float  # peak microbatches (in units of this rank's whole model part) alive
+    saved_peak: int  # peak bytes kept for backward over the step
+    workspace: int  # temporaries on top of the saved peak
+    peak: int  # saved_peak + workspace
+
+
+def activation_plan(spec: ModelSpec, layout: Layout, pp_rank: int) -> ActivationPlan:
+    """Peak activation memory of a rank of pipeline stage ``pp_rank`` during a step: what each
+    chunk's forward keeps (its blocks under the recompute policy, the embedding, the head) at
+    the schedule's in-flight peak, plus the largest workspace (at the loss, or in a backward)."""
+    layers = layout.chunk_layers(spec.num_layers)
+    n_chunks = len(layers)
+    flags = moe.block_flags(spec, layout)
+    group_input = dense.hidden_bytes(spec, layout)
+
+    def blocks(run: tuple, core: bool = True) -> int:
+        return moe.blocks_bytes(spec, layout, run, core)
+
+    def head(c: int) -> int:
+        return dense.head_bytes(spec, layout) if c == n_chunks - 1 else 0
+
+    sizes = {
+        c: recompute.chunk_body(layout, layers[c], flags[c], blocks, group_input)
+        + (dense.embedding_bytes(spec, layout) if c == 0 else 0)
+        + head(c)
+        for c in range(n_chunks)
+    }
+    mine = layout.stage_chunks(pp_rank)
+    peak = pipeline.peak_in_flight(layout.pp, layout.vpp, layout.num_microbatches, pp_rank, sizes)
+    # The peak is either at the loss (the last chunk's logits on top of everything kept) or in
+    # the first layers' backward (the head's tensors freed, a recomputed group rebuilt).
+    at_loss = dense.loss_workspace(spec, layout) if n_chunks - 1 in mine else 0
+    in_backward = moe.backward_workspace(spec, layout) + max(
+        recompute.rebuild_workspace(layout, layers[c], flags[c], blocks, group_input) - head(c)
+        for c in mine
+    )
+    in_backward += dense.sp_workspace(spec, layout)
+    work = max(at_loss, in_backward, 0) + pipeline.p2p_workspace(spec, layout)
+    per_rank_part = sum(sizes[c] for c in mine)
+    return ActivationPlan(
+        per_layer=recompute.kept_per_layer(
+            layout, lambda core: moe.mean_block_bytes(spec, layout, core), group_input
+        ),
+        in_flight=peak / per_rank_part if per_rank_part else 0.0,
+        saved_peak=peak,
+        workspace=work,
+        peak=peak + work,
+    )
 
 
 @dataclass(frozen=True)
@@ -100,30 +144,23 @@ class Plan:
         return self.model_flops_per_step / (step_time_s * peak_flops_per_device * world)
 
 
-def recompute_flops_per_token(spec: ModelSpec, layout: Layout) -> float:
-    """Extra forward FLOPs per token that recompute adds (hardware, not model, FLOPs)."""
-    L, s, h = spec.num_layers, spec.seq_length, spec.hidden_size
-    if layout.recompute == "selective":
-        return 4.0 * L * s * h  # the attention scores and the weighted sum, forward only
-    if layout.recompute == "full":
-        layer_weights = matmul_params(spec) - spec.padded_vocab_size * h
-        share = 1.0
-        if layout.recompute_method == "block":
-            per_chunk = layout.chunk_layers(L)
-            share = sum(min(layout.recompute_num_layers, n) for n in per_chunk) / L
-        return share * (2.0 * layer_weights + 4.0 * L * s * h)
-    return 0.0
-
-
-def optimizer_workspace(spec: ModelSpec, layout: Layout, states: StateBytes) -> int:
-    """AdamW's ``sqrt(v)`` temporary of the largest owned bucket slice."""
-    zero = layout.zero_stage
-    return (states.largest_bucket_numel if zero == 0 else states.largest_shard_numel) * FP32
-
-
-def representative_stages(pp: int) -> list[int]:
-    """The pipeline ranks a cached plan covers: first, second and last."""
-    return sorted({0, min(1, pp - 1), pp - 1})
+def stage_volumes(
+    spec: ModelSpec, layout: Layout, pp_rank: int, chunks: list | None = None
+) -> tuple[tuple[dict, ...], tuple[dict, ...]]:
+    """Every feature's ``{"group/op": (calls, bytes)}`` of one step on pipeline rank ``pp_rank``
+    but the dp collectives (those need the rank's buckets), in the order the plan lists them:
+    tp, cp, then (after dp) pp, the tied embedding, ep."""
+    blocks = moe.rank_blocks(spec, layout, pp_rank)
+    return (
+        dense.tp_volume(spec, layout, pp_rank, chunks),
+        moe.tp_extra_volume(spec, layout, blocks),
+        context_parallel.cp_volume(spec, layout, pp_rank),
+        moe.cp_counts_volume(spec, layout, blocks),
+    ), (
+        pipeline.pp_volume(spec, layout, pp_rank),
+        pipeline.embedding_volume(spec, layout, pp_rank),
+        moe.ep_volume(spec, layout, blocks),
+    )
 
 
 class Planner:
@@ -133,22 +170,14 @@ class Planner:
         self.spec = spec
         self._meta: dict = {}
         self._blocks: dict[str, dict] = {
-            k: {} for k in ("states", "buckets", "units", "activations", "tp", "volumes")
+            k: {} for k in ("states", "buckets", "units", "activations", "volumes")
         }
         self._parameters = count_parameters(spec)
         self._active = active_parameters(spec)
         self._flops_per_token = flops_per_token(spec)
 
     def _chunks(self, layout: Layout, pp_rank: int) -> list:
-        key = (
-            layout.tp,
-            layout.pp,
-            layout.vpp,
-            layout.sp,
-            layout.chunk_layers(self.spec.num_layers),
-            pp_rank,
-            layout.ep,
-        )
+        key = chunk_key(layout, self.spec.num_layers, pp_rank)
         if key not in self._meta:
             self._meta[key] = meta_chunks(self.spec, layout, pp_rank)
         return self._meta[key]
@@ -161,89 +190,50 @@ class Planner:
 
     def _stage(self, layout: Layout, pp_rank: int) -> StagePlan:
         spec = self.spec
+        # What every block depends on: the rank's chunks, their sequence split and dtype.
         shape = (
-            layout.tp,
+            chunk_key(layout, spec.num_layers, pp_rank),
             layout.cp,
-            layout.pp,
-            layout.vpp,
-            layout.sp,
             layout.layers_per_chunk,
             layout.precision,
-            pp_rank,
-            layout.ep,
         )
-        m, mbs = layout.num_microbatches, layout.micro_batch_size
-        rc = (layout.recompute, layout.recompute_method, layout.recompute_num_layers)
-        zero3_rc = rc if layout.zero_stage == 3 else None  # its gathered peak follows recompute
-        # zero 2/3: the full grads alive at the activation peak depend on full recompute
-        full = layout.zero_stage >= 2 and layout.recompute == "full"
-        layout_states = (
-            layout.dp_cp,
-            layout.zero_stage,
-            layout.bucket_size_mb,
-            layout.zero3_keep_gathered,
-            zero3_rc,
-            full,
-        )
+        run = (layout.micro_batch_size, layout.num_microbatches, recompute.policy(layout))
         chunks = self._chunks(layout, pp_rank)
         st = self._cached(
             "states",
-            (shape, layout_states),
-            lambda: state_bytes(spec, layout, pp_rank, chunks),
+            (shape, data_parallel.states_key(layout)),
+            lambda: data_parallel.state_bytes(spec, layout, pp_rank, chunks),
         )
-        per_unit = layout.zero_stage >= 2
         buckets = self._cached(
             "buckets",
-            (shape, layout.dp_cp, layout.bucket_size_mb, per_unit),
-            lambda: [chunk_buckets(c, layout) for c in chunks],
+            (shape, data_parallel.buckets_key(layout)),
+            lambda: [data_parallel.chunk_buckets(c, layout) for c in chunks],
         )
-        units = None
-        if layout.zero_stage == 3:
-            units = self._cached(
-                "units",
-                (shape, layout.dp_cp, layout.bucket_size_mb, rc),
-                lambda: [
-                    chunk_units(c, layout, tied_rule(c.spec.tie_embeddings, layout.pp))
-                    for c in chunks
-                ],
-            )
+        units = self._cached(
+            "units",
+            (shape, data_parallel.units_key(layout)),
+            lambda: data_parallel.rank_units(layout, chunks),
+        )
         act = self._cached(
             "activations",
-            (shape, mbs, self._capped(layout), rc),
+            (shape, layout.micro_batch_size, self._capped(layout), recompute.policy(layout)),
             lambda: self._activations(layout, pp_rank),
         )
-        volume: dict[str, tuple[int, int]] = {}
-        volume.update(
-            self._cached(
-                "tp", (shape, mbs, m, rc), lambda: comm.tp_volume(spec, layout, pp_rank, chunks)
-            )
+        before_dp, after_dp = self._cached(
+            "volumes", (shape, run), lambda: stage_volumes(spec, layout, pp_rank, chunks)
         )
-        volume.update(comm.cp_volume(spec, layout, pp_rank))
-        volume.update(comm.dp_volume(layout, buckets, units))
-        volume.update(
-            self._cached(
-                "volumes",
-                (shape, mbs, m, rc),
-                lambda: {
-                    **comm.pp_volume(spec, layout, pp_rank),
-                    **comm.embedding_volume(spec, layout, pp_rank),
-                    **moe.ep_volume(spec, layout, moe.rank_blocks(spec, layout, pp_rank)),
-                },
-            )
-        )
+        dp = data_parallel.dp_volume(layout, buckets, units)
         return StagePlan(
             pp_rank=pp_rank,
             states=st,
             activations=act,
-            optimizer_workspace=optimizer_workspace(spec, layout, st),
-            comm=volume,
+            optimizer_workspace=data_parallel.optimizer_workspace(layout, st),
+            comm=add_volumes(*before_dp, dp, *after_dp),
         )
 
     @staticmethod
     def _capped(layout: Layout) -> int:
-        """Microbatches that give the same in-flight peak as the layout's: 1F1B's warm-up holds
-        at most pp of them, the interleaved one's under 2 pp."""
-        return min(layout.num_microbatches, layout.pp * (1 if layout.vpp == 1 else 2))
+        return pipeline.capped_microbatches(layout)
 
     def _activations(self, layout: Layout, pp_rank: int) -> ActivationPlan:
         m = self._capped(layout)
@@ -254,12 +244,9 @@ class Planner:
         """The plan of ``layout``: every pipeline stage, or the representative ones."""
         spec = self.spec
         tokens = layout.global_batch_size * spec.seq_length
-        bubble = 0.0
-        if layout.pp > 1:
-            bubble = analytic_bubble(layout.pp, layout.vpp, layout.num_microbatches)
         ranks = representative_stages(layout.pp) if representative else range(layout.pp)
         stages = [self._stage(layout, r) for r in ranks]
-        hardware = self._flops_per_token + recompute_flops_per_token(spec, layout)
+        hardware = self._flops_per_token + recompute.recompute_flops_per_token(spec, layout)
         return Plan(
             spec=spec,
             layout=layout,
@@ -267,7 +254,7 @@ class Planner:
             tokens_per_step=tokens,
             model_flops_per_step=self._flops_per_token * tokens,
             hardware_flops_per_step=hardware * tokens,
-            bubble=bubble,
+            bubble=pipeline.bubble(layout),
             stages=stages,
             active_parameters=self._active,
         )

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from megatronish.config.derived import derive
-from megatronish.model.spec import ModelSpec
+from megatronish.model.build import chunk_ids_of_stage
+from megatronish.spec import ModelSpec
 
 
 @dataclass(frozen=True)
@@ -31,7 +32,7 @@ class Layout:
     grad_reduce_dtype: str = "fp32"  # fp32 | bf16: the dp grad reduction
     cp: int = 1  # context parallel: each sequence split over cp ranks
     ep: int = 1  # expert parallel: experts split over ep ranks carved out of dp x cp
-    device_type: str = "cuda"  # cuda | cpu: SDPA's kernels differ (plan/activations.py)
+    device_type: str = "cuda"  # cuda | cpu: SDPA's kernels differ (plan/dense.py)
 
     @property
     def world_size(self) -> int:
@@ -71,6 +72,10 @@ class Layout:
             return self.layers_per_chunk
         chunks = self.pp * self.vpp
         return (num_layers // chunks,) * chunks
+
+    def stage_chunks(self, pp_rank: int) -> list[int]:
+        """The global chunks pipeline rank ``pp_rank`` holds (the trainer's rule)."""
+        return chunk_ids_of_stage(pp_rank, self.pp, self.vpp)
 
     def describe(self) -> str:
         parts = [f"tp={self.tp}"] + ([f"cp={self.cp}"] if self.cp > 1 else []) + [f"pp={self.pp}"]

@@ -31,8 +31,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from megatronish.model.spec import ModelSpec
 from megatronish.plan.layout import Layout
+from megatronish.spec import ModelSpec
 
 if TYPE_CHECKING:
     from megatronish.plan.step_time import Hardware

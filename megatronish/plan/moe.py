@@ -20,6 +20,12 @@ Communication per block and microbatch (CommStats' bytes, :mod:`megatronish.moe.
 Full recompute reruns a checkpointed block's forward collectives; a group that ends in a
 mixture-of-experts block reruns all of them (its balancing and z losses keep the last saved
 tensors), while a dense block's final reduce-scatter is skipped.
+
+Everything else the plan knows of experts is here too: which blocks are mixtures of experts
+(:func:`block_flags`; the functions taking a model's blocks use the dense ones of
+:mod:`~megatronish.plan.dense` for the others), their FLOPs (active weights), the expert buckets'
+ZeRO group (``edp = dp * cp / ep`` ranks, :func:`expert_dp`, :func:`expert_group`) and the step
+time of their grads, reduced with dp's (:func:`merge_expert_grads`).
 """
 
 from __future__ import annotations
@@ -28,9 +34,12 @@ import math
 from dataclasses import dataclass
 
 from megatronish.model.build import chunk_layer_ranges
+from megatronish.model.flops import layer_matmul_params
 from megatronish.model.recompute import recompute_segments
-from megatronish.model.spec import ModelSpec
+from megatronish.plan import dense
+from megatronish.plan.context_parallel import rank_seq_length
 from megatronish.plan.layout import Layout
+from megatronish.spec import ModelSpec
 
 FP32, INT64 = 4, 8
 
@@ -41,9 +50,16 @@ def chunk_flags(spec: ModelSpec, layout: Layout) -> list[tuple[bool, ...]]:
     return [tuple(spec.is_moe_layer(i) for i in r) for r in ranges]
 
 
+def block_flags(spec: ModelSpec, layout: Layout) -> list[tuple[bool, ...]]:
+    """:func:`chunk_flags`, or empty tuples (every block dense) for a dense model."""
+    if spec.moe is None:
+        return [()] * len(layout.chunk_layers(spec.num_layers))
+    return chunk_flags(spec, layout)
+
+
 def routed_tokens(spec: ModelSpec, layout: Layout) -> int:
     """``T``: tokens one block routes per microbatch on a rank (this cp rank's, all tp's)."""
-    return spec.seq_length // layout.cp * layout.micro_batch_size
+    return rank_seq_length(spec, layout) * layout.micro_batch_size
 
 
 def dispatched_rows(spec: ModelSpec, layout: Layout) -> int:
@@ -89,12 +105,62 @@ def mlp_bytes(spec: ModelSpec, layout: Layout) -> int:
     return router + routing + index + experts + combine + shared
 
 
-def backward_workspace(spec: ModelSpec, layout: Layout) -> int:
+def _block_backward_workspace(spec: ModelSpec, layout: Layout) -> int:
     """Temporaries of a mixture-of-experts block's backward: the incoming grad of the whole
     microbatch's tokens, and the slots' grad beside the product that gives the weights' grad."""
     e, h = layout.activation_bytes, spec.hidden_size
     rows = routed_tokens(spec, layout) * spec.moe.top_k
     return routed_tokens(spec, layout) * h * e + 2 * rows * h * e
+
+
+def backward_workspace(spec: ModelSpec, layout: Layout) -> int:
+    """Temporaries of the largest block backward of the model: a dense block's
+    (:func:`~megatronish.plan.dense.backward_workspace`) or a mixture-of-experts one's."""
+    if spec.moe is None:
+        return dense.backward_workspace(spec, layout)
+    kinds = {spec.is_moe_layer(i) for i in range(spec.num_layers)}
+    return max(
+        _block_backward_workspace(spec, layout) if k else dense.backward_workspace(spec, layout)
+        for k in kinds
+    )
+
+
+def block_bytes(spec: ModelSpec, layout: Layout, moe_block: bool, core: bool = True) -> int:
+    """:func:`~megatronish.plan.dense.layer_bytes` of a dense block, or of a mixture-of-experts
+    one (its MLP and the MLP's input replaced by what the router, dispatch and experts keep)."""
+    layer = dense.layer_bytes(spec, layout, core)
+    if not moe_block:
+        return layer
+    return layer - dense.mlp_bytes(spec, layout) + mlp_bytes(spec, layout)
+
+
+def blocks_bytes(
+    spec: ModelSpec, layout: Layout, flags: tuple[bool, ...], core: bool = True
+) -> int:
+    """:func:`block_bytes` of a run of blocks (``flags``: which are mixtures of experts)."""
+    return sum(block_bytes(spec, layout, f, core) for f in flags)
+
+
+def mean_block_bytes(spec: ModelSpec, layout: Layout, core: bool = True) -> float:
+    """Bytes a block keeps per microbatch: a dense block's, or the mean over the model's."""
+    if spec.moe is None:
+        return dense.layer_bytes(spec, layout, core=core)
+    flags = [spec.is_moe_layer(i) for i in range(spec.num_layers)]
+    return blocks_bytes(spec, layout, tuple(flags), core) / spec.num_layers
+
+
+# -- FLOPs ------------------------------------------------------------------------------------
+
+
+def stage_flops_per_token(spec: ModelSpec, layers: list[int], head: bool) -> float:
+    """Model FLOPs per token of the pipeline's tokens that the blocks ``layers`` (and the head)
+    do: a mixture-of-experts model's blocks differ (their own active weights), a dense model's
+    are :func:`~megatronish.plan.dense.stage_flops_per_token`."""
+    if spec.moe is None:
+        return dense.stage_flops_per_token(spec, layers, head)
+    s, h = spec.seq_length, spec.hidden_size
+    own = sum(6.0 * layer_matmul_params(spec, i) + 12.0 * s * h for i in layers)
+    return own + (6.0 * (spec.padded_vocab_size * h) if head else 0.0)
 
 
 # -- communication ----------------------------------------------------------------------------
@@ -115,7 +181,7 @@ def rank_blocks(spec: ModelSpec, layout: Layout, pp_rank: int) -> RankBlocks:
         return RankBlocks()
     flags = chunk_flags(spec, layout)
     moe = redo = ending = 0
-    for c in (pp_rank + v * layout.pp for v in range(layout.vpp)):
+    for c in layout.stage_chunks(pp_rank):
         blocks = flags[c]
         moe += sum(blocks)
         segments = recompute_segments(
@@ -168,14 +234,13 @@ def tp_extra_volume(
     return {"tp/all_gather": gathers, "tp/reduce_scatter": (scatters, scatter_bytes)}
 
 
-def add_volumes(*volumes: dict[str, tuple[int, int]]) -> dict[str, tuple[int, int]]:
-    """The sum of ``{"group/op": (calls, bytes)}`` tables."""
-    out: dict[str, tuple[int, int]] = {}
-    for volume in volumes:
-        for key, (calls, nbytes) in volume.items():
-            c, b = out.get(key, (0, 0))
-            out[key] = (c + calls, b + nbytes)
-    return out
+# -- the experts' grads -----------------------------------------------------------------------
+
+
+def expert_dp(layout: Layout) -> dict:
+    """The buckets' ``expert_dp`` argument: experts sharded over ``dp * cp / ep`` ranks (the
+    default, dp x cp, without expert parallelism)."""
+    return {"expert_dp": (layout.edp, 0)} if layout.ep > 1 else {}
 
 
 def expert_group(layout: Layout) -> str | None:
@@ -184,3 +249,18 @@ def expert_group(layout: Layout) -> str | None:
     if layout.ep == 1:
         return "dp_cp" if layout.cp > 1 else "dp"
     return "edp" if layout.edp > 1 else None
+
+
+def merge_expert_grads(times: dict, volume: dict, group: str) -> tuple[dict, dict]:
+    """``times`` and ``volume`` with the expert-data-parallel group's entries added to those of
+    ``group`` (dp's): expert grads are reduced and gathered with the dense ones and overlap as
+    they do."""
+    if not any(k.startswith("edp/") for k in volume):
+        return times, volume
+    times, volume = dict(times), dict(volume)
+    for key in [k for k in volume if k.startswith("edp/")]:
+        op = f"{group}/{key.partition('/')[2]}"
+        times[op] = times.get(op, 0.0) + times.pop(key)
+        (calls, nbytes), (more, extra) = volume.get(op, (0, 0)), volume.pop(key)
+        volume[op] = (calls + more, nbytes + extra)
+    return times, volume

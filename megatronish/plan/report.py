@@ -14,7 +14,6 @@ from __future__ import annotations
 from pathlib import Path
 
 from megatronish.config import compose
-from megatronish.model.spec import ModelSpec
 from megatronish.plan.advisor import Advice, Ranked, reason
 from megatronish.plan.devices import GiB
 from megatronish.plan.estimate import Plan
@@ -22,6 +21,7 @@ from megatronish.plan.layout import Layout
 from megatronish.plan.matmul_efficiency import model_efficiency
 from megatronish.plan.step_time import TERMS, Hardware
 from megatronish.plan.vocab import PlannedVocab
+from megatronish.spec import ModelSpec
 
 # -- the plan of one layout
 

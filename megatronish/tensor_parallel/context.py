@@ -1,4 +1,4 @@
-"""TPContext: what a model layer needs to know about tensor/sequence (and context) parallelism."""
+"""TPContext: what a model layer needs to know about tensor and sequence parallelism."""
 
 from __future__ import annotations
 
@@ -7,22 +7,17 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from megatronish.context_parallel.attention import CPContext
 from megatronish.distributed.comm import ParallelGroup, single_group
 from megatronish.tensor_parallel.random import RNGTracker
 
 
 @dataclass
 class TPContext:
-    """The tp group, whether sequence parallelism is on, the RNG tracker for dropout, the
-    context-parallel split of the sequence (``cp``) and the expert-parallel group (``ep``: the
-    ranks whose mixture-of-experts blocks exchange tokens)."""
+    """The tp group, whether sequence parallelism is on, and the RNG tracker for dropout."""
 
     group: ParallelGroup = field(default_factory=lambda: single_group("tp"))
     sp: bool = False
     rng: RNGTracker | None = None
-    cp: CPContext = field(default_factory=CPContext)
-    ep: ParallelGroup = field(default_factory=lambda: single_group("ep"))
 
     @property
     def size(self) -> int:

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from megatronish.distributed.comm import CommStats, ParallelGroup
-from megatronish.distributed.rank_math import rank_to_coords
+from megatronish.distributed.parallel_grid import ParallelGrid
 from megatronish.distributed.topology import Topology
 from megatronish.pipeline.engine import (
     PipelineShape,
@@ -74,13 +74,9 @@ def stub_chunks(
 def stub_topology(pp: int, rank: int) -> Topology:
     """A one-process Topology in which this process plays pipeline ``rank`` (no process group)."""
     group = ParallelGroup(name="pp", ranks=tuple(range(pp)), rank=rank)
-    coords = rank_to_coords(rank, 1, 1, pp)
     return Topology(
-        tp=1,
-        dp=1,
-        pp=pp,
         rank=rank,
-        coords=coords,
+        grid=ParallelGrid.of(pp=pp),
         groups={"pp": group},
         device=torch.device("cpu"),
         stats=CommStats(),

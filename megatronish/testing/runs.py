@@ -10,7 +10,7 @@ from megatronish.config.compose import load_config
 from megatronish.config.derived import derive
 from megatronish.config.validate import ConfigError, config_errors
 from megatronish.distributed.topology import Topology
-from megatronish.model.spec import ModelSpec
+from megatronish.spec import ModelSpec
 from megatronish.tensor_parallel.random import RNGTracker
 from megatronish.testing.synthetic import PatternTokens
 
@@ -119,17 +119,7 @@ def layout_parts(cfg, rank: int, world: int, device: torch.device | None = None)
     if errors := config_errors(cfg, world, data=False):  # synthetic batches: no dataset
         raise ConfigError(errors)
     d = derive(cfg, world)
-    p = cfg.parallel
-    topo = Topology.build(
-        tp=p.tp,
-        dp=d.dp,
-        pp=p.pp,
-        rank=rank,
-        timeout_s=p.collective_timeout_s,
-        device=device or torch.device("cpu"),
-        cp=p.cp,
-        ep=p.ep,
-    )
+    topo = Topology.from_config(cfg.parallel, rank, world, device or torch.device("cpu"))
     spec = ModelSpec.from_config(cfg.model, cfg.model.vocab_size)
     rng = RNGTracker(topo.device)
     rng.seed(
@@ -166,10 +156,10 @@ def train_layout(
     trainer = build_trainer(rank, world, [*overrides, *extra], steps, p2p=p2p)
     topo, chunks = trainer.topo, trainer.chunks
     if load:
-        load_into(trainer, load)
+        load_into(trainer.checkpoint_parts, load)
     history = trainer.fit()
     if save:
-        CheckpointSaver(trainer.cfg, trainer).save(blocking=True)
+        CheckpointSaver(trainer.cfg, trainer.checkpoint_parts).save(blocking=True)
     stats = topo.stats.summary()  # training traffic only, before the gathers below
     held = {
         **trainer.zero.state_bytes(),

@@ -1,4 +1,6 @@
-"""Assemble a training job from a resolved config: launch, topology, data, model, trainer."""
+"""A run's start-up from a validated config: threads, device, process groups and Topology
+(:func:`start_topology`), then data, tokenizer, model chunks and RNG streams (:func:`build_on`):
+the :class:`Job` the entry point builds its Trainer from."""
 
 from __future__ import annotations
 
@@ -8,16 +10,19 @@ from dataclasses import dataclass
 import torch
 
 from megatronish.config.derived import Derived, derive
+from megatronish.config.schema import TrainConfig
 from megatronish.config.validate import ConfigError, vocab_errors
 from megatronish.context_parallel.attention import CPContext
 from megatronish.distributed.agree import PeerError, agree
 from megatronish.distributed.cpus import default_threads, usable_cpus
 from megatronish.distributed.launch import LaunchEnv, init_process_group, pick_device
-from megatronish.distributed.rank_math import rank_map_table
+from megatronish.distributed.parallel_grid import rank_map_table
 from megatronish.distributed.topology import Topology
 from megatronish.model.build import build_chunks
+from megatronish.model.parallel_context import ParallelContext
 from megatronish.model.recompute import apply_recompute
-from megatronish.model.spec import ModelSpec
+from megatronish.moe.context import EPContext
+from megatronish.spec import ModelSpec
 from megatronish.tensor_parallel.context import TPContext
 from megatronish.tensor_parallel.random import RNGTracker
 from megatronish.training.precision import apply_deterministic, apply_fp32_matmul_setting
@@ -25,7 +30,7 @@ from megatronish.training.precision import apply_deterministic, apply_fp32_matmu
 
 @dataclass
 class Job:
-    cfg: object
+    cfg: TrainConfig
     launch: LaunchEnv
     topo: Topology
     derived: Derived
@@ -37,7 +42,7 @@ class Job:
     tokenizer: object
 
 
-def set_threads(cfg, launch: LaunchEnv) -> None:
+def set_threads(cfg: TrainConfig, launch: LaunchEnv) -> None:
     """The CPUs this process may use (its affinity mask: SLURM's cgroup or task binding, not the
     node's core count) shared by the ranks that share the mask (:func:`default_threads`); all
     of them for a single process."""
@@ -47,7 +52,7 @@ def set_threads(cfg, launch: LaunchEnv) -> None:
     torch.set_num_threads(n)
 
 
-def build_data(cfg, topo: Topology, launch: LaunchEnv):
+def build_data(cfg: TrainConfig, topo: Topology, launch: LaunchEnv):
     """Datasets and tokenizer; local rank 0 builds caches first, failures stop every rank."""
     from megatronish.data.build import build_datasets
 
@@ -65,7 +70,7 @@ def build_data(cfg, topo: Topology, launch: LaunchEnv):
     return result
 
 
-def check_memory_fits(cfg, launch: LaunchEnv, topo: Topology, vocab: int) -> None:
+def check_memory_fits(cfg: TrainConfig, launch: LaunchEnv, topo: Topology, vocab: int) -> None:
     """Stop every rank, before the model is allocated, when the planner says a rank's peak
     exceeds its device memory (GPU memory, or this host's available RAM shared by its ranks)."""
     from megatronish.plan.devices import local_device_memory
@@ -83,16 +88,19 @@ def check_memory_fits(cfg, launch: LaunchEnv, topo: Topology, vocab: int) -> Non
         raise LayoutDoesNotFit(error or str(e)) from None
 
 
-def build_model(cfg, topo: Topology, derived: Derived, spec: ModelSpec, rng: RNGTracker):
+def build_model(
+    cfg: TrainConfig, topo: Topology, derived: Derived, spec: ModelSpec, rng: RNGTracker
+):
     """This rank's chunks; under ZeRO 3 with parameters on the meta device, their shards drawn
     by ZeRO (:class:`~megatronish.model.init.DeferredInit`), so no rank holds its whole chunk."""
-    cp_ctx = CPContext(group=topo.cp_group, seq_length=spec.seq_length)
-    tp_ctx = TPContext(
-        group=topo.tp_group, sp=cfg.parallel.sp, rng=rng, cp=cp_ctx, ep=topo.ep_group
+    ctx = ParallelContext(
+        tp=TPContext(group=topo.tp_group, sp=cfg.parallel.sp, rng=rng),
+        cp=CPContext(group=topo.cp_group, seq_length=spec.seq_length),
+        ep=EPContext(group=topo.ep_group),
     )
     chunks = build_chunks(
         spec,
-        tp_ctx,
+        ctx,
         derived.layers_per_chunk,
         pp_rank=topo.coords.pp,
         pp=topo.pp,
@@ -106,7 +114,7 @@ def build_model(cfg, topo: Topology, derived: Derived, spec: ModelSpec, rng: RNG
     return chunks
 
 
-def start_topology(cfg, launch: LaunchEnv) -> tuple[Derived, Topology]:
+def start_topology(cfg: TrainConfig, launch: LaunchEnv) -> tuple[Derived, Topology]:
     """Threads, device, precision switches, process groups and the Topology, for a config the
     entry point validated (``config_errors``). Collective when the world has more than one rank;
     the caller closes the Topology (and destroys the process groups)."""
@@ -116,24 +124,14 @@ def start_topology(cfg, launch: LaunchEnv) -> tuple[Derived, Topology]:
     apply_fp32_matmul_setting(device, cfg.trainer.tf32)
     apply_deterministic(cfg.trainer.deterministic)
     init_process_group(launch, device, cfg.parallel.collective_timeout_s)
-    p = cfg.parallel
-    topo = Topology.build(
-        tp=p.tp,
-        dp=derived.dp,
-        pp=p.pp,
-        rank=launch.rank,
-        device=device,
-        timeout_s=p.collective_timeout_s,
-        cp=p.cp,
-        ep=p.ep,
-    )
+    topo = Topology.from_config(cfg.parallel, launch.rank, launch.world_size, device)
     return derived, topo
 
 
-def build_on(cfg, launch: LaunchEnv, topo: Topology, derived: Derived) -> Job:
+def build_on(cfg: TrainConfig, launch: LaunchEnv, topo: Topology, derived: Derived) -> Job:
     """Data, tokenizer, model and RNG streams of a run on ``topo``. Collective."""
     if topo.rank == 0:
-        print(rank_map_table(topo.tp, topo.dp, topo.pp, topo.cp, topo.ep), flush=True)
+        print(rank_map_table(topo.grid), flush=True)
 
     train_data, valid_data, tokenizer = build_data(cfg, topo, launch)
     if topo.rank == 0 and hasattr(train_data, "describe"):  # a blend: what each dataset gives

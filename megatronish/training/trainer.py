@@ -14,15 +14,16 @@ import torch
 from torch import nn
 
 from megatronish.checkpoint.host_copies import HostCopies, StreamCopies
+from megatronish.checkpoint.parts import CheckpointParts
 from megatronish.checkpoint.save import CheckpointSaver, Saving
 from megatronish.config.derived import Derived
+from megatronish.config.schema import TrainConfig
 from megatronish.context_parallel.split import split_sequence
 from megatronish.data_parallel.zero import ZeroDataParallel
 from megatronish.distributed.comm import all_reduce
 from megatronish.distributed.timers import Timers, device_sync, max_min_over_ranks, timer_metrics
 from megatronish.distributed.topology import Topology
 from megatronish.model.flops import flops_per_token
-from megatronish.model.spec import ModelSpec
 from megatronish.moe import metrics as moe
 from megatronish.optim.lr_schedule import schedule_from_config
 from megatronish.optim.sharded_adamw import ShardedAdamW
@@ -34,6 +35,7 @@ from megatronish.pipeline.engine import (
 )
 from megatronish.pipeline.no_pipeline import forward_backward_no_pipeline
 from megatronish.pipeline.p2p import BatchedP2P
+from megatronish.spec import ModelSpec
 from megatronish.training.numerics import (
     StepResult,
     TooManySkippedSteps,
@@ -65,7 +67,7 @@ class Trainer:
 
     def __init__(
         self,
-        cfg,
+        cfg: TrainConfig,
         topo: Topology,
         spec: ModelSpec,
         derived: Derived,
@@ -124,10 +126,24 @@ class Trainer:
         self.readback: HostCopies | None = (
             StreamCopies(topo.device) if topo.device.type == "cuda" else None
         )
+        # What checkpoints save and restore; the logger is looked up per line (tests swap it).
+        self.checkpoint_parts = CheckpointParts(
+            cfg,
+            topo,
+            spec,
+            self.zero,
+            self.optimizer,
+            self.state,
+            settle=self.settle,
+            drop_unsettled=self._drop_unsettled,
+            log=lambda line: self.logger.info(line),
+        )
         self.saver = (
             None
             if saving is None
-            else CheckpointSaver(cfg, self, saving.rng, saving.run_id, saving.special_tokens)
+            else CheckpointSaver(
+                cfg, self.checkpoint_parts, saving.rng, saving.run_id, saving.special_tokens
+            )
         )
         self.stop = stop
         self.holds_loss = topo.is_last_stage
@@ -261,6 +277,11 @@ class Trainer:
             else:
                 self.state.skipped_in_a_row = 0
             self.state.history.append(result)
+
+    def _drop_unsettled(self) -> None:
+        """Forget the unsettled steps: a load replaced the state they were run from, so a later
+        settle must not count them (reading one raises)."""
+        self._unsettled.clear()
 
     def _after_skipped_step(self, step: int, loss: float, norm: float) -> None:
         """Log a skipped step; raise :class:`TooManySkippedSteps` at the consecutive limit."""
@@ -419,7 +440,7 @@ class Trainer:
         if self.spec.moe is None:
             return {}
         return moe.step_metrics(
-            self.chunks,
+            self.moe_layers,
             self.spec.num_layers,
             self.spec.moe.num_experts,
             self.topo.world_group,

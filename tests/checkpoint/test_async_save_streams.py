@@ -145,7 +145,7 @@ def differing_files(step_dir: str, expected_dir: str, rank: int) -> list[str]:
 
 
 def saver_into(trainer, path: str, copies=None) -> CheckpointSaver:
-    saver = CheckpointSaver(trainer.cfg, trainer, copies=copies)
+    saver = CheckpointSaver(trainer.cfg, trainer.checkpoint_parts, copies=copies)
     saver.dir = path
     return saver
 

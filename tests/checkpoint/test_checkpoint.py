@@ -131,7 +131,7 @@ def test_keep_last_prunes_after_publish_and_stale_tmp_is_cleaned(tmp_path):
     (tmp_path / ".tmp_step_0000009").mkdir()  # left by a crash mid-save
     assert clean_stale(str(tmp_path)) == [".tmp_step_0000009"]
     trainer = build_trainer(0, 1, ["checkpoint.keep_last=2", f"checkpoint.dir={tmp_path}"], 4)
-    saver = CheckpointSaver(trainer.cfg, trainer)
+    saver = CheckpointSaver(trainer.cfg, trainer.checkpoint_parts)
     for _ in range(4):
         trainer.train_step()
         saver.save(blocking=True)
@@ -143,8 +143,8 @@ def test_keep_last_prunes_after_publish_and_stale_tmp_is_cleaned(tmp_path):
 def test_async_save_matches_sync_save(tmp_path):
     trainer = build_trainer(0, 1, [f"checkpoint.dir={tmp_path / 'a'}"], 3)
     trainer.train_step()
-    sync = CheckpointSaver(trainer.cfg, trainer).save(blocking=True)
-    saver = CheckpointSaver(trainer.cfg, trainer)
+    sync = CheckpointSaver(trainer.cfg, trainer.checkpoint_parts).save(blocking=True)
+    saver = CheckpointSaver(trainer.cfg, trainer.checkpoint_parts)
     saver.dir = str(tmp_path / "b")
     assert saver.save(blocking=False) is None  # written in the background
     trainer.train_step()  # training continues meanwhile
@@ -159,35 +159,35 @@ def test_mismatched_model_is_refused_with_the_difference(tmp_path):
     run(1, [], 1, save=str(tmp_path))
     trainer = build_trainer(0, 1, ["model.hidden_size=128"], 1)
     with pytest.raises(CheckpointError, match="model.hidden_size: checkpoint 64, config 128"):
-        load_into(trainer, str(tmp_path))
+        load_into(trainer.checkpoint_parts, str(tmp_path))
     meta_path = os.path.join(resolve_step_dir(str(tmp_path)), "metadata.json")
     raw = json.load(open(meta_path))
     raw["format_version"] = 99
     json.dump(raw, open(meta_path, "w"))
     with pytest.raises(CheckpointError, match="format version 99"):
-        load_into(build_trainer(0, 1, [], 1), str(tmp_path))
+        load_into(build_trainer(0, 1, [], 1).checkpoint_parts, str(tmp_path))
 
 
 def test_tensors_that_would_be_cut_or_dropped_are_refused(tmp_path):
     run(1, ["model.arch=gpt2"], 1, save=str(tmp_path / "gpt2"))
     longer = build_trainer(0, 1, ["model.arch=gpt2", "model.max_position_embeddings=32"], 1)
     with pytest.raises(CheckpointError, match=r"embedding.position: checkpoint \[16, 64\]"):
-        load_into(longer, str(tmp_path / "gpt2"))
+        load_into(longer.checkpoint_parts, str(tmp_path / "gpt2"))
     run(1, [], 1, save=str(tmp_path / "llama"))
     tied = build_trainer(0, 1, ["model.tie_embeddings=true"], 1)
     with pytest.raises(
         CheckpointError, match="model.tie_embeddings: checkpoint False, config True"
     ):
-        load_into(tied, str(tmp_path / "llama"))
+        load_into(tied.checkpoint_parts, str(tmp_path / "llama"))
     meta = read_metadata(resolve_step_dir(str(tmp_path / "llama")))
     meta.config = {}  # a checkpoint without its config: the tensors alone are compared
     with pytest.raises(CheckpointError, match="not in this model: head.weight"):
-        check_tensor_shapes(meta, tied, "llama")
+        check_tensor_shapes(meta, tied.spec, "llama")
 
 
 def test_resaving_an_older_step_keeps_latest_and_its_directory(tmp_path):
     trainer = build_trainer(0, 1, ["checkpoint.keep_last=1", f"checkpoint.dir={tmp_path}"], 3)
-    saver = CheckpointSaver(trainer.cfg, trainer)
+    saver = CheckpointSaver(trainer.cfg, trainer.checkpoint_parts)
     trainer.train_step()
     saver.save(blocking=True)
     saver.save(blocking=True)  # the same step again replaces it in place

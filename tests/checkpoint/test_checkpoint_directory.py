@@ -46,7 +46,7 @@ def _save_then_fail(rank, world, ckpt, failing_rank, async_save):
     """Publish step 1; step 2's save fails on ``failing_rank`` as a full disk makes it fail."""
     layout = ["parallel.zero_stage=1", f"checkpoint.async_save={str(async_save).lower()}"]
     trainer = build_trainer(rank, world, [f"checkpoint.dir={ckpt}", *layout], 3)
-    saver = CheckpointSaver(trainer.cfg, trainer)
+    saver = CheckpointSaver(trainer.cfg, trainer.checkpoint_parts)
     trainer.train_step()
     saver.save(blocking=True)
     write = save_module.save_safetensors
@@ -78,7 +78,8 @@ def test_a_failed_write_names_the_file_and_cause_and_keeps_the_published_step(tm
     assert "(latest: step_0000001)" in errors[0]  # rank 0 reads the directory
     assert (tmp_path / "latest").read_text() == step(1)
     assert sorted(os.listdir(tmp_path)) == ["latest", step(1)]  # the partial step is gone
-    assert load_into(build_trainer(0, 1, [], 3), str(tmp_path)).step == 1  # and step 1 verifies
+    fresh = build_trainer(0, 1, [], 3).checkpoint_parts
+    assert load_into(fresh, str(tmp_path)).step == 1  # and step 1 verifies
 
 
 def test_write_failures_read_as_the_cause():
@@ -107,7 +108,7 @@ def test_prune_never_removes_the_step_latest_names_nor_damaged_steps(tmp_path):
 def test_after_a_fallback_resume_pruning_keeps_the_good_step_not_the_damaged_one(tmp_path):
     """Steps 2 (good) and 4 (damaged) with keep_last=2: the run resumes from 2 and saves 3."""
     trainer = build_trainer(0, 1, [f"checkpoint.dir={tmp_path}", "checkpoint.keep_last=2"], 4)
-    saver = CheckpointSaver(trainer.cfg, trainer)
+    saver = CheckpointSaver(trainer.cfg, trainer.checkpoint_parts)
     for n in range(1, 5):
         trainer.train_step()
         if n % 2 == 0:
@@ -117,10 +118,10 @@ def test_after_a_fallback_resume_pruning_keeps_the_good_step_not_the_damaged_one
     trainer = build_trainer(0, 1, [f"checkpoint.dir={tmp_path}", "checkpoint.keep_last=2"], 4)
     with plan_resume(trainer.cfg.checkpoint, trainer.topo.world_group) as plan:
         lines = []
-        assert load_with_fallback(trainer, plan, log=lines.append).step == 2
+        assert load_with_fallback(trainer.checkpoint_parts, plan, log=lines.append).step == 2
         assert f"set aside damaged checkpoint {tmp_path / step(4)} as damaged_{step(4)}" in lines
         trainer.train_step()
-        CheckpointSaver(trainer.cfg, trainer).save(blocking=True)
+        CheckpointSaver(trainer.cfg, trainer.checkpoint_parts).save(blocking=True)
     assert published(tmp_path) == [step(2), step(3)]
     assert (tmp_path / "latest").read_text() == step(3)
     assert (tmp_path / f"damaged_{step(4)}" / "DAMAGED.txt").exists()
@@ -129,11 +130,11 @@ def test_after_a_fallback_resume_pruning_keeps_the_good_step_not_the_damaged_one
 def test_a_damaged_step_is_not_set_aside_when_nothing_loads(tmp_path):
     """Damage that every step shows may be the reader's (a mount, a version): keep it all."""
     trainer = build_trainer(0, 1, [f"checkpoint.dir={tmp_path}"], 2)
-    CheckpointSaver(trainer.cfg, trainer).save(blocking=True)
+    CheckpointSaver(trainer.cfg, trainer.checkpoint_parts).save(blocking=True)
     os.remove(tmp_path / step(0) / "metadata.json")
     with plan_resume(trainer.cfg.checkpoint, trainer.topo.world_group) as plan:
         with pytest.raises(CheckpointError, match="no checkpoint could be loaded"):
-            load_with_fallback(trainer, plan, log=lambda line: None)
+            load_with_fallback(trainer.checkpoint_parts, plan, log=lambda line: None)
     assert published(tmp_path) == [step(0)] and (tmp_path / "latest").read_text() == step(0)
 
 

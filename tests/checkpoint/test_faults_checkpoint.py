@@ -29,7 +29,7 @@ STEP1, STEP2 = "step_0000001", "step_0000002"
 def save_two_steps(rank, world, ckpt, layout=()):
     """Train two steps, saving after each; ``latest`` names step 2, step 1 is kept."""
     trainer = build_trainer(rank, world, [f"checkpoint.dir={ckpt}", *layout], 2)
-    saver = CheckpointSaver(trainer.cfg, trainer)
+    saver = CheckpointSaver(trainer.cfg, trainer.checkpoint_parts)
     for _ in range(2):
         trainer.train_step()
         saver.save(blocking=True)
@@ -43,7 +43,7 @@ def resume(rank, world, ckpt, overrides=(), steps=2):
     plan = plan_resume(trainer.cfg.checkpoint, trainer.topo.world_group)
     lines = []
     try:
-        meta = load_with_fallback(trainer, plan, log=lines.append)
+        meta = load_with_fallback(trainer.checkpoint_parts, plan, log=lines.append)
     except CheckpointError as e:
         return plan.removed, str(e), lines
     finally:
@@ -58,7 +58,7 @@ def save_then_die_mid_write(rank, world, ckpt, async_save):
     """Publish step 1; during step 2's save rank 1 is SIGKILLed after writing its first file."""
     layout = ["parallel.zero_stage=1", f"checkpoint.async_save={str(async_save).lower()}"]
     trainer = build_trainer(rank, world, [f"checkpoint.dir={ckpt}", *layout], 3)
-    saver = CheckpointSaver(trainer.cfg, trainer)
+    saver = CheckpointSaver(trainer.cfg, trainer.checkpoint_parts)
     trainer.train_step()
     saver.save(blocking=True)
     trainer.train_step()
@@ -93,7 +93,7 @@ def test_rank_killed_mid_save_keeps_latest_and_next_start_cleans_up(tmp_path, as
 
 def test_crash_inside_a_resave_puts_the_published_step_back(tmp_path, monkeypatch):
     trainer = build_trainer(0, 1, [f"checkpoint.dir={tmp_path}"], 2)
-    saver = CheckpointSaver(trainer.cfg, trainer)
+    saver = CheckpointSaver(trainer.cfg, trainer.checkpoint_parts)
     trainer.train_step()
     saver.save(blocking=True)
     rename = os.rename
@@ -110,7 +110,7 @@ def test_crash_inside_a_resave_puts_the_published_step_back(tmp_path, monkeypatc
     assert not (tmp_path / STEP1).exists() and (tmp_path / ".tmp_old_step_0000001").exists()
     assert clean_stale(str(tmp_path)) == [".tmp_step_0000001"]
     assert sorted(os.listdir(tmp_path)) == ["latest", STEP1]
-    assert load_into(build_trainer(0, 1, [], 2), str(tmp_path)).step == 1
+    assert load_into(build_trainer(0, 1, [], 2).checkpoint_parts, str(tmp_path)).step == 1
 
 
 # -- damaged checkpoints -------------------------------------------------------------------------
@@ -180,14 +180,14 @@ def damaged_copy(two_steps, tmp_path, damage):
 def test_damage_is_detected_naming_the_file(two_steps, tmp_path, damage):
     ckpt = damaged_copy(two_steps, tmp_path, damage)
     with pytest.raises(CheckpointError, match=DAMAGE[damage][2]):
-        load_into(build_trainer(0, 1, [], 2), str(ckpt))
+        load_into(build_trainer(0, 1, [], 2).checkpoint_parts, str(ckpt))
 
 
 def test_truncated_shard_is_caught_without_verification(two_steps, tmp_path):
     ckpt = damaged_copy(two_steps, tmp_path, "truncated")
     trainer = build_trainer(0, 1, ["checkpoint.verify=false"], 2)
     with pytest.raises(CheckpointError, match=DAMAGE["truncated"][2]):
-        load_into(trainer, str(ckpt))
+        load_into(trainer.checkpoint_parts, str(ckpt))
 
 
 @pytest.mark.parametrize("damage", list(DAMAGE))
@@ -236,7 +236,7 @@ def test_a_bug_while_loading_is_not_taken_for_damage(two_steps, monkeypatch, cap
     plan = plan_resume(trainer.cfg.checkpoint, trainer.topo.world_group)
     lines = []
     with pytest.raises(PeerError, match="ImportError: cannot import name 'x'"):
-        load_with_fallback(trainer, plan, log=lines.append)
+        load_with_fallback(trainer.checkpoint_parts, plan, log=lines.append)
     assert lines == [] and "Traceback" in capsys.readouterr().err  # nothing skipped
 
 
@@ -281,6 +281,6 @@ def test_resume_never_and_an_explicit_path(two_steps, tmp_path):
     trainer = build_trainer(0, 1, ["checkpoint.resume=never", f"checkpoint.dir={two_steps}"], 2)
     plan = plan_resume(trainer.cfg.checkpoint, trainer.topo.world_group)
     with plan:
-        assert plan.candidates == [] and load_with_fallback(trainer, plan) is None
+        assert plan.candidates == [] and load_with_fallback(trainer.checkpoint_parts, plan) is None
     step1 = f"checkpoint.resume={two_steps / STEP1}"
     assert resume(0, 1, str(tmp_path / "new"), [step1])[1] == 1

@@ -77,12 +77,12 @@ def test_routing_changes_are_refused_unless_allowed(tmp_path):
         match=r"model.moe.top_k: checkpoint 2, config 1.*"
         r"allow_model_changes=\[moe.top_k\]",
     ):
-        load_into(trainer, str(tmp_path))
+        load_into(trainer.checkpoint_parts, str(tmp_path))
     allowed = [*MOE, "model.moe.top_k=1", "checkpoint.allow_model_changes=[moe.top_k]"]
-    load_into(build_trainer(0, 1, allowed, 2), str(tmp_path))
+    load_into(build_trainer(0, 1, allowed, 2).checkpoint_parts, str(tmp_path))
     dense = build_trainer(0, 1, [m for m in MOE if not m.startswith("model.moe")], 2)
     with pytest.raises(CheckpointError, match="model.moe.num_experts: checkpoint 4, config 0"):
-        load_into(dense, str(tmp_path))
+        load_into(dense.checkpoint_parts, str(tmp_path))
 
 
 def _check_expert_pieces(ckpt_dir, meta, gathered):

@@ -45,7 +45,7 @@ def _sharded_and_full(rank, world, cfg):
     cfg, topo = trainer.cfg, trainer.topo
     full = build_chunks(
         trainer.spec,
-        chunk.tp,
+        chunk.parallel,
         trainer.derived.layers_per_chunk,
         topo.coords.pp,
         topo.pp,

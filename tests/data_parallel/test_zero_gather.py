@@ -14,10 +14,10 @@ from megatronish.data_parallel.param_gather import ParamGatherer
 from megatronish.distributed import gloo_shards
 from megatronish.distributed.comm import ParallelGroup, all_gather_into, reduce_scatter_into
 from megatronish.plan.advisor import advise
+from megatronish.plan.data_parallel import ChunkUnits, gathers_per_microbatch, peak_gathered
 from megatronish.plan.estimate import make_plan
 from megatronish.plan.layout import layout_from_config, spec_of
 from megatronish.plan.step_time import Hardware
-from megatronish.plan.zero3_gather import ChunkUnits, gathers_per_microbatch, peak_gathered
 from megatronish.testing.memory import measure_step, run_profiled_world
 from megatronish.testing.multiproc import run_world
 from megatronish.testing.runs import build_trainer

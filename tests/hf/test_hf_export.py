@@ -74,7 +74,7 @@ def tokens() -> torch.Tensor:
 def our_logits(arch: str, ckpt: str) -> torch.Tensor:
     """megatronish logits ``[b, s, VOCAB]`` of ``ckpt`` loaded into one process."""
     trainer = build_trainer(0, 1, ARCHS[arch], steps=2)
-    load_into(trainer, ckpt)
+    load_into(trainer.checkpoint_parts, ckpt)
     chunk = trainer.chunks[0].eval()
     return chunk.head.logits(chunk(tokens())).transpose(0, 1)[..., :VOCAB]
 
@@ -171,14 +171,14 @@ def test_an_imported_llama_keeps_its_rope_theta_norm_eps_and_token_ids(tmp_path)
     assert meta["config"]["model"]["rope_theta"] == 500000.0
 
     with pytest.raises(CheckpointError) as refused:  # the default rope_theta and norm_eps
-        load_into(build_trainer(0, 1, [], steps=1), str(tmp_path / "ckpt"))
+        load_into(build_trainer(0, 1, [], steps=1).checkpoint_parts, str(tmp_path / "ckpt"))
     assert "model.rope_theta: checkpoint 500000.0, config 10000.0" in str(refused.value)
     assert "model.norm_eps: checkpoint 1e-06, config 1e-05" in str(refused.value)
     assert "checkpoint.allow_model_changes=[rope_theta,norm_eps]" in str(refused.value)
     allowed = build_trainer(0, 1, ["checkpoint.allow_model_changes=[rope_theta,norm_eps]"], 1)
-    load_into(allowed, str(tmp_path / "ckpt"))  # a deliberate change
+    load_into(allowed.checkpoint_parts, str(tmp_path / "ckpt"))  # a deliberate change
     matching = build_trainer(0, 1, ["model.rope_theta=500000", "model.norm_eps=1e-6"], 1)
-    load_into(matching, str(tmp_path / "ckpt"))
+    load_into(matching.checkpoint_parts, str(tmp_path / "ckpt"))
     with torch.no_grad():  # the same function as transformers' under its own values
         chunk = matching.chunks[0].eval()
         ours = chunk.head.logits(chunk(tokens())).transpose(0, 1)[..., :VOCAB]

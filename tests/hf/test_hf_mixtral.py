@@ -22,7 +22,7 @@ from megatronish.hf.from_hf import from_hf
 from megatronish.hf.to_hf import to_hf
 from megatronish.model.gpt import GPTChunk
 from megatronish.model.init import init_parameters
-from megatronish.tensor_parallel.context import TPContext
+from megatronish.model.parallel_context import ParallelContext
 from megatronish.testing.runs import build_trainer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -97,7 +97,7 @@ def perturb_norms(model: torch.nn.Module, seed: int) -> None:
 def our_model(cfg: dict, tensors: dict | None = None) -> GPTChunk:
     """The whole model in one chunk: ``tensors`` loaded, or initialised (padding rows zero)."""
     spec = model_spec(cfg, cfg["vocab_size"])
-    chunk = GPTChunk(spec, TPContext(), range(spec.num_layers), first=True, last=True)
+    chunk = GPTChunk(spec, ParallelContext(), range(spec.num_layers), first=True, last=True)
     if tensors is not None:
         chunk.load_state_dict(tensors, strict=True)
         return chunk.eval()
@@ -297,7 +297,7 @@ def test_import_and_export_tools(tmp_path, capsys):
     # A run with the printed overrides loads the checkpoint and computes transformers' function.
     trainer = build_trainer(0, 1, [], steps=1, model=overrides)
     assert trainer.cfg.model.moe.router.aux_loss_coef == 0.02
-    load_into(trainer, ckpt)
+    load_into(trainer.checkpoint_parts, ckpt)
     diff = (our_logits(trainer.chunks[0].eval()) - hf_logits(hf)).abs().max().item()
     assert diff <= TOL, diff
 

@@ -21,7 +21,7 @@ from megatronish.context_parallel import attention_kernel as ak
 from megatronish.context_parallel.attention import CPContext, cp_causal_attention
 from megatronish.distributed.comm import ParallelGroup
 from megatronish.model.blocks import Attention
-from megatronish.model.spec import ModelSpec
+from megatronish.spec import ModelSpec
 from megatronish.tensor_parallel.context import TPContext
 from megatronish.testing.runs import test_config as tiny_config
 
@@ -141,7 +141,7 @@ def _attention(dtype):
     torch.manual_seed(0)
     cfg = tiny_config([], 1)  # 8 query heads, 4 K/V heads, head dim 8
     spec = ModelSpec.from_config(cfg.model, 250)
-    attn = Attention(spec, TPContext())
+    attn = Attention(spec, TPContext(), CPContext())
     for p in attn.parameters():
         nn.init.normal_(p, std=0.3)
     return attn.to(dtype), spec
@@ -347,7 +347,7 @@ def planned_layer():
     changed."""
     from dataclasses import replace
 
-    from megatronish.plan.activations import layer_bytes, layer_shape
+    from megatronish.plan.dense import layer_bytes, layer_shape
     from megatronish.plan.layout import layout_from_config, spec_of
 
     cfg = tiny_config([], 1)

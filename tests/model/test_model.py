@@ -8,8 +8,8 @@ import torch.nn.functional as F
 
 from megatronish.model.build import build_chunks, chunk_ids_of_stage, chunk_layer_ranges
 from megatronish.model.flops import count_parameters, flops_per_token
-from megatronish.model.spec import ModelSpec
-from megatronish.tensor_parallel.context import TPContext
+from megatronish.model.parallel_context import ParallelContext
+from megatronish.spec import ModelSpec
 
 
 def spec_of(arch: str, **kw) -> ModelSpec:
@@ -34,7 +34,7 @@ def spec_of(arch: str, **kw) -> ModelSpec:
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_shapes_loss_and_parameter_count(arch):
     spec = spec_of(arch)
-    [model] = build_chunks(spec, TPContext(), [2])
+    [model] = build_chunks(spec, ParallelContext(), [2])
     ids = torch.randint(0, spec.vocab_size, (3, 17))
     hidden = model(ids[:, :-1])
     assert hidden.shape == (16, 3, 64)  # [s, b, h]
@@ -47,7 +47,7 @@ def test_shapes_loss_and_parameter_count(arch):
 
 def test_padded_logits_are_excluded_from_the_loss():
     spec = spec_of("llama")
-    [model] = build_chunks(spec, TPContext(), [2])
+    [model] = build_chunks(spec, ParallelContext(), [2])
     with torch.no_grad():
         model.head.weight[spec.vocab_size :] = 5.0  # padding rows would dominate if counted
     ids = torch.randint(0, spec.vocab_size, (2, 17))
@@ -57,8 +57,8 @@ def test_padded_logits_are_excluded_from_the_loss():
 
 
 def test_gpt2_head_is_tied_and_llama_is_not():
-    [gpt2] = build_chunks(spec_of("gpt2"), TPContext(), [2])
-    [llama] = build_chunks(spec_of("llama"), TPContext(), [2])
+    [gpt2] = build_chunks(spec_of("gpt2"), ParallelContext(), [2])
+    [llama] = build_chunks(spec_of("llama"), ParallelContext(), [2])
     assert gpt2.head.weight is None and "head.weight" not in dict(gpt2.named_parameters())
     assert llama.head.weight is not None
 
@@ -67,8 +67,8 @@ def test_chunks_keep_global_layer_names_and_split_evenly():
     spec = spec_of("llama", num_layers=8)
     assert [list(r) for r in chunk_layer_ranges([2, 2, 2, 2])][2] == [4, 5]
     assert chunk_ids_of_stage(1, pp=2, vpp=2) == [1, 3]
-    [full] = build_chunks(spec, TPContext(), [8])
-    parts = [c for r in range(2) for c in build_chunks(spec, TPContext(), [2] * 4, r, 2, 2)]
+    [full] = build_chunks(spec, ParallelContext(), [8])
+    parts = [c for r in range(2) for c in build_chunks(spec, ParallelContext(), [2] * 4, r, 2, 2)]
     names = {n for c in parts for n, _ in c.named_parameters()}
     assert names == {n for n, _ in full.named_parameters()}
     # Layout-independent init: every chunk's weights equal the unsplit model's.
@@ -80,16 +80,16 @@ def test_chunks_keep_global_layer_names_and_split_evenly():
 
 def test_same_seed_same_weights_and_different_seed_different():
     spec = spec_of("llama")
-    a = build_chunks(spec, TPContext(), [2], seed=1)[0].state_dict()
-    b = build_chunks(spec, TPContext(), [2], seed=1)[0].state_dict()
-    c = build_chunks(spec, TPContext(), [2], seed=2)[0].state_dict()
+    a = build_chunks(spec, ParallelContext(), [2], seed=1)[0].state_dict()
+    b = build_chunks(spec, ParallelContext(), [2], seed=1)[0].state_dict()
+    c = build_chunks(spec, ParallelContext(), [2], seed=2)[0].state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert not torch.equal(a["layers.0.attn.qkv.weight"], c["layers.0.attn.qkv.weight"])
 
 
 def test_bf16_autocast_forward_backward_is_close_to_fp32():
     spec = spec_of("llama")
-    [model] = build_chunks(spec, TPContext(), [2])
+    [model] = build_chunks(spec, ParallelContext(), [2])
     ids = torch.randint(0, spec.vocab_size, (2, 17))
     ref = model(ids[:, :-1], ids[:, 1:])
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -105,7 +105,7 @@ def test_every_parameter_carries_its_record(arch):
     from megatronish.tensor_parallel.sharding import param_info
 
     spec = spec_of(arch, tie_embeddings=False)
-    [model] = build_chunks(spec, TPContext(), [2])
+    [model] = build_chunks(spec, ParallelContext(), [2])
     for name, p in model.named_parameters():
         info = param_info(p)
         assert hasattr(p, "info"), f"{name} was never marked"

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from megatronish.model import rms_norm as rms
 from megatronish.model.blocks import Norm
-from megatronish.model.spec import ModelSpec
+from megatronish.spec import ModelSpec
 from megatronish.tensor_parallel.context import TPContext
 from megatronish.testing.runs import test_config as tiny_config
 

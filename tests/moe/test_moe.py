@@ -12,12 +12,13 @@ import torch.nn.functional as F
 
 from megatronish.config.validate import config_errors
 from megatronish.distributed.comm import ParallelGroup
-from megatronish.distributed.rank_math import Coords, coords_to_rank, expert_coords, group_ranks
+from megatronish.distributed.parallel_grid import GROUP_NAMES, ParallelGrid
 from megatronish.generate.decode import new_cache
 from megatronish.model.blocks import moe_layer
 from megatronish.model.gpt import GPTChunk
 from megatronish.model.init import init_parameters
-from megatronish.model.spec import ModelSpec, MoESpec
+from megatronish.model.parallel_context import ParallelContext
+from megatronish.moe import metrics as moe_metrics
 from megatronish.moe.dispatch import combine, dispatch, expert_major
 from megatronish.moe.routing import (
     expert_capacity,
@@ -26,7 +27,7 @@ from megatronish.moe.routing import (
     sort_assignments,
     z_loss,
 )
-from megatronish.tensor_parallel.context import TPContext
+from megatronish.spec import ModelSpec, MoESpec
 from megatronish.testing.compare import assert_parity, max_relative_loss_gap
 from megatronish.testing.multiproc import run_world
 from megatronish.testing.runs import build_trainer, losses_of, train_layout
@@ -159,7 +160,7 @@ def naive_moe(layer, x, capacity=None):
 
 
 def built(spec):
-    layer = moe_layer(spec, TPContext())
+    layer = moe_layer(spec, ParallelContext())
     init_parameters(layer, 7, 0, 1)
     return layer
 
@@ -251,15 +252,15 @@ def test_dispatch_delivers_every_token_to_its_expert_and_combine_restores_order(
 # -- groups ---------------------------------------------------------------------------------
 def test_ep_is_carved_out_of_dp_times_cp():
     tp, cp, dp, pp, ep = 2, 2, 2, 2, 2
-    groups = group_ranks(tp, dp, pp, cp, ep)
+    grid = ParallelGrid.of(tp=tp, cp=cp, dp=dp, pp=pp, ep=ep)
+    groups = {name: grid.groups(name) for name in GROUP_NAMES}
     for name in ("ep", "edp"):
         assert sorted(r for g in groups[name] for r in g) == list(range(16))
     for dpcp in groups["dp_cp"]:  # each dp x cp group splits into ep x edp
         mine = [g for g in groups["ep"] if set(g) <= set(dpcp)]
         assert len(mine) == len(dpcp) // ep and all(len(g) == ep for g in mine)
-    c = Coords(tp=1, cp=1, dp=1, pp=0)
-    rank = coords_to_rank(c, tp, dp, pp, cp)
-    ep_rank, edp_rank = expert_coords(c, cp, ep)
+    rank = grid.dense.rank(tp=1, cp=1, dp=1, pp=0)
+    ep_rank, edp_rank = grid.expert.coords(rank)["ep"], grid.expert.coords(rank)["edp"]
     assert (ep_rank, edp_rank) == (1, 1)
     assert [g for g in groups["ep"] if rank in g][0].index(rank) == ep_rank
 
@@ -400,7 +401,7 @@ def test_bf16_moves_half_the_token_bytes_and_tracks_the_bf16_run():
 
 def test_kv_cache_decoding_equals_a_full_forward():
     spec = replace(spec_of(), num_layers=2)
-    model = GPTChunk(spec, TPContext(), range(2), first=True, last=True).eval()
+    model = GPTChunk(spec, ParallelContext(), range(2), first=True, last=True).eval()
     init_parameters(model, 3, 0, 1)
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
@@ -493,3 +494,21 @@ def test_routing_metrics_under_tp_and_sp_equal_one_process():
         for key in one:
             assert math.isclose(m[key], one[key], rel_tol=2e-2), (key, m[key], one[key])
     assert one["moe/dropped_tokens"] > 0 and one["moe/aux_loss"] > 0 and one["moe/z_loss"] > 0
+
+
+def test_step_metrics_keep_each_block_in_its_own_row():
+    """A chunk's MoE blocks report under their global layer index: a later stage's blocks
+    (layers 2 and 3 of 4) sum into the step's metrics without overwriting each other."""
+    spec = replace(spec_of(), num_layers=4)
+    chunk = GPTChunk(spec, ParallelContext(), range(2, 4), first=False, last=False)
+    layers = moe_metrics.moe_layers([chunk])
+    assert [layer.layer_id for layer in layers] == [2, 3]
+    for i, layer in enumerate(layers):  # assignments per expert, then aux, z, dropped
+        layer.stats.copy_(torch.tensor([4.0, 2, 1, 1, 0.5, 0.25, 3], dtype=torch.float64) * (i + 1))
+    world = ParallelGroup("world", (0,), 0)
+    got = moe_metrics.step_metrics(layers, 4, 4, world, 1, 2, torch.device("cpu"))
+    assert got["moe/aux_loss"] == (0.5 + 1.0) / 2  # both blocks, mean over 2 microbatches
+    assert got["moe/z_loss"] == (0.25 + 0.5) / 2
+    assert got["moe/dropped_tokens"] == 3 + 6
+    assert got["moe/tokens_per_expert_max"] == 8
+    assert got["moe/tokens_per_expert_mean"] == (8 + 16) / 8

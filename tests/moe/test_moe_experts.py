@@ -5,7 +5,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatronish.model.spec import ModelSpec, MoESpec
 from megatronish.moe.experts import GroupedExperts
 from megatronish.moe.grouped_mm import (
     expert_offsets,
@@ -14,6 +13,7 @@ from megatronish.moe.grouped_mm import (
     torch_version,
     use_grouped_mm,
 )
+from megatronish.spec import ModelSpec, MoESpec
 from megatronish.testing.allocations import AllocatedBytes
 
 HAS_GROUPED_MM = use_grouped_mm("cpu", torch.float32, torch_version())

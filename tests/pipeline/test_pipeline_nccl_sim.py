@@ -5,12 +5,12 @@ import pytest
 import torch
 
 from megatronish.model.build import build_chunks
-from megatronish.model.spec import ModelSpec
+from megatronish.model.parallel_context import ParallelContext
 from megatronish.pipeline.engine import PipelineShape
 from megatronish.pipeline.grouping import forward_only_steps, training_steps, transfers_around
 from megatronish.pipeline.nccl_sim import P2P, DeadlockError, MismatchError, run_groups
 from megatronish.pipeline.schedule import analytic_bubble, compute_order, message_order
-from megatronish.tensor_parallel.context import TPContext
+from megatronish.spec import ModelSpec
 from megatronish.testing.p2p_sequences import as_p2p, one_op_at_a_time, planned_groups
 from megatronish.testing.recording_p2p import record_engine, stub_chunks
 
@@ -207,7 +207,7 @@ def test_real_model_chunks_post_the_same_groups():
             pp,
             vpp,
             batches,
-            lambda r: build_chunks(spec, TPContext(), split, r, pp, vpp),
+            lambda r: build_chunks(spec, ParallelContext(), split, r, pp, vpp),
             PipelineShape(shape),
             forward_only,
         )

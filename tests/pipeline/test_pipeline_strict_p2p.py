@@ -8,7 +8,7 @@ import torch
 
 from megatronish.distributed.topology import Topology
 from megatronish.model.build import build_chunks
-from megatronish.model.spec import ModelSpec
+from megatronish.model.parallel_context import ParallelContext
 from megatronish.pipeline.engine import (
     PipelineShape,
     forward_backward_pipeline,
@@ -17,7 +17,7 @@ from megatronish.pipeline.engine import (
 from megatronish.pipeline.grouping import training_steps
 from megatronish.pipeline.nccl_sim import P2P
 from megatronish.pipeline.p2p import BatchedP2P, Transfer
-from megatronish.tensor_parallel.context import TPContext
+from megatronish.spec import ModelSpec
 from megatronish.testing.multiproc import WorldError, run_world
 from megatronish.testing.p2p_sequences import one_op_at_a_time, planned_groups
 from megatronish.testing.runs import build_trainer
@@ -137,7 +137,7 @@ def _engine_step(rank, world, vpp, strict, layers=4, m=4):
         max_position_embeddings=8,
     )
     split = [layers // (world * vpp)] * (world * vpp)
-    chunks = build_chunks(spec, TPContext(), split, rank, world, vpp)
+    chunks = build_chunks(spec, ParallelContext(), split, rank, world, vpp)
     gen = torch.Generator().manual_seed(0)
     batches = [(torch.randint(0, 64, (2, 8), generator=gen),) * 2 for _ in range(m)]
     shape = PipelineShape((8, 2, 32))

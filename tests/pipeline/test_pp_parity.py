@@ -7,9 +7,9 @@ import torch
 
 from megatronish.distributed.topology import Topology
 from megatronish.model.build import build_chunks
-from megatronish.model.spec import ModelSpec
+from megatronish.model.parallel_context import ParallelContext
 from megatronish.pipeline.engine import PipelineShape, Timeline, forward_backward_pipeline
-from megatronish.tensor_parallel.context import TPContext
+from megatronish.spec import ModelSpec
 from megatronish.testing.compare import assert_parity
 from megatronish.testing.multiproc import run_world
 from megatronish.testing.runs import build_trainer, train_layout
@@ -68,7 +68,9 @@ def _one_step(rank, world, vpp):
         padded_vocab_size=128,
         max_position_embeddings=8,
     )
-    chunks = build_chunks(spec, TPContext(), [4 // (world * vpp)] * (world * vpp), rank, world, vpp)
+    chunks = build_chunks(
+        spec, ParallelContext(), [4 // (world * vpp)] * (world * vpp), rank, world, vpp
+    )
     gen = torch.Generator().manual_seed(0)
     batches = [(torch.randint(0, 64, (2, 8), generator=gen),) * 2 for _ in range(4)]
     timeline = Timeline()

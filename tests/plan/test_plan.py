@@ -4,11 +4,11 @@ import pytest
 
 from megatronish.config.compose import load_config
 from megatronish.pipeline.schedule import analytic_bubble
-from megatronish.plan.activations import interleaving_factor, peak_in_flight
 from megatronish.plan.cli import OptionError, split_options
 from megatronish.plan.cli import main as plan_main
 from megatronish.plan.estimate import make_plan
 from megatronish.plan.layout import layout_from_config, spec_of
+from megatronish.plan.pipeline import interleaving_factor, peak_in_flight
 from megatronish.testing.memory import activations_by_stage, measure_layout
 from megatronish.testing.multiproc import run_world
 from megatronish.testing.runs import test_config as tiny_config

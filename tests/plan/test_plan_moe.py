@@ -13,7 +13,7 @@ from megatronish.model.flops import (
     flops_per_token,
     matmul_params,
 )
-from megatronish.model.spec import ModelSpec, MoESpec
+from megatronish.model.parallel_context import ParallelContext
 from megatronish.plan.advisor import advise
 from megatronish.plan.candidates import expert_parallel_sizes, valid_layouts
 from megatronish.plan.cli import main as plan_main
@@ -22,7 +22,7 @@ from megatronish.plan.fit_check import fitting_options
 from megatronish.plan.layout import layout_from_config, spec_of
 from megatronish.plan.moe import rank_blocks
 from megatronish.plan.step_time import Hardware, lower_bound, step_time
-from megatronish.tensor_parallel.context import TPContext
+from megatronish.spec import ModelSpec, MoESpec
 from megatronish.testing.memory import activations_by_stage, measure_layout
 from megatronish.testing.multiproc import run_world
 from megatronish.testing.runs import test_config as tiny_config
@@ -74,7 +74,7 @@ def test_flops_count_active_parameters_and_the_total_counts_every_expert(
     assert flops_per_token(spec) == 6 * matmul + 12 * 2 * 16 * 64
     assert count_parameters(spec) == total
     assert active_parameters(spec) == active
-    [model] = build_chunks(spec, TPContext(), [2])
+    [model] = build_chunks(spec, ParallelContext(), [2])
     assert sum(p.numel() for p in model.parameters()) == total
 
 

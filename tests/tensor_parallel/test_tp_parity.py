@@ -6,7 +6,8 @@ import torch
 from megatronish.checkpoint.gather import gather_tp_params
 from megatronish.distributed.topology import Topology
 from megatronish.model.build import build_chunks
-from megatronish.model.spec import ModelSpec
+from megatronish.model.parallel_context import ParallelContext
+from megatronish.spec import ModelSpec
 from megatronish.tensor_parallel.context import TPContext
 from megatronish.testing.compare import assert_parity
 from megatronish.testing.multiproc import run_world
@@ -60,7 +61,7 @@ def _init_params(rank, world, arch):
         bias=arch == "gpt2",
         tie_embeddings=arch == "gpt2",
     )
-    chunks = build_chunks(spec, TPContext(group=topo.tp_group), [2], seed=7)
+    chunks = build_chunks(spec, ParallelContext(TPContext(group=topo.tp_group)), [2], seed=7)
     return gather_tp_params(chunks, topo)
 
 

@@ -11,11 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.append(str(ROOT / "tools"))
-
-from docs_check.extract import (  # noqa: E402
+from docs_check.extract import (
     Command,
     all_commands,
     doc_paths,
@@ -26,12 +22,12 @@ from docs_check.extract import (  # noqa: E402
     named_entry_points,
     split_comment,
 )
-from docs_check.identity import (  # noqa: E402
+from docs_check.identity import (
     identity_problem,
     resolved_config,
     without_missing_tokenizer,
 )
-from docs_check.rules import (  # noqa: E402
+from docs_check.rules import (
     CLASSES,
     RULES,
     Check,
@@ -42,14 +38,15 @@ from docs_check.rules import (  # noqa: E402
     is_sweep,
     job_overrides,
 )
-from docs_check.sandbox import STAMP, link_venv  # noqa: E402
-from omegaconf import OmegaConf  # noqa: E402
+from docs_check.sandbox import STAMP, link_venv
+from omegaconf import OmegaConf
 
-from megatronish.checkpoint.run_identity import ConfigChanged, RunComplete, check_same_run  # noqa: E402
-from megatronish.config.compose import load_config  # noqa: E402
-from megatronish.config.validate import config_errors  # noqa: E402
-from megatronish.testing.cli import assert_one_line, run_main  # noqa: E402
+from megatronish.checkpoint.run_identity import ConfigChanged, RunComplete, check_same_run
+from megatronish.config.compose import load_config
+from megatronish.config.validate import config_errors
+from megatronish.testing.cli import assert_one_line, run_main
 
+ROOT = Path(__file__).resolve().parents[2]
 FENCE = "```"
 
 

@@ -16,25 +16,22 @@ from pathlib import Path
 
 import pytest
 import torch
+from gpu_check import async_save, moe_experts, syncs, wheelhouse
+from gpu_check.bare_python import GPU_MACHINE, distributions
+from gpu_check.context import CheckContext
+from gpu_check.flash import forced_flash_error
+from gpu_check.report import FAILED, HOW_TO_RUN, OK, SectionResult, render
+from gpu_check.resume import Continuation, compare_continuation
+from gpu_check.run import SECTIONS as SECTION_MODULES
+from gpu_check.run import run_all
+from gpu_check.sizing import choose, largest
+
+from megatronish.config.compose import load_config
+from megatronish.config.validate import config_errors
+from megatronish.plan.estimate import make_plan
+from megatronish.plan.layout import layout_from_config, spec_of
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.append(str(ROOT / "tools"))
-
-from gpu_check import async_save, moe_experts, syncs, wheelhouse  # noqa: E402
-from gpu_check.bare_python import GPU_MACHINE, distributions  # noqa: E402
-from gpu_check.context import CheckContext  # noqa: E402
-from gpu_check.flash import forced_flash_error  # noqa: E402
-from gpu_check.report import FAILED, HOW_TO_RUN, OK, SectionResult, render  # noqa: E402
-from gpu_check.resume import Continuation, compare_continuation  # noqa: E402
-from gpu_check.run import SECTIONS as SECTION_MODULES  # noqa: E402
-from gpu_check.run import run_all  # noqa: E402
-from gpu_check.sizing import choose, largest  # noqa: E402
-
-from megatronish.config.compose import load_config  # noqa: E402
-from megatronish.config.validate import config_errors  # noqa: E402
-from megatronish.plan.estimate import make_plan  # noqa: E402
-from megatronish.plan.layout import layout_from_config, spec_of  # noqa: E402
-
 GiB = 2**30
 SECTIONS = [
     "throughput",

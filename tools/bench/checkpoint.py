@@ -103,7 +103,7 @@ class Rig:
         self.run, self.fresh, self.dir = build_run(overrides), build_run(overrides), ckpt_dir
         for _ in range(2):
             self.run.step()
-        self.saver = CheckpointSaver(self.run.cfg, self.run.trainer)
+        self.saver = CheckpointSaver(self.run.cfg, self.run.trainer.checkpoint_parts)
         self.writer_ends: list[float] = []
 
         def recorded(*args, **kwargs):
@@ -121,7 +121,7 @@ class Rig:
 
     def load(self, path: str, verify: bool = False, threads: int = READ_THREADS) -> float:
         self.fresh.trainer.cfg.checkpoint.verify = verify
-        return timed(load_into, self.fresh.trainer, path, threads=threads)
+        return timed(load_into, self.fresh.trainer.checkpoint_parts, path, threads=threads)
 
     def step(self) -> tuple[float, float]:
         t0 = time.perf_counter()
@@ -294,7 +294,7 @@ def profiles(rig: Rig) -> dict:
 
     def save() -> None:
         t0 = time.perf_counter()
-        tensors, index = snapshot(trainer, None)
+        tensors, index = snapshot(trainer.checkpoint_parts, None)
         t1 = time.perf_counter()
         WRITE_RANK_FILES(tmp, 0, tensors, index)
         t2 = time.perf_counter()
@@ -302,7 +302,7 @@ def profiles(rig: Rig) -> dict:
         parts.update(snapshot=t1 - t0, write=t2 - t1, publish=time.perf_counter() - t2)
 
     def load() -> None:
-        load_into(rig.fresh.trainer, published[0], threads=1)
+        load_into(rig.fresh.trainer.checkpoint_parts, published[0], threads=1)
 
     def where(key) -> str:
         return key[2] if key[0] == "~" else f"{os.path.basename(key[0])}:{key[1]}({key[2]})"

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megatronish.config.compose import load_config
+from megatronish.config.schema import TrainConfig
 from megatronish.testing import reference_gpt
 from megatronish.testing.runs import build_trainer
 from megatronish.training.trainer import Trainer
@@ -151,7 +152,7 @@ BENCH_OVERRIDES = [
 class MishRun:
     """A ready-to-step megatronish Trainer and what built it."""
 
-    cfg: object
+    cfg: TrainConfig
     spec: object
     chunks: list[nn.Module]
     trainer: Trainer
@@ -227,7 +228,9 @@ class ReferenceRun:
         return mean.item() / self.world
 
 
-def reference_run(cfg, spec, data, extra=None, wrap=None, tp_groups=1, **kw) -> ReferenceRun:
+def reference_run(
+    cfg: TrainConfig, spec, data, extra=None, wrap=None, tp_groups=1, **kw
+) -> ReferenceRun:
     """A :class:`ReferenceRun` of :func:`reference_model` (passed through ``wrap``: DDP, FSDP2,
     DTensor) with the AdamW settings of the megatronish config ``cfg``."""
     model = reference_model(spec, extra, tp_groups)

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from common import MIB, cli, korthikanti, table
 
-from megatronish.plan.activations import interleaving_factor
 from megatronish.plan.estimate import make_plan
 from megatronish.plan.layout import layout_from_config, spec_of
+from megatronish.plan.pipeline import interleaving_factor
 from megatronish.testing.memory import least_activations, measure_step
 from megatronish.testing.multiproc import run_world
 from megatronish.testing.runs import build_trainer, test_config

@@ -12,9 +12,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-from megatronish.model.spec import ModelSpec, MoESpec
 from megatronish.moe.experts import GroupedExperts
 from megatronish.moe.grouped_mm import grouped_mm_supported
+from megatronish.spec import ModelSpec, MoESpec
 from megatronish.testing.allocations import AllocatedBytes
 
 SLICED, GROUPED = "before (a slice + an index per expert)", "now (as picked)"

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from common import build_run, cli, median, paired_ratio, slowest, table
 from torch import nn
 
+from megatronish.config.schema import TrainConfig
 from megatronish.pipeline.engine import Timeline
 from megatronish.pipeline.schedule import analytic_bubble
 from megatronish.pipeline.trace import measured_bubble, phase_time, step_span
@@ -61,7 +62,7 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 class TorchPipelineRun:
     """One optimizer step of the reference GPT under ``ScheduleInterleaved1F1B`` on this rank."""
 
-    def __init__(self, rank: int, cfg, spec, data):
+    def __init__(self, rank: int, cfg: TrainConfig, spec, data):
         from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
 
         ref = common.reference_model(spec, MODEL)

@@ -18,9 +18,10 @@ import torch.distributed as dist
 from common import MIB, build_run, cli, config, median, paired_ratio, reference_run, table, threads
 from torch import nn
 
-from megatronish.model.spec import ModelSpec
+from megatronish.config.schema import TrainConfig
 from megatronish.plan.estimate import make_plan
 from megatronish.plan.layout import layout_from_config, spec_of
+from megatronish.spec import ModelSpec
 from megatronish.testing.multiproc import run_world
 from megatronish.testing.synthetic import PatternTokens
 
@@ -257,7 +258,7 @@ def _reset_peak() -> bool:
     return False
 
 
-def planned(cfg, world: int) -> dict[str, int]:
+def planned(cfg: TrainConfig, world: int) -> dict[str, int]:
     """The planner's bytes for one rank of ``cfg`` on ``world`` ranks (pp = 1: stage 0)."""
     stage = make_plan(spec_of(cfg), layout_from_config(cfg, world)).stages[0]
     s = stage.states

@@ -17,6 +17,9 @@ each machine's imports are probed before its run. The machines:
 Every run is ``make gpu-check PYTHON=<that venv's python> ARGS="--smoke ..."`` inside a network
 namespace with no interface (``unshare -n``, where the kernel lets us make one). A run passes when
 every section does and the report says hydra came from the run's temporary directory.
+
+Usage (``make gpu-env-check``): ``cd tools && python -m gpu_check.bare_python --wheelhouse DIR``
+(a module of this package, so that ``gpu_check.wheelhouse`` imports).
 """
 
 from __future__ import annotations
@@ -34,8 +37,7 @@ from pathlib import Path
 
 from packaging.requirements import Requirement
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from gpu_check.wheelhouse import MANIFEST, ROOT, canonical  # noqa: E402
+from gpu_check.wheelhouse import MANIFEST, ROOT, canonical
 
 GPU_MACHINE = (
     "torch",

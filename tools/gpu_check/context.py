@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 import torch
 
 from megatronish.config.compose import load_config
-from megatronish.model.spec import ModelSpec
+from megatronish.config.schema import TrainConfig
 from megatronish.plan.devices import gpu_for_cuda_name
+from megatronish.spec import ModelSpec
 from megatronish.tensor_parallel.random import RNGTracker
 from megatronish.testing.runs import trainer_for
 from megatronish.training.peaks import device_peak_flops
@@ -71,7 +72,7 @@ def batch(micro_batch_size: int, microbatches: int = 1) -> list[str]:
 class Built:
     """A ready-to-step trainer and the RNG tracker its model uses."""
 
-    cfg: object
+    cfg: TrainConfig
     trainer: Trainer
     rng: RNGTracker
 
@@ -80,7 +81,7 @@ class Built:
         return self.trainer.spec
 
 
-def build_trainer(cfg, device: torch.device) -> Built:
+def build_trainer(cfg: TrainConfig, device: torch.device) -> Built:
     """A one-process Trainer for ``cfg`` on ``device`` with synthetic data."""
     apply_fp32_matmul_setting(device, cfg.trainer.tf32)
     trainer, rng = trainer_for(cfg, 0, 1, device)

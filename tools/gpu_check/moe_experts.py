@@ -14,15 +14,15 @@ a weight stack (``megatronish/moe/grouped_mm.py``). Fails when it grows by more 
 from __future__ import annotations
 
 import torch
-from common import interleaved, median
+from bench.common import interleaved, median
 
 from gpu_check.context import CheckContext
 from gpu_check.report import SectionResult
 from megatronish.config.compose import load_config
 from megatronish.model.blocks import moe_layer
-from megatronish.model.spec import ModelSpec
+from megatronish.model.parallel_context import ParallelContext
 from megatronish.moe.grouped_mm import grouped_mm_supported
-from megatronish.tensor_parallel.context import TPContext
+from megatronish.spec import ModelSpec
 from megatronish.training.precision import DTYPES
 
 NAME = "moe_experts"
@@ -53,7 +53,7 @@ class LayerRun:
         self.spec = ModelSpec.from_config(cfg.model, cfg.model.vocab_size)
         dtype, h = DTYPES[ctx.precision], self.spec.hidden_size
         gen = torch.Generator(ctx.device).manual_seed(experts)
-        self.layer = moe_layer(self.spec, TPContext(), ctx.device).to(dtype)
+        self.layer = moe_layer(self.spec, ParallelContext(), ctx.device).to(dtype)
         with torch.no_grad():
             for p in self.layer.parameters():
                 p.normal_(0.0, self.spec.init_std, generator=gen)

@@ -10,7 +10,7 @@ for that policy.
 from __future__ import annotations
 
 import torch
-from common import interleaved, median
+from bench.common import interleaved, median
 
 from gpu_check.context import CheckContext, gib
 from gpu_check.report import SectionResult

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from gpu_check.context import CheckContext, GiB, batch, gib
+from megatronish.config.schema import TrainConfig
 from megatronish.plan.devices import local_device_memory, runtime_bytes_for
 from megatronish.plan.estimate import Plan, make_plan
 from megatronish.plan.layout import layout_from_config, spec_of
@@ -83,7 +84,7 @@ def device_budget(ctx: CheckContext) -> tuple[int, int]:
     return (total if total is not None else 2**62), runtime
 
 
-def sizing_at(micro: int, cfg, device_bytes: int, runtime: int) -> Sizing | None:
+def sizing_at(micro: int, cfg: TrainConfig, device_bytes: int, runtime: int) -> Sizing | None:
     """The sizing at micro batch ``micro`` (``cfg`` composed with it), or None when not even
     one layer fits side by side with the reference."""
     spec, layout = spec_of(cfg), layout_from_config(cfg, 1)

@@ -9,7 +9,7 @@ be doing the same work.
 
 from __future__ import annotations
 
-from common import interleaved, median, paired_ratio
+from bench.common import interleaved, median, paired_ratio
 
 from gpu_check.context import CheckContext
 from gpu_check.reference import ReferenceRun

@@ -1,4 +1,7 @@
-"""ModelSpec: the fully resolved shape of the model (no nulls), built from the config."""
+"""ModelSpec: the fully resolved shape of the model (no nulls), built from the config.
+
+A layer of its own, below every package that reads it (moe/, model/, plan/, hf/, ...).
+"""
 
 from __future__ import annotations
 

@@ -1,0 +1,43 @@
+"""What a checkpoint saves and restores, as typed parts the training layer builds and hands down.
+
+Saving, loading and resuming read these parts and nothing else of the run, so the checkpoint
+layer depends only on the layers below it (ZeRO, the optimizer, the topology, the model spec,
+the config schema), never on the trainer that owns the parts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from megatronish.config.schema import TrainConfig
+from megatronish.data_parallel.zero import ZeroDataParallel
+from megatronish.distributed.topology import Topology
+from megatronish.optim.sharded_adamw import ShardedAdamW
+from megatronish.spec import ModelSpec
+
+
+class TrainProgress(Protocol):
+    """The training loop's counters: saved in the metadata, restored by a load."""
+
+    step: int
+    consumed_samples: int  # the data cursor: the global sample the next step starts at
+    skipped_steps: int
+    skipped_in_a_row: int  # a load resets it: a saved step never ends a skip streak
+
+
+@dataclass(frozen=True)
+class CheckpointParts:
+    """One rank's state a checkpoint holds (besides the RNG streams, passed on their own) and
+    what saving and loading need of the run around it."""
+
+    cfg: TrainConfig
+    topo: Topology
+    spec: ModelSpec
+    zero: ZeroDataParallel  # the params: their fp32 main values in buckets, sharded by ZeRO
+    optimizer: ShardedAdamW  # the Adam moments (sharded like the params) and the update count
+    progress: TrainProgress
+    settle: Callable[[], None]  # learns the pending steps' skips (a save first calls it)
+    drop_unsettled: Callable[[], None]  # forgets the pending steps a load replaced
+    log: Callable[[str], None]  # one line to the run's log

@@ -1,0 +1,122 @@
+"""The job's rank layout: the tp x cp x dp x pp grid, its expert view, and its named groups.
+
+Ranks are ordered tp fastest, then cp, then dp, then pp (Megatron-LM's tp-cp-dp-pp):
+``rank = tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank))``, so a tensor-parallel group
+is a run of consecutive ranks (one node on GPU clusters), a context-parallel group comes next,
+and pipeline neighbours are ``tp * cp * dp`` apart. Expert parallelism is carved out of the
+``dp x cp`` ranks that hold the same dense parameters (index ``cp_rank + cp * dp_rank``), ep
+fastest, as Megatron-LM carves it out of data parallelism: the expert view is the grid
+tp-ep-edp-pp over the same ranks. Pure; tests drive it for many shapes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from megatronish.config.derived import data_parallel_size
+from megatronish.distributed.rank_grid import RankGrid
+
+if TYPE_CHECKING:
+    from megatronish.config.schema import ParallelConfig
+
+DENSE_ORDER = "tp-cp-dp-pp"
+EXPERT_ORDER = "tp-ep-edp-pp"
+
+# The named groups, in the order every rank creates them: (view, axes spanned).
+# - tp, cp, dp, pp: one axis each; dp_cp: the ranks holding the same parameters (grads are
+#   reduced, ZeRO shards spread over them); mp (model parallel): tp x pp.
+# - ep: ranks of one dp_cp group holding different experts (they exchange tokens);
+#   edp (expert data parallel, dp * cp / ep ranks): those holding the same experts.
+# - embedding: first and last pipeline stage of each pp group (the two copies of a tied word
+#   embedding; a single rank when pp == 1). world: everyone.
+GROUP_AXES = {
+    "tp": ("dense", "tp"),
+    "cp": ("dense", "cp"),
+    "dp": ("dense", "dp"),
+    "dp_cp": ("dense", "dp-cp"),
+    "ep": ("expert", "ep"),
+    "edp": ("expert", "edp"),
+    "pp": ("dense", "pp"),
+    "mp": ("dense", "tp-pp"),
+    "embedding": ("dense", "pp"),
+    "world": ("dense", DENSE_ORDER),
+}
+GROUP_NAMES = tuple(GROUP_AXES)
+
+
+@dataclass(frozen=True)
+class Coords:
+    """Position of one rank in the dense grid."""
+
+    tp: int
+    dp: int
+    pp: int
+    cp: int = 0
+
+
+@dataclass(frozen=True)
+class ParallelGrid:
+    """The dense grid (tp-cp-dp-pp) and its expert view (tp-ep-edp-pp) of the same world."""
+
+    dense: RankGrid
+    expert: RankGrid
+
+    @classmethod
+    def of(cls, *, tp: int = 1, cp: int = 1, dp: int = 1, pp: int = 1, ep: int = 1) -> ParallelGrid:
+        """The grid of these degrees; ``ep`` must divide ``dp * cp``."""
+        if ep < 1 or (dp * cp) % ep:
+            raise ValueError(f"ep={ep} must divide dp * cp = {dp} * {cp}")
+        dense = RankGrid(DENSE_ORDER, {"tp": tp, "cp": cp, "dp": dp, "pp": pp})
+        expert = RankGrid(EXPERT_ORDER, {"tp": tp, "ep": ep, "edp": dp * cp // ep, "pp": pp})
+        return cls(dense=dense, expert=expert)
+
+    @classmethod
+    def from_config(cls, parallel: ParallelConfig, world_size: int) -> ParallelGrid:
+        """The grid of a config's validated ``parallel`` section in a world of ``world_size``."""
+        p = parallel
+        dp = data_parallel_size(p, world_size)
+        return cls.of(tp=p.tp, cp=p.cp, dp=dp, pp=p.pp, ep=p.ep)
+
+    def size(self, axis: str) -> int:
+        """The degree of ``axis`` (tp, cp, dp, pp, ep or edp)."""
+        sizes = self.dense.sizes | self.expert.sizes
+        if axis not in sizes:
+            raise ValueError(f"no axis {axis!r}: the axes are {', '.join(sizes)}")
+        return sizes[axis]
+
+    @property
+    def world_size(self) -> int:
+        return self.dense.world_size
+
+    def coords(self, rank: int) -> Coords:
+        """``rank``'s place in the dense grid."""
+        return Coords(**self.dense.coords(rank))
+
+    def groups(self, name: str) -> list[list[int]]:
+        """Every group called ``name`` (one of :data:`GROUP_NAMES`), as lists of global ranks."""
+        if name not in GROUP_AXES:
+            raise ValueError(f"no group {name!r}: the groups are {', '.join(GROUP_NAMES)}")
+        view, axes = GROUP_AXES[name]
+        groups = getattr(self, view).groups(axes)
+        if name == "embedding":
+            return [sorted({g[0], g[-1]}) for g in groups]
+        return groups
+
+
+def rank_map_table(grid: ParallelGrid) -> str:
+    """A printable table: one line per rank with its tp / (cp /) dp / pp coordinates, and its
+    ep / edp coordinates when experts are split (``ep > 1``)."""
+    cp, ep = grid.size("cp"), grid.size("ep")
+    order = "tp fastest, then cp, then dp, then pp" if cp > 1 else "tp fastest, then dp, then pp"
+    names = ["tp", "cp", "dp", "pp"] if cp > 1 else ["tp", "dp", "pp"]
+    shape = " ".join(f"{a}={grid.size(a)}" for a in names)
+    if ep > 1:
+        shape += f" ep={ep}"
+        order += "; ep carved out of dp x cp"
+    columns = names + (["ep", "edp"] if ep > 1 else [])
+    lines = [f"rank map ({shape}; {order})", " rank | " + " | ".join(columns)]
+    for rank in range(grid.world_size):
+        coords = grid.dense.coords(rank) | grid.expert.coords(rank)
+        lines.append(f" {rank:4d} | " + " | ".join(f"{coords[a]:2d}" for a in columns))
+    return "\n".join(lines)

@@ -1,0 +1,67 @@
+"""Context parallelism (``parallel.cp``) in the plan: each sequence split over ``cp`` ranks.
+
+- **Tokens**: every per-rank term counts the rank's ``s = seq / cp`` tokens of each sequence
+  (:func:`rank_seq_length`; the load-balanced split gives every cp rank the same causal
+  attention work).
+- **Activations**: attention also keeps the whole sequence's K and V, gathered over cp
+  (``cp s b 2g d``, :func:`gathered_kv_bytes`); the attention kernel runs with a mask of the
+  rank's queries against the whole sequence (:func:`attention_mask`), and K/V expanded for a
+  fused kernel span the whole sequence (:func:`kv_length`).
+- **Communication** (:func:`cp_volume`): per layer and microbatch one all-gather of k|v (the
+  whole sequence's ``[s, b, 2 kv_heads / tp, d]``) in forward, repeated when full recompute
+  reruns the layer, and one reduce-scatter of their grads in backward. Both sit between computes
+  (never hidden: the step time's ``cp`` term). Grads are reduced, and ZeRO shards spread, over
+  dp x cp (:mod:`~megatronish.plan.data_parallel`).
+"""
+
+from __future__ import annotations
+
+from megatronish.plan.layout import Layout
+from megatronish.plan.recompute import reruns
+from megatronish.spec import ModelSpec
+
+
+def rank_seq_length(spec: ModelSpec, layout: Layout) -> int:
+    """``s``: the tokens of each sequence a rank computes (its cp rank's share)."""
+    return spec.seq_length // layout.cp
+
+
+def kv_length(spec: ModelSpec, layout: Layout) -> int:
+    """Keys and values a rank's queries attend to: the whole sequence (``cp s``)."""
+    return layout.cp * rank_seq_length(spec, layout)
+
+
+def attention_mask(layout: Layout) -> str:
+    """The mask SDPA runs with: causal, or under cp the rank's queries against the whole
+    sequence (bottom-right aligned on CUDA, an explicit tensor on a CPU)."""
+    if layout.cp == 1:
+        return "causal"
+    return "lower_right" if layout.device_type == "cuda" else "tensor"
+
+
+def gathered_kv_bytes(
+    tokens: int, kv_heads: int, head_dim: int, element_bytes: int, layout: Layout
+) -> int:
+    """What attention keeps of the whole sequence's K and V gathered over cp (``tokens``: the
+    rank's ``s b``; ``kv_heads``: per tp rank); 0 without cp."""
+    if layout.cp == 1:
+        return 0
+    return layout.cp * tokens * 2 * kv_heads * head_dim * element_bytes
+
+
+def cp_volume(spec: ModelSpec, layout: Layout, pp_rank: int) -> dict[str, tuple[int, int]]:
+    """``{"cp/op": (calls, bytes)}`` of one step's K/V all-gathers and their grads'
+    reduce-scatters on pipeline rank ``pp_rank`` (see the module docstring)."""
+    if layout.cp == 1:
+        return {}
+    layers = layout.chunk_layers(spec.num_layers)
+    n_layers = sum(layers[c] for c in layout.stage_chunks(pp_rank))
+    redo, _ = reruns(spec, layout, pp_rank)
+    m = layout.num_microbatches
+    kv = spec.seq_length * layout.micro_batch_size * 2 * (spec.num_kv_heads // layout.tp)
+    kv_bytes = kv * spec.head_dim * layout.activation_bytes
+    gathers = m * (n_layers + redo)
+    return {
+        "cp/all_gather": (gathers, gathers * kv_bytes),
+        "cp/reduce_scatter": (m * n_layers, m * n_layers * kv_bytes),
+    }

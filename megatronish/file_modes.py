@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import stat
+from collections.abc import Callable
 
 
 def current_umask() -> int:
@@ -47,7 +48,7 @@ def save_safetensors(tensors: dict, path: str, metadata: dict[str, str] | None =
     follow_umask(path)
 
 
-def write_atomic(path: str, write) -> None:
+def write_atomic(path: str, write: Callable[[str], object]) -> None:
     """``write(tmp_path)``, then rename it to ``path``: a reader sees the old file or the whole
     new one, never a part (the temporary file is removed on failure)."""
     tmp = f"{path}.{os.getpid()}.tmp"

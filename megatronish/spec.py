@@ -6,8 +6,12 @@ A layer of its own, below every package that reads it (moe/, model/, plan/, hf/,
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from megatronish.config.derived import default_ffn_hidden, pad_vocab
+
+if TYPE_CHECKING:
+    from megatronish.config.schema import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -65,7 +69,7 @@ class ModelSpec:
         return self.arch == "llama"
 
     @classmethod
-    def from_config(cls, model_cfg, vocab_size: int) -> ModelSpec:
+    def from_config(cls, model_cfg: ModelConfig, vocab_size: int) -> ModelSpec:
         """Resolve every null in ``model_cfg`` (``vocab_size`` is the tokenizer's when unset)."""
         m = model_cfg
         vocab = m.vocab_size or vocab_size
@@ -93,7 +97,7 @@ class ModelSpec:
         )
 
 
-def moe_spec(model_cfg, ffn_hidden_size: int) -> MoESpec | None:
+def moe_spec(model_cfg: ModelConfig, ffn_hidden_size: int) -> MoESpec | None:
     """The resolved ``model.moe`` group (None for a dense model)."""
     moe = getattr(model_cfg, "moe", None)
     if moe is None or not moe.num_experts:

@@ -193,7 +193,7 @@ def _fit_and_save(
     saving = None
     if ckpt.dir:
         tokens = job.tokenizer.special_token_ids() if job.tokenizer is not None else None
-        saving = Saving(job.rng, run_id, tokens)
+        saving = Saving(run_id, tokens)
     trainer = Trainer(
         cfg,
         topo,
@@ -206,8 +206,9 @@ def _fit_and_save(
         peak_flops=peak,
         saving=saving,
         stop=stop,
+        rng=job.rng,
     )
-    load_with_fallback(trainer.checkpoint_parts, plan, job.rng, cfg.trainer.seed, log=logger.info)
+    load_with_fallback(trainer.checkpoint_parts, plan, log=logger.info)
     log_startup(cfg, job, trainer, logger)
     with stop or contextlib.nullcontext():
         try:

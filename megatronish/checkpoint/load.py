@@ -151,8 +151,6 @@ def check_tensor_shapes(meta: Metadata, spec: ModelSpec, where: str) -> None:
 def load_into(
     parts: CheckpointParts,
     path: str,
-    rng: RNGTracker | None = None,
-    seed: int = 0,
     threads: int = READ_THREADS,
 ) -> Metadata:
     """Load the checkpoint at ``path`` (a dir with ``latest`` or a step dir) into ``parts``,
@@ -185,8 +183,9 @@ def load_into(
     # Steps run before the load and not yet settled belong to the replaced state: a later
     # settle must not add them to history or skipped_steps (reading one raises).
     parts.drop_unsettled()
-    if rng is not None:
-        _restore_rng(rng, step_dir, meta, topo, parts.cfg.parallel.vpp, seed)
+    if parts.rng is not None:
+        cfg = parts.cfg
+        _restore_rng(parts.rng, step_dir, meta, topo, cfg.parallel.vpp, cfg.trainer.seed)
     return meta
 
 

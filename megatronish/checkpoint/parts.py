@@ -1,8 +1,8 @@
 """What a checkpoint saves and restores, as typed parts the training layer builds and hands down.
 
 Saving, loading and resuming read these parts and nothing else of the run, so the checkpoint
-layer depends only on the layers below it (ZeRO, the optimizer, the topology, the model spec,
-the config schema), never on the trainer that owns the parts.
+layer depends only on the layers below it (ZeRO, the optimizer, the RNG tracker, the topology,
+the model spec, the config schema), never on the trainer that owns the parts.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from megatronish.data_parallel.zero import ZeroDataParallel
 from megatronish.distributed.topology import Topology
 from megatronish.optim.sharded_adamw import ShardedAdamW
 from megatronish.spec import ModelSpec
+from megatronish.tensor_parallel.random import RNGTracker
 
 
 class TrainProgress(Protocol):
@@ -29,8 +30,9 @@ class TrainProgress(Protocol):
 
 @dataclass(frozen=True)
 class CheckpointParts:
-    """One rank's state a checkpoint holds (besides the RNG streams, passed on their own) and
-    what saving and loading need of the run around it."""
+    """One rank's state a checkpoint holds (model and ZeRO state, optimizer state, the train
+    state with the data cursor, the RNG streams) and what saving and loading need of the run
+    around it."""
 
     cfg: TrainConfig
     topo: Topology
@@ -38,6 +40,9 @@ class CheckpointParts:
     zero: ZeroDataParallel  # the params: their fp32 main values in buckets, sharded by ZeRO
     optimizer: ShardedAdamW  # the Adam moments (sharded like the params) and the update count
     progress: TrainProgress
+    # The dropout streams, saved per rank and restored by a load (reseeded from the seed and
+    # the step on a new layout); None: a save holds no streams and a load restores none.
+    rng: RNGTracker | None
     settle: Callable[[], None]  # learns the pending steps' skips (a save first calls it)
     drop_unsettled: Callable[[], None]  # forgets the pending steps a load replaced
     log: Callable[[str], None]  # one line to the run's log

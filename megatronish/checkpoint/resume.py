@@ -50,7 +50,6 @@ from megatronish.checkpoint.run_identity import ConfigChanged, RunComplete, chec
 from megatronish.config.schema import CheckpointConfig
 from megatronish.distributed.agree import PeerError, agree
 from megatronish.distributed.comm import ParallelGroup, broadcast
-from megatronish.tensor_parallel.random import RNGTracker
 
 DAMAGE = (CheckpointError, OSError, SafetensorError)  # what a damaged checkpoint raises
 
@@ -263,8 +262,6 @@ def _attempt(
 def load_with_fallback(
     parts: CheckpointParts,
     plan: ResumePlan,
-    rng: RNGTracker | None = None,
-    seed: int = 0,
     log: Callable[[str], None] = print,
 ) -> Metadata | None:
     """Collective. Load the first candidate of ``plan`` that every rank can read into
@@ -285,7 +282,7 @@ def load_with_fallback(
             misfit = _attempt(group, _check_fits, meta, parts, path)[1]
             if misfit is not None:
                 raise CheckpointError(misfit)
-            meta, reason = _attempt(group, load_into, parts, path, rng, seed)
+            meta, reason = _attempt(group, load_into, parts, path)
         if reason is None:
             after = f", the newest that loads ({len(skipped)} skipped)" if skipped else ""
             log(f"resumed from {path} at step {meta.step} (saved with {meta.layout}){after}")

@@ -57,7 +57,6 @@ from megatronish.distributed.agree import PeerError, agree
 from megatronish.distributed.comm import CollectiveError, all_reduce
 from megatronish.distributed.nccl_errors import failed_groups_message
 from megatronish.file_modes import save_safetensors
-from megatronish.tensor_parallel.random import RNGTracker
 
 COPIES_WAIT_S = 30.0  # join_writer's longest wait for a writer's device->host copies
 
@@ -170,11 +169,9 @@ class PendingSave(NamedTuple):
 
 @dataclass(frozen=True)
 class Saving:
-    """What a run's checkpoints record besides its :class:`CheckpointParts`: the RNG tracker
-    whose streams they hold, the logging run id, and the tokenizer's special token ids (for
-    exports)."""
+    """What a run's checkpoints record besides its :class:`CheckpointParts`: the logging run
+    id and the tokenizer's special token ids (for exports)."""
 
-    rng: RNGTracker | None = None
     run_id: str | None = None
     special_tokens: dict | None = None
 
@@ -186,7 +183,6 @@ class CheckpointSaver:
         self,
         cfg: TrainConfig,
         parts: CheckpointParts,
-        rng: RNGTracker | None = None,
         run_id: str | None = None,
         special_tokens: dict | None = None,
         copies: HostCopies | None = None,
@@ -194,7 +190,7 @@ class CheckpointSaver:
         """``copies``: the device->host copy layer of every save (default: the one for the
         parts' device and ``checkpoint.async_save``, see
         :func:`~megatronish.checkpoint.host_copies.host_copies_for`)."""
-        self.cfg, self.parts, self.rng = cfg, parts, rng
+        self.cfg, self.parts = cfg, parts
         self.copies = copies or host_copies_for(parts.topo.device, bool(cfg.checkpoint.async_save))
         self.special_tokens = dict(special_tokens or {})  # the tokenizer's, recorded for exports
         self.dir = os.path.expanduser(cfg.checkpoint.dir)
@@ -259,7 +255,7 @@ class CheckpointSaver:
             except OSError as e:
                 error = f"saving checkpoint step {step} failed: {write_failure(tmp_dir, e)}"
         self._agree(error, tmp_dir)  # the directory exists for everyone
-        shot = start_snapshot(self.parts, self.rng, self.copies)
+        shot = start_snapshot(self.parts, self.copies)
         header = self._header(optimizer_steps=0)  # the writer sets it from the snapshot
         errors: list[str] = []
         gate = CopiesGate()

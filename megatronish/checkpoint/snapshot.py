@@ -64,7 +64,6 @@ from megatronish.checkpoint.pieces import (
 from megatronish.data_parallel.zero import ZeroDataParallel
 from megatronish.distributed.topology import Topology
 from megatronish.optim.sharded_adamw import ShardedAdamW
-from megatronish.tensor_parallel.random import RNGTracker
 from megatronish.tensor_parallel.sharding import global_shape
 
 KINDS = ("model", "exp_avg", "exp_avg_sq")
@@ -81,7 +80,7 @@ class Snapshot:
     copied: PendingCopies  # wait() before reading ``tensors`` or ``optimizer_steps``
 
 
-def start_snapshot(parts: CheckpointParts, rng: RNGTracker | None, copies: HostCopies) -> Snapshot:
+def start_snapshot(parts: CheckpointParts, copies: HostCopies) -> Snapshot:
     """Queue the copies of this rank's tensors to write and return without waiting for them.
 
     Collective (ZeRO's gathers run here); reads no device value on the host. The run's
@@ -96,17 +95,15 @@ def start_snapshot(parts: CheckpointParts, rng: RNGTracker | None, copies: HostC
         buffers = _snapshot_buckets(parts.zero, parts.optimizer, parts.topo, copies, tensors, index)
     event = copies.record()
     parts.optimizer.before_next_update(functools.partial(copies.training_waits, event))
-    if rng is not None:
-        tensors["rng"] = {k: v.clone() for k, v in rng.state_dict().items()}
+    if parts.rng is not None:
+        tensors["rng"] = {k: v.clone() for k, v in parts.rng.state_dict().items()}
     return Snapshot(tensors, index, steps, PendingCopies(copies, event, buffers))
 
 
-def snapshot(
-    parts: CheckpointParts, rng: RNGTracker | None
-) -> tuple[dict[str, dict[str, torch.Tensor]], list[dict]]:
+def snapshot(parts: CheckpointParts) -> tuple[dict[str, dict[str, torch.Tensor]], list[dict]]:
     """This rank's tensors to write (complete host copies) and their index entries. Collective;
     blocks until the copies are done."""
-    shot = start_snapshot(parts, rng, host_copies_for(parts.topo.device, async_save=False))
+    shot = start_snapshot(parts, host_copies_for(parts.topo.device, async_save=False))
     shot.copied.wait()
     return shot.tensors, shot.index
 

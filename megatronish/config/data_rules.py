@@ -4,12 +4,15 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 
-from megatronish.config.schema import TrainConfig
+from megatronish.config.schema import DataConfig, TrainConfig
 from megatronish.config.value_rules import MIN_STDLIB_VOCAB
 
 
-def blend_pairs(blend, key: str, present: bool = True) -> tuple[list[tuple[float, str]], list[str]]:
+def blend_pairs(
+    blend: Iterable[object], key: str, present: bool = True
+) -> tuple[list[tuple[float, str]], list[str]]:
     """``([(weight, prefix), ...], errors)`` of a ``[[weight, prefix], ...]`` list; ``present``:
     whether each prefix's ``.idx`` must exist."""
     pairs, errors = [], []
@@ -36,7 +39,7 @@ def blend_pairs(blend, key: str, present: bool = True) -> tuple[list[tuple[float
     return pairs, errors
 
 
-def _tokenizer_errors(d, why: str) -> list[str]:
+def _tokenizer_errors(d: DataConfig, why: str) -> list[str]:
     if not d.tokenizer_model:
         return [
             f"{why} needs data.tokenizer_model (a sentencepiece .model, a Hugging Face "
@@ -54,7 +57,7 @@ def _tokenizer_errors(d, why: str) -> list[str]:
     return []
 
 
-def _stdlib_errors(d) -> list[str]:
+def _stdlib_errors(d: DataConfig) -> list[str]:
     """The built-in corpus (no blend): its vocabulary, and keys it would ignore."""
     errors = []
     if d.prefix:

@@ -42,7 +42,7 @@ class ConfigError(ValueError):
         super().__init__(f"invalid config ({len(self.errors)} problem(s)):\n{lines}")
 
 
-def unknown_keys(cfg) -> list[str]:
+def unknown_keys(cfg: TrainConfig) -> list[str]:
     """Dotted keys of ``cfg`` missing from the schema (Hydra's ``+key=value`` can add them)."""
     from megatronish.config.schema import TrainConfig
 
@@ -62,7 +62,9 @@ def _extra_keys(node: DictConfig, schema: DictConfig, prefix: str) -> list[str]:
     return extra
 
 
-def _positive(cfg, keys: list[str], errors: list[str], allow_zero: bool = False) -> None:
+def _positive(
+    cfg: TrainConfig, keys: list[str], errors: list[str], allow_zero: bool = False
+) -> None:
     for key in keys:
         v = get(cfg, key)
         if v is None:

@@ -26,7 +26,7 @@ def get(cfg: TrainConfig, dotted: str):
     return node
 
 
-def not_finite(cfg, prefix: str = "") -> list[str]:
+def not_finite(cfg: DictConfig | SimpleNamespace, prefix: str = "") -> list[str]:
     """Every float of ``cfg`` that is nan or infinite (each passes ``<`` checks silently)."""
     errors = []
     items = vars(cfg).items() if isinstance(cfg, SimpleNamespace) else cfg.items()

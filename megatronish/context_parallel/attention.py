@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -29,6 +30,9 @@ from megatronish.distributed.comm import (
     reduce_scatter_dim0,
     single_group,
 )
+
+if TYPE_CHECKING:
+    from torch.autograd.function import FunctionCtx
 
 
 @dataclass
@@ -86,12 +90,12 @@ class _GatherSequence(torch.autograd.Function):
     queries contribute to every key)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: ParallelGroup) -> torch.Tensor:
+    def forward(ctx: FunctionCtx, x: torch.Tensor, group: ParallelGroup) -> torch.Tensor:
         ctx.group = group
         return _reorder(all_gather_dim0(x, group), natural_order(group.size))
 
     @staticmethod
-    def backward(ctx, g: torch.Tensor):
+    def backward(ctx: FunctionCtx, g: torch.Tensor):
         g = _reorder(g.contiguous(), rank_major_order(ctx.group.size))
         return reduce_scatter_dim0(g, ctx.group), None
 

@@ -43,7 +43,14 @@ class AttentionKernel:
 
 
 # -- the rule as a table ----------------------------------------------------------------------
-def _flash_admits(dtype, mask, head_dim, dropout, capability, requires_grad) -> bool:
+def _flash_admits(
+    dtype: torch.dtype,
+    mask: str,
+    head_dim: int,
+    dropout: float,
+    capability: tuple[int, int],
+    requires_grad: bool,
+) -> bool:
     """check_dtypes_flash_attention, check_for_attn_mask, check_head_dim_size_flash,
     check_flash_attention_hardware_support and the training limit on sm86/89/120/121."""
     if dtype not in HALF or mask == "tensor" or head_dim > 256 or capability < (8, 0):
@@ -53,7 +60,7 @@ def _flash_admits(dtype, mask, head_dim, dropout, capability, requires_grad) -> 
     return True
 
 
-def _efficient_admits(dtype, head_dim, capability) -> bool:
+def _efficient_admits(dtype: torch.dtype, head_dim: int, capability: tuple[int, int]) -> bool:
     """Its dtypes (bf16 from sm80) and head dims (minimum_gemm_alignment)."""
     sm80 = capability >= (8, 0)
     if dtype not in (torch.float16, torch.float32, *((torch.bfloat16,) if sm80 else ())):
@@ -135,13 +142,22 @@ class SDPAChecks:
         self.switches = switches
         self.cache: dict = {}
 
-    def _params(self, q, k, v, attn_mask, dropout, is_causal, gqa):
+    def _params(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        attn_mask: torch.Tensor | None,
+        dropout: float,
+        is_causal: bool,
+        gqa: bool,
+    ) -> torch.backends.cuda.SDPAParams | None:
         try:
             return self.params(q, k, v, attn_mask, dropout, is_causal, gqa)
         except TypeError:  # an SDPAParams without enable_gqa
             return None if gqa else self.params(q, k, v, attn_mask, dropout, is_causal)
 
-    def _fused(self, params, bias: bool) -> str | None:
+    def _fused(self, params: torch.backends.cuda.SDPAParams | None, bias: bool) -> str | None:
         """The first fused kernel that admits ``params`` (torch's causal bias tries flash and
         the memory-efficient kernel only)."""
         if params is None:
@@ -153,7 +169,16 @@ class SDPAChecks:
         ]
         return next((name for name, can_use in kernels if can_use and can_use(params)), None)
 
-    def kernel(self, q, k, v, mask, attn_mask, dropout_p, is_causal) -> AttentionKernel:
+    def kernel(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: str,
+        attn_mask: torch.Tensor | None,
+        dropout_p: float,
+        is_causal: bool,
+    ) -> AttentionKernel:
         """The kernel for these inputs and whether K/V must be expanded for it."""
         extra = () if mask != "tensor" else (attn_mask.dtype, _layout(attn_mask))
         key = (
@@ -180,7 +205,16 @@ class SDPAChecks:
             self.cache[key] = hit
         return hit
 
-    def _decide(self, q, k, v, mask, attn_mask, dropout_p, is_causal) -> AttentionKernel:
+    def _decide(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: str,
+        attn_mask: torch.Tensor | None,
+        dropout_p: float,
+        is_causal: bool,
+    ) -> AttentionKernel:
         # What SDPA hands its checks: torch's lower-right causal bias checks without a mask and
         # not causal when the queries are fewer than the keys (it then applies the bias itself),
         # and is plain is_causal attention otherwise.
@@ -195,7 +229,8 @@ class SDPAChecks:
         if name is not None or not gqa:
             return AttentionKernel(name or "math", expand_kv=False)
 
-        def expanded(t):  # expand_kv_heads' layout, uninitialised: once per cached decision
+        def expanded(t: torch.Tensor) -> torch.Tensor:
+            # expand_kv_heads' layout, uninitialised: once per cached decision
             shape = (t.shape[0], heads, *t.shape[2:])
             return torch.empty(shape, dtype=t.dtype, device=t.device).requires_grad_(
                 t.requires_grad
@@ -238,7 +273,7 @@ def kernel_for(
     k: torch.Tensor,
     v: torch.Tensor,
     mask: str,
-    attn_mask=None,
+    attn_mask: torch.Tensor | None = None,
     dropout_p: float = 0.0,
     is_causal: bool = False,
 ) -> AttentionKernel:
@@ -254,7 +289,14 @@ def kernel_for(
     return _by_table(q.device.type, q, k, v, mask, dropout_p)
 
 
-def _by_table(device_type: str, q, k, v, mask: str, dropout_p: float) -> AttentionKernel:
+def _by_table(
+    device_type: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: str,
+    dropout_p: float,
+) -> AttentionKernel:
     """:func:`attention_kernel` for these tensors, as if on ``device_type``."""
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     return attention_kernel(
@@ -281,7 +323,7 @@ def sdpa(
     k: torch.Tensor,
     v: torch.Tensor,
     mask: str,
-    attn_mask=None,
+    attn_mask: torch.Tensor | None = None,
     dropout_p: float = 0.0,
     is_causal: bool = False,
 ) -> torch.Tensor:

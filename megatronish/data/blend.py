@@ -21,6 +21,8 @@ import os
 import time
 import zlib
 from array import array
+from collections.abc import Callable
+from typing import BinaryIO
 
 import numpy as np
 import torch
@@ -76,7 +78,7 @@ def file_crc32(path: str, chunk: int = 1 << 24) -> int:
     return crc
 
 
-def _write_atomic(path: str, write) -> None:
+def _write_atomic(path: str, write: Callable[[BinaryIO], object]) -> None:
     """``write(file)`` into ``path`` under a temporary name, then rename it into place."""
     tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "wb") as f:
@@ -84,7 +86,7 @@ def _write_atomic(path: str, write) -> None:
     os.replace(tmp, path)
 
 
-def _read_cache(paths: tuple[str, str], crc_path: str, size: int, log):
+def _read_cache(paths: tuple[str, str], crc_path: str, size: int, log: Callable[[str], None]):
     """The cached ``(dataset_index, dataset_sample_index)``, or None (with a logged line when
     a file is there but damaged) when it must be built."""
     if not all(os.path.exists(p) for p in (*paths, crc_path)):
@@ -116,7 +118,7 @@ def _read_cache(paths: tuple[str, str], crc_path: str, size: int, log):
 
 
 def cached_blend_indices(
-    weights: list[float], size: int, cache_dir: str | None, log=print
+    weights: list[float], size: int, cache_dir: str | None, log: Callable[[str], None] = print
 ) -> tuple[np.ndarray, np.ndarray]:
     """:func:`blend_indices`, read from or written to ``cache_dir`` (None: not cached). Writes
     are atomic, and the CRC32 file is written last, so ranks building the same index at once
@@ -149,7 +151,7 @@ class BlendedDataset(torch.utils.data.Dataset):
         size: int,
         names: list[str] | None = None,
         cache_dir: str | None = None,
-        log=print,
+        log: Callable[[str], None] = print,
     ):
         if len(datasets) != len(weights):
             raise ValueError(f"{len(datasets)} datasets but {len(weights)} weights")

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -13,6 +13,14 @@ from megatronish.data.gpt_dataset import GPTDataset
 from megatronish.data.indexed import IndexedDataset
 from megatronish.data.stdlib_corpus import ensure_stdlib_corpus
 from megatronish.data.tokenizer import Tokenizer, directory_problem, load_tokenizer
+
+if TYPE_CHECKING:
+    from types import SimpleNamespace
+
+    from megatronish.config.schema import DataConfig
+
+    # ``data_cfg``: the config section, or an object or mapping with some of its keys
+    DataSection = DataConfig | SimpleNamespace | Mapping[str, object]
 
 DEFAULTS: dict[str, Any] = {
     "source": "stdlib",
@@ -29,7 +37,7 @@ FULL_SCAN_TOKENS = 1 << 28  # scan every token up to this size; larger data is s
 _CHUNK = 1 << 24
 
 
-def _cfg(data_cfg: Any, key: str) -> Any:
+def _cfg(data_cfg: DataSection, key: str) -> Any:
     if isinstance(data_cfg, Mapping):
         value = data_cfg.get(key)
     else:
@@ -37,7 +45,7 @@ def _cfg(data_cfg: Any, key: str) -> Any:
     return DEFAULTS[key] if value is None else value
 
 
-def _resolve_indexed(data_cfg: Any) -> tuple[str, str]:
+def _resolve_indexed(data_cfg: DataSection) -> tuple[str, str]:
     prefix, model = _cfg(data_cfg, "prefix"), _cfg(data_cfg, "tokenizer_model")
     if not prefix:
         raise ValueError(
@@ -105,11 +113,11 @@ def check_token_ids(indexed: IndexedDataset, tokenizer: Tokenizer) -> None:
 
 
 def build_datasets(
-    data_cfg: Any,
+    data_cfg: DataSection,
     seq_length: int,
     seed: int,
     samples: tuple[int, int] | None = None,
-    log=print,
+    log: Callable[[str], None] = print,
 ) -> tuple[Any, Any, Tokenizer]:
     """(train, valid, tokenizer) for ``data_cfg`` (object or mapping with the keys of ``DEFAULTS``;
     missing or None values take the default).
@@ -144,7 +152,14 @@ def build_datasets(
     return train, valid, tokenizer
 
 
-def _build_blend(data_cfg, seq_length, seed, samples, valid_fraction, log):
+def _build_blend(
+    data_cfg: DataSection,
+    seq_length: int,
+    seed: int,
+    samples: tuple[int, int] | None,
+    valid_fraction: float,
+    log: Callable[[str], None],
+):
     """Blended train and valid datasets (see :func:`build_datasets`)."""
     if samples is None:
         raise ValueError("a blend needs the number of (train, valid) samples to build its index")

@@ -46,7 +46,9 @@ def read_json_object(path: str) -> dict:
     return value if isinstance(value, dict) else {}
 
 
-def _content(value) -> str | None:
+def _content(
+    value: str | int | float | bool | list[object] | dict[str, object] | None,
+) -> str | None:
     """A token as ``tokenizer_config.json`` writes it: a string or ``{"content": ...}``."""
     if isinstance(value, dict):
         value = value.get("content")

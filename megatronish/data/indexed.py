@@ -22,6 +22,7 @@ import os
 import struct
 import uuid
 from collections.abc import Sequence
+from types import TracebackType
 
 import numpy as np
 
@@ -151,7 +152,12 @@ class IndexedDatasetWriter:
     def __enter__(self) -> IndexedDatasetWriter:
         return self
 
-    def __exit__(self, exc_type, exc, tb) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         if exc_type is None:
             self.finalize()
         else:

@@ -20,6 +20,7 @@ import os
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from multiprocessing.pool import Pool
 
 import numpy as np
 
@@ -174,7 +175,7 @@ def _chunks(docs: Iterable[str], size: int) -> Iterator[list[str]]:
         yield chunk
 
 
-def ordered_map(fn: Callable, items: Iterable, pool, window: int) -> Iterator:
+def ordered_map(fn: Callable, items: Iterable, pool: Pool | None, window: int) -> Iterator:
     """``fn(item)`` for each item in order, at most ``window`` in flight on ``pool`` (in this
     process when ``pool`` is None), so a huge input never sits in memory."""
     if pool is None:
@@ -242,7 +243,7 @@ def preprocess(
     return out
 
 
-def throughput_line(written: list[Written], seconds: float, dtype) -> str:
+def throughput_line(written: list[Written], seconds: float, dtype: type[np.number]) -> str:
     """The closing summary line."""
     docs, tokens = sum(w.documents for w in written), sum(w.tokens for w in written)
     where = ", ".join(f"{w.prefix}.bin/.idx" for w in written)

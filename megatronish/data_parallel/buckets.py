@@ -20,6 +20,7 @@ buckets are reduced as soon as their grads are final.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -69,7 +70,9 @@ class Bucket:
             yield name, p, flat[off : off + p.numel()].view_as(p)
 
     @torch.no_grad()
-    def shard_values(self, value_of, lo: int, hi: int) -> torch.Tensor:
+    def shard_values(
+        self, value_of: Callable[[str, nn.Parameter], torch.Tensor], lo: int, hi: int
+    ) -> torch.Tensor:
         """Elements ``[lo, hi)`` of the bucket's flat fp32 values (padding zero), where
         ``value_of(name, p)`` gives a parameter's values: only the parameters that overlap the
         range are drawn, one at a time, so nothing beyond one parameter is ever held whole."""
@@ -93,7 +96,9 @@ class Bucket:
             torch.utils.swap_tensors(p, real)
             p.__dict__.update(kept)
 
-    def ranges(self, keep, lo: int, hi: int) -> list[tuple[int, int]]:
+    def ranges(
+        self, keep: Callable[[str, nn.Parameter], bool], lo: int, hi: int
+    ) -> list[tuple[int, int]]:
         """Merged ``[start, end)`` ranges within ``[lo, hi)`` (relative to ``lo``) covering the
         params where ``keep(name, p)``."""
         out: list[tuple[int, int]] = []
@@ -121,7 +126,7 @@ def plan_buckets(
     bucket_bytes: int,
     dp: int,
     dp_rank: int,
-    is_tied,
+    is_tied: Callable[[str, nn.Parameter], bool],
     device: torch.device,
     first_small: bool = True,
     expert: bool = False,
@@ -158,7 +163,16 @@ def is_expert(p: nn.Parameter) -> bool:
     return param_info(p).experts is not None
 
 
-def _plan_split(named, bucket_bytes, dp, dp_rank, is_tied, device, expert_dp, first_small):
+def _plan_split(
+    named: list[tuple[str, nn.Parameter]],
+    bucket_bytes: int,
+    dp: int,
+    dp_rank: int,
+    is_tied: Callable[[str, nn.Parameter], bool],
+    device: torch.device,
+    expert_dp: tuple[int, int] | None,
+    first_small: bool,
+) -> list[Bucket]:
     """Dense params' buckets over ``(dp, dp_rank)``, then the experts' over ``expert_dp``."""
     dense = [(n, p) for n, p in named if not is_expert(p)]
     experts = [(n, p) for n, p in named if is_expert(p)]
@@ -183,7 +197,7 @@ def plan_chunk_buckets(
     bucket_bytes: int,
     dp: int,
     dp_rank: int,
-    is_tied,
+    is_tied: Callable[[str, nn.Parameter], bool],
     device: torch.device,
     per_unit: bool,
     expert_dp: tuple[int, int] | None = None,

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from megatronish.data_parallel.stages import ZeroStage
-from megatronish.distributed.comm import ParallelGroup, all_reduce, reduce_scatter_into
+from megatronish.distributed.comm import NamedWork, ParallelGroup, all_reduce, reduce_scatter_into
 from megatronish.distributed.timers import Timers
 
 MAX_IN_FLIGHT = 1  # zero 2/3: reductions outstanding while the next bucket fills
@@ -26,7 +26,7 @@ MAX_IN_FLIGHT = 1  # zero 2/3: reductions outstanding while the next bucket fill
 
 @dataclass
 class Reduction:
-    work: object  # None when it completed on launch (a group of one)
+    work: NamedWork | None  # None when it completed on launch (a group of one)
     full: torch.Tensor  # the reduced input: kept alive until the reduction is done
     out: torch.Tensor  # where the collective writes
     into: torch.Tensor  # the owned grad that receives the result

@@ -19,6 +19,9 @@ that hold its parameters before its first forward of the next step.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
 import torch
 
 from megatronish.data_parallel.param_units import ParamUnit, Visit, install_visit_hooks
@@ -26,6 +29,9 @@ from megatronish.data_parallel.stages import ZeroStage
 from megatronish.distributed.comm import ParallelGroup, all_gather_into
 from megatronish.distributed.timers import Timers
 from megatronish.tensor_parallel.mappings import in_backward
+
+if TYPE_CHECKING:
+    from megatronish.data_parallel.buckets import Bucket
 
 
 def resize_storage(t: torch.Tensor, numel: int) -> None:
@@ -112,7 +118,7 @@ class ParamGatherer:
             self._free_bucket(b)
         unit.gathered = False
 
-    def _free_bucket(self, b) -> None:
+    def _free_bucket(self, b: Bucket) -> None:
         if b.param_flat.untyped_storage().nbytes():
             resize_storage(b.param_flat, 0)
             self.gathered_numel -= b.numel
@@ -192,7 +198,7 @@ class ParamGatherer:
             self.wait(unit)
 
     # -- zero 1/2: the gathers after the update -----------------------------------------------
-    def start_updated_gather(self, buckets) -> None:
+    def start_updated_gather(self, buckets: Iterable[Bucket]) -> None:
         """Start all-gathering every bucket's updated shard into the full params (in place),
         in the order the buckets are listed."""
         with self.timers.region("param_gather", "all-gather params"):

@@ -19,10 +19,15 @@ owner knows the next unit in forward order and the next one in backward order (f
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from megatronish.data_parallel.param_gather import ParamGatherer
 
 
 @dataclass(eq=False)
@@ -115,7 +120,7 @@ def chunk_visits(chunk: nn.Module, chunk_index: int) -> tuple[list[ParamUnit], l
     return list(by_name.values()), visits
 
 
-def _tensors(output) -> list[torch.Tensor]:
+def _tensors(output: torch.Tensor | tuple[object, ...] | list[object] | None) -> list[torch.Tensor]:
     if isinstance(output, torch.Tensor):
         return [output]
     if isinstance(output, (tuple, list)):
@@ -123,7 +128,7 @@ def _tensors(output) -> list[torch.Tensor]:
     return []
 
 
-def install_visit_hooks(visits: list[Visit], owner, after: bool = True) -> list:
+def install_visit_hooks(visits: list[Visit], owner: ParamGatherer, after: bool = True) -> list:
     """Register forward and backward hooks on every visited module; returns the handles.
 
     The owner is called with ``(visits, i)``: ``before_forward`` before the module's forward
@@ -135,11 +140,16 @@ def install_visit_hooks(visits: list[Visit], owner, after: bool = True) -> list:
     handles = []
     for i, visit in enumerate(visits):
 
-        def pre(_module, _args, i=i):
+        def pre(_module: nn.Module, _args: tuple[object, ...], i: int = i) -> None:
             if (o := ref()) is not None:
                 o.before_forward(visits, i)
 
-        def post(_module, _args, output, i=i):
+        def post(
+            _module: nn.Module,
+            _args: tuple[object, ...],
+            output: torch.Tensor | tuple[object, ...] | list[object] | None,
+            i: int = i,
+        ) -> None:
             o = ref()
             if o is None:
                 return
@@ -155,8 +165,10 @@ def install_visit_hooks(visits: list[Visit], owner, after: bool = True) -> list:
     return handles
 
 
-def _backward_hook(ref, visits: list[Visit], i: int):
-    def hook(_grad):
+def _backward_hook(
+    ref: weakref.ref[ParamGatherer], visits: list[Visit], i: int
+) -> Callable[[torch.Tensor], None]:
+    def hook(_grad: torch.Tensor) -> None:
         if (o := ref()) is not None:
             o.before_backward(visits, i)
 

@@ -25,7 +25,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from megatronish.distributed.gloo_shards import decomposes, gather_by_broadcasts, scatter_by_reduces
+from megatronish.distributed.gloo_shards import (
+    WorkGroup,
+    decomposes,
+    gather_by_broadcasts,
+    scatter_by_reduces,
+)
 from megatronish.distributed.nccl_errors import describe_nccl, parse_nccl_failure
 
 # torch 2.13 renamed the tensor collectives; keep one spelling that works from torch 2.6 on.
@@ -169,7 +174,7 @@ def _device_fault(error: RuntimeError) -> bool:
 class NamedWork:
     """A work handle of an asynchronous op whose ``wait()`` raises :class:`CollectiveError`."""
 
-    def __init__(self, work, group: ParallelGroup, op: str):
+    def __init__(self, work: dist.Work | WorkGroup, group: ParallelGroup, op: str):
         self.work, self.group, self.op = work, group, op
 
     def wait(self) -> bool:
@@ -180,7 +185,7 @@ class NamedWork:
         return self.work.is_completed()
 
 
-def _named(work, group: ParallelGroup, op: str):
+def _named(work: dist.Work | WorkGroup | None, group: ParallelGroup, op: str) -> NamedWork | None:
     return None if work is None else NamedWork(work, group, op)
 
 
@@ -211,7 +216,9 @@ def all_gather_dim0(t: torch.Tensor, group: ParallelGroup) -> torch.Tensor:
     return out
 
 
-def all_gather_into(out: torch.Tensor, shard: torch.Tensor, group: ParallelGroup, async_op=False):
+def all_gather_into(
+    out: torch.Tensor, shard: torch.Tensor, group: ParallelGroup, async_op: bool = False
+):
     """All-gather flat ``shard``s into the preallocated flat ``out`` (ZeRO parameter gather)."""
     if group.size == 1:
         if out.data_ptr() != shard.data_ptr():
@@ -241,7 +248,7 @@ def reduce_scatter_dim0(t: torch.Tensor, group: ParallelGroup) -> torch.Tensor:
 
 
 def reduce_scatter_into(
-    out: torch.Tensor, full: torch.Tensor, group: ParallelGroup, async_op=False
+    out: torch.Tensor, full: torch.Tensor, group: ParallelGroup, async_op: bool = False
 ):
     """Reduce-scatter flat ``full`` into the flat ``out`` shard (ZeRO gradient reduction).
 

@@ -13,14 +13,20 @@ ZeRO's callers use only their own slice of a reduced buffer.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from megatronish.distributed.comm import ParallelGroup
 
 
 class WorkGroup:
     """Asynchronous ops waited for as one, then ``after()`` (a finishing copy)."""
 
-    def __init__(self, works: list, after=None):
+    def __init__(self, works: list[dist.Work], after: Callable[[], object] | None = None):
         self.works, self.after = works, after
 
     def wait(self) -> bool:
@@ -36,12 +42,14 @@ class WorkGroup:
         return all(w.is_completed() for w in self.works)
 
 
-def decomposes(group) -> bool:
+def decomposes(group: ParallelGroup) -> bool:
     """Whether ``group`` (a ParallelGroup) runs ZeRO's flat collectives member by member."""
     return group.decompose_gloo_shards and dist.get_backend(group.handle()) == "gloo"
 
 
-def gather_by_broadcasts(out: torch.Tensor, shard: torch.Tensor, group, async_op: bool):
+def gather_by_broadcasts(
+    out: torch.Tensor, shard: torch.Tensor, group: ParallelGroup, async_op: bool
+) -> WorkGroup | None:
     """``out`` = every member's ``shard`` in member order (all-gather into a flat buffer)."""
     slices = out.chunk(group.size)
     mine = slices[group.rank]
@@ -59,7 +67,9 @@ def gather_by_broadcasts(out: torch.Tensor, shard: torch.Tensor, group, async_op
     return None
 
 
-def scatter_by_reduces(out: torch.Tensor, full: torch.Tensor, group, async_op: bool):
+def scatter_by_reduces(
+    out: torch.Tensor, full: torch.Tensor, group: ParallelGroup, async_op: bool
+) -> WorkGroup | None:
     """``out`` = the sum over members of this member's slice of ``full`` (a reduce-scatter)."""
     slices = full.chunk(group.size)
     mine = slices[group.rank]

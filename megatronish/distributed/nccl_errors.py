@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
+    import torch.distributed as dist
+
     from megatronish.distributed.comm import ParallelGroup
 
 # torch's OpType names (opTypeToString) -> the op names megatronish uses.
@@ -153,7 +155,7 @@ def parse_nccl_failure(text: str) -> NcclFailure | None:
     return NcclFailure(kind, _one_line(text), op, seq, group, timeout_s)
 
 
-def nccl_error_state(pg: object) -> str | None:
+def nccl_error_state(pg: dist.ProcessGroup) -> str | None:
     """The error torch's ProcessGroupNCCL recorded for ``pg`` (``TIMEOUT``, ``COMM_ERROR``,
     ``REMOTE_ERROR``); None when it has none, or no NCCL backend (gloo, a closed group)."""
     try:

@@ -89,6 +89,16 @@ class ParallelGrid:
     def world_size(self) -> int:
         return self.dense.world_size
 
+    def communicator(self, name: str) -> str:
+        """The group whose communicator group ``name`` shares (CommStats counts it under that
+        name): dp for dp_cp when cp = 1, dp_cp's for edp when ep = 1 (the same ranks); else
+        ``name``."""
+        if name == "dp_cp" and self.size("cp") == 1:
+            return "dp"
+        if name == "edp" and self.size("ep") == 1:
+            return self.communicator("dp_cp")
+        return name
+
     def coords(self, rank: int) -> Coords:
         """``rank``'s place in the dense grid."""
         return Coords(**self.dense.coords(rank))

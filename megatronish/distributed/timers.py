@@ -61,7 +61,7 @@ class _Region:
             self.start = None
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         t = self.timers
         if self.start is not None:
             if t.sync is not None:
@@ -102,7 +102,7 @@ class Timers:
         """Timers that time nothing (the default where no timers are passed)."""
         return cls("off")
 
-    def region(self, key: str | None, label: str | None = None, *args):
+    def region(self, key: str | None, label: str | None = None, *args: object):
         """Time ``key`` (None: only a profiler range) over a ``with`` block.
 
         ``label.format(*args)`` names the profiler range; it is formatted only while profiling.
@@ -111,7 +111,7 @@ class Timers:
             return _NOTHING
         return _Region(self, key, label, args)
 
-    def start(self, key: str, label: str | None = None, *args) -> None:
+    def start(self, key: str, label: str | None = None, *args: object) -> None:
         """Start ``key`` (like entering ``region``); a running ``key`` is stopped first."""
         self.stop(key)
         region = self.region(key, label, *args)

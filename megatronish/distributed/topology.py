@@ -200,11 +200,8 @@ class Topology:
         timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
         groups: dict[str, ParallelGroup] = {}
         for name in GROUP_NAMES:
-            if name == "dp_cp" and grid.size("cp") == 1:  # the dp group: no second communicator
-                groups[name] = groups["dp"]
-                continue
-            if name == "edp" and grid.size("ep") == 1:  # the dp_cp group itself
-                groups[name] = groups["dp_cp"]
+            if grid.communicator(name) != name:  # the same ranks: no second communicator
+                groups[name] = groups[grid.communicator(name)]
                 continue
             all_groups = grid.groups(name)
             mine = None

@@ -16,10 +16,15 @@ process), 3 the checkpoint or tokenizer is missing or damaged.
 from __future__ import annotations
 
 import sys
+from typing import TYPE_CHECKING
 
 from megatronish.config.option_docs import help_text, options_help
 from megatronish.generate.option_docs import GENERATE_OPTION_DOCS
 from megatronish.generate.options import OPTIONS, Options, parse_options
+
+if TYPE_CHECKING:
+    from megatronish.data.tokenizer import Tokenizer
+    from megatronish.spec import ModelSpec
 
 EXIT_OPTIONS = 2
 EXIT_FILES = 3
@@ -60,7 +65,7 @@ def _checkpoint_path(options: Options) -> str:
     return cfg.checkpoint.dir
 
 
-def _prompt_ids(text: str, tokenizer, spec, max_new_tokens: int) -> list[int]:
+def _prompt_ids(text: str, tokenizer: Tokenizer, spec: ModelSpec, max_new_tokens: int) -> list[int]:
     """The prompt's token ids (the end-of-document token for an empty prompt), checked to fit
     the model's context with ``max_new_tokens`` more."""
     ids = tokenizer.encode(text) or [tokenizer.eod_id]

@@ -111,7 +111,7 @@ def override_args(model_cfg: dict) -> list[str]:
     return args
 
 
-def _fmt(v) -> str:
+def _fmt(v: str | int | float | bool | None) -> str:
     """A value as Hydra's override grammar reads it back (``true``, ``null``, ``0.001``)."""
     if v is None:
         return "null"

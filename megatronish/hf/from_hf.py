@@ -58,7 +58,7 @@ def from_hf(
     return cfg, {k: own_copy(v, torch.float32) for k, v in tensors.items()}
 
 
-def _model_cfg(arch: str, hf: dict, **values) -> dict:
+def _model_cfg(arch: str, hf: dict, **values: object) -> dict:
     base = dataclasses.asdict(ModelConfig())
     base.update(
         arch=arch,

@@ -21,9 +21,14 @@ names of a transformers 5 ``state_dict()``, whose layout is exactly ``fc1`` / ``
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from megatronish.spec import ModelSpec
+
+if TYPE_CHECKING:
+    from megatronish.hf.from_hf import _Source
 
 MOE_BLOCKS = ("block_sparse_moe.", "mlp.")  # checkpoint names, then transformers 5 module names
 
@@ -123,7 +128,7 @@ def moe_to_hf(t: dict, layer: int, num_experts: int, f: int) -> dict:
     return out
 
 
-def moe_from_hf(s, layer: int, num_experts: int) -> dict:
+def moe_from_hf(s: _Source, layer: int, num_experts: int) -> dict:
     """Block ``layer``'s ``router``, ``experts.fc1`` and ``experts.fc2`` from the HF source
     ``s`` (a ``from_hf._Source``), in checkpoint or fused naming."""
     prefix = f"model.layers.{layer}."

@@ -34,7 +34,7 @@ from megatronish.tensor_parallel.sharding import mark_param
 class Norm(nn.Module):
     """RMSNorm (llama) or LayerNorm (gpt2); weights replicated over tp."""
 
-    def __init__(self, spec: ModelSpec, tp: TPContext, device=None):
+    def __init__(self, spec: ModelSpec, tp: TPContext, device: torch.device | str | None = None):
         super().__init__()
         self.rms, self.eps = spec.is_llama, spec.norm_eps
         sp = tp.sequence_parallel
@@ -59,7 +59,9 @@ class Norm(nn.Module):
         return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
 
 
-def rope_tables(seq: int, dim: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(
+    seq: int, dim: int, theta: float, device: torch.device | str | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and signed sin tables ``[s, 1, 1, dim]`` for the rotate-half convention (as in HF
     Llama); the sin table's first half is negated, so :func:`apply_rope` needs no negation."""
     inv = 1.0 / theta ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim)
@@ -84,7 +86,14 @@ class KVCache:
     next tokens' keys and values after the ``length`` held.
     """
 
-    def __init__(self, spec: ModelSpec, batch: int, capacity: int, device=None, dtype=None):
+    def __init__(
+        self,
+        spec: ModelSpec,
+        batch: int,
+        capacity: int,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ):
         shape = (batch, spec.num_kv_heads, capacity, spec.head_dim)
         self.k = torch.empty(shape, device=device, dtype=dtype)
         self.v = torch.empty(shape, device=device, dtype=dtype)
@@ -105,7 +114,13 @@ class Attention(nn.Module):
     """Causal self-attention with grouped-query heads split over tp (and, under context
     parallelism, local queries against the keys and values of the whole sequence)."""
 
-    def __init__(self, spec: ModelSpec, tp: TPContext, cp: CPContext, device=None):
+    def __init__(
+        self,
+        spec: ModelSpec,
+        tp: TPContext,
+        cp: CPContext,
+        device: torch.device | str | None = None,
+    ):
         super().__init__()
         d, h = spec.head_dim, spec.hidden_size
         self.spec, self.tp, self.cp = spec, tp, cp
@@ -144,7 +159,7 @@ class Attention(nn.Module):
                 return self._attend(q, k, v, p)
         return self._attend(q, k, v, p)
 
-    def _attend(self, q, k, v, p: float) -> torch.Tensor:
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float) -> torch.Tensor:
         if self.cp.size > 1:  # local queries, the whole sequence's keys and values
             return cp_causal_attention(q, k, v, self.cp, p)
         return sdpa(q, k, v, "causal", dropout_p=p, is_causal=True)
@@ -191,7 +206,7 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU (llama) or GELU (gpt2) feed-forward; hidden units split over tp."""
 
-    def __init__(self, spec: ModelSpec, tp: TPContext, device=None):
+    def __init__(self, spec: ModelSpec, tp: TPContext, device: torch.device | str | None = None):
         super().__init__()
         h, f = spec.hidden_size, spec.ffn_hidden_size
         self.llama = spec.is_llama
@@ -222,7 +237,9 @@ class MLP(nn.Module):
         return self.fc2(y)
 
 
-def moe_layer(spec: ModelSpec, ctx: ParallelContext, device=None, layer: int = 0) -> MoELayer:
+def moe_layer(
+    spec: ModelSpec, ctx: ParallelContext, device: torch.device | str | None = None, layer: int = 0
+) -> MoELayer:
     """Block ``layer``'s mixture-of-experts MLP, with its shared experts as one dense MLP (no
     biases)."""
     moe, shared, tp = spec.moe, None, ctx.tp
@@ -236,7 +253,13 @@ class TransformerBlock(nn.Module):
     """Pre-norm block: ``x + drop(attn(norm(x)))``, then ``+ drop(mlp(norm(.)))``; the MLP is a
     mixture of experts in the blocks ``model.moe.layer_freq`` picks."""
 
-    def __init__(self, spec: ModelSpec, ctx: ParallelContext, device=None, layer: int = 0):
+    def __init__(
+        self,
+        spec: ModelSpec,
+        ctx: ParallelContext,
+        device: torch.device | str | None = None,
+        layer: int = 0,
+    ):
         super().__init__()
         tp = ctx.tp
         self.spec, self.tp = spec, tp
@@ -249,7 +272,12 @@ class TransformerBlock(nn.Module):
             else MLP(spec, tp, device)
         )
 
-    def forward(self, x: torch.Tensor, rope=None, cache: KVCache | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+        cache: KVCache | None = None,
+    ) -> torch.Tensor:
         p, split = self.spec.hidden_dropout, self.tp.sequence_parallel
         x = x + self.tp.dropout(self.attn(self.attn_norm(x), rope, cache), p, self.training, split)
         return x + self.tp.dropout(self.mlp(self.mlp_norm(x)), p, self.training, split)

@@ -27,7 +27,13 @@ from megatronish.tensor_parallel.sharding import TPShard, mark_param, update_par
 class Embedding(nn.Module):
     """Token embedding (+ learned positions for gpt2), output ``[s, b, h]`` (or its sp shard)."""
 
-    def __init__(self, spec: ModelSpec, tp: TPContext, cp: CPContext, device=None):
+    def __init__(
+        self,
+        spec: ModelSpec,
+        tp: TPContext,
+        cp: CPContext,
+        device: torch.device | str | None = None,
+    ):
         super().__init__()
         self.spec, self.tp, self.cp = spec, tp, cp
         self.word = VocabParallelEmbedding(
@@ -71,7 +77,13 @@ class Head(nn.Module):
     group.
     """
 
-    def __init__(self, spec: ModelSpec, tp: TPContext, embedding: Embedding | None, device=None):
+    def __init__(
+        self,
+        spec: ModelSpec,
+        tp: TPContext,
+        embedding: Embedding | None,
+        device: torch.device | str | None = None,
+    ):
         super().__init__()
         self.spec, self.tp = spec, tp
         self.norm = Norm(spec, tp, device)
@@ -136,7 +148,7 @@ class GPTChunk(nn.Module):
         *,
         first: bool,
         last: bool,
-        device=None,
+        device: torch.device | str | None = None,
     ):
         super().__init__()
         self.spec, self.parallel, self.first, self.last = spec, ctx, first, last
@@ -151,7 +163,7 @@ class GPTChunk(nn.Module):
         self.recompute_rng = None
         self._rope = None
 
-    def rope(self, device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def rope(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
         if not self.spec.is_llama:
             return None
         if self._rope is None or self._rope[0].device != device:
@@ -171,7 +183,7 @@ class GPTChunk(nn.Module):
         blocks = list(self.layers.values())
         for start, end, recompute in self.segments:
 
-            def run(h, group=blocks[start:end]):
+            def run(h: torch.Tensor, group: list[nn.Module] = blocks[start:end]) -> torch.Tensor:
                 for block in group:
                     h = block(h, rope)
                 return h

@@ -38,7 +38,12 @@ Precision. In fp32 everything is fp32. In 16 bits (bf16 params, or autocast) the
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from torch.autograd.function import FunctionCtx
 
 # A chunk's logits are at least this many bytes (fewer, larger matmuls) ...
 MIN_CHUNK_BYTES = 8 << 20
@@ -90,7 +95,14 @@ def _log_probs(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, target, vocab_size, weight_shared):
+    def forward(
+        ctx: FunctionCtx,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        target: torch.Tensor,
+        vocab_size: int,
+        weight_shared: bool,
+    ) -> torch.Tensor:
         n, dtype = x.shape[0], _compute_dtype(x)
         step = chunk_tokens(n, x.shape[1], weight.shape[0])
         with torch.autocast(x.device.type, enabled=False):
@@ -123,7 +135,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_loss):
+    def backward(ctx: FunctionCtx, grad_loss: torch.Tensor):
         grad_x, grad_w = ctx.saved_tensors
         scale = grad_loss.float() / ctx.tokens  # e.g. 1/3 for 3 microbatches: not in bf16
         if grad_x.dtype == torch.float32:
@@ -133,7 +145,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return grad_x, _weight_grad(ctx, grad_w.mul_(scale)), None, None, None
 
 
-def _weight_grad(ctx, grad_w: torch.Tensor) -> torch.Tensor:
+def _weight_grad(ctx: FunctionCtx, grad_w: torch.Tensor) -> torch.Tensor:
     """What autograd gets for the weight: its fp32 grad, or, when that went straight into the
     weight's fp32 main grad, a placeholder in the weight's dtype."""
     shape, dtype, device = ctx.weight_like
@@ -146,7 +158,9 @@ def _weight_grad(ctx, grad_w: torch.Tensor) -> torch.Tensor:
     return make(shape, dtype=dtype, device=device)
 
 
-def _loss_only(x, weight, target, vocab_size) -> torch.Tensor:
+def _loss_only(
+    x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, vocab_size: int
+) -> torch.Tensor:
     n, dtype = x.shape[0], _compute_dtype(x)
     step = chunk_tokens(n, x.shape[1], weight.shape[0])
     w = weight.to(dtype)

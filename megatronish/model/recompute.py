@@ -14,19 +14,23 @@ forward saw, so dropout masks, losses and gradients are bit-identical to running
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 from torch.utils.checkpoint import checkpoint
 
 from megatronish.tensor_parallel.random import RNGTracker
 
+if TYPE_CHECKING:
+    from megatronish.model.gpt import GPTChunk
 
-def checkpointed(fn: Callable, *args, rng: RNGTracker):
+
+def checkpointed(fn: Callable, *args: object, rng: RNGTracker):
     """``fn(*args)`` whose activations are recomputed in backward with the same RNG draws."""
     snapshot = rng.state_dict()
     calls = [0]
 
-    def run(*a):
+    def run(*a: object):
         calls[0] += 1
         if calls[0] == 1:
             return fn(*a)
@@ -55,7 +59,9 @@ def recompute_segments(
     return segments
 
 
-def apply_recompute(chunks, policy: str, method: str, num_layers: int, rng: RNGTracker) -> None:
+def apply_recompute(
+    chunks: Iterable[GPTChunk], policy: str, method: str, num_layers: int, rng: RNGTracker
+) -> None:
     """Install a recompute policy on model chunks (``GPTChunk``)."""
     for chunk in chunks:
         chunk.segments = recompute_segments(len(chunk.layers), policy, method, num_layers)

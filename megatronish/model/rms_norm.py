@@ -16,9 +16,13 @@ fused backward). :func:`rms_norm_kernel` picks torch's kernel for fp32 everywher
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from torch.autograd.function import FunctionCtx
 
 FUSED_CUDA_RMS_NORM = (2, 9)  # the first torch with aten::_fused_rms_norm's CUDA kernel
 # (major, minor): a 2.9.0a0 pre-release (NGC containers) counts as 2.9; one older than the kernel
@@ -46,7 +50,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 class _LowPrecisionRMSNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    def forward(
+        ctx: FunctionCtx, x: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
         xf = x.float()
         rstd = torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
         ctx.save_for_backward(x, weight, rstd)
@@ -54,7 +60,7 @@ class _LowPrecisionRMSNorm(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_out: torch.Tensor):
+    def backward(ctx: FunctionCtx, grad_out: torch.Tensor):
         x, weight, rstd = ctx.saved_tensors
         normed = x.float() * rstd
         g = grad_out.float()

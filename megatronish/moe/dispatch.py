@@ -14,30 +14,43 @@ with ``output_size``, the experts' group offsets by a cumulative sum).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from megatronish.distributed.comm import ParallelGroup, all_to_all
+
+if TYPE_CHECKING:
+    from torch.autograd.function import FunctionCtx
 
 
 class _AllToAll(torch.autograd.Function):
     """Rows ``in_splits`` to each peer, ``out_splits`` from each; backward sends grads back."""
 
     @staticmethod
-    def forward(ctx, x, group: ParallelGroup, out_splits: list[int], in_splits: list[int]):
+    def forward(
+        ctx: FunctionCtx,
+        x: torch.Tensor,
+        group: ParallelGroup,
+        out_splits: list[int],
+        in_splits: list[int],
+    ):
         ctx.group, ctx.splits = group, (out_splits, in_splits)
         out = x.new_empty((sum(out_splits), *x.shape[1:]))
         return all_to_all(out, x, group, out_splits, in_splits)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: FunctionCtx, grad: torch.Tensor):
         out_splits, in_splits = ctx.splits
         back = grad.new_empty((sum(in_splits), *grad.shape[1:]))
         return all_to_all(back, grad, ctx.group, in_splits, out_splits), None, None, None
 
 
-def exchange(x: torch.Tensor, group: ParallelGroup, out_splits, in_splits) -> torch.Tensor:
+def exchange(
+    x: torch.Tensor, group: ParallelGroup, out_splits: Sequence[int], in_splits: Sequence[int]
+) -> torch.Tensor:
     """Differentiable all-to-all of rows over ``group`` (the identity for a group of one)."""
     if group.size == 1:
         return x

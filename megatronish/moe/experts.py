@@ -30,7 +30,7 @@ class GroupedExperts(nn.Module):
         tp_size: int,
         num_local: int,
         first: int,
-        device=None,
+        device: torch.device | str | None = None,
         grouped: bool | None = None,
     ):
         super().__init__()

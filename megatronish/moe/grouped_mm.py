@@ -28,8 +28,12 @@ import itertools
 import re
 from collections.abc import Sequence
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from torch.autograd.function import FunctionCtx
 
 ALIGN_BYTES = 16
 
@@ -102,7 +106,7 @@ class ExpertLoop(torch.autograd.Function):
     group by its expert's transpose) as one ``torch.mm`` per expert, into one ``[rows, n]``."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, counts: tuple[int, ...]):
+    def forward(ctx: FunctionCtx, x: torch.Tensor, weight: torch.Tensor, counts: tuple[int, ...]):
         ctx.save_for_backward(x, weight)
         ctx.counts = counts
         out = x.new_empty(x.shape[0], weight.shape[1])
@@ -111,7 +115,7 @@ class ExpertLoop(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
+    def backward(ctx: FunctionCtx, grad: torch.Tensor):
         x, weight = ctx.saved_tensors
         counts, grads = ctx.counts, grad.split(ctx.counts)
         grad_x = grad_w = None

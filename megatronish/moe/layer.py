@@ -16,6 +16,8 @@ needs in one copy); the routing statistics (``stats``) stay on the device until 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -38,6 +40,9 @@ from megatronish.tensor_parallel.context import TPContext
 from megatronish.tensor_parallel.mappings import gather_from_sp, in_backward, reduce_scatter_to_sp
 from megatronish.tensor_parallel.sharding import mark_param
 
+if TYPE_CHECKING:
+    from torch.autograd.function import FunctionCtx
+
 AUX, Z, DROPPED = -3, -2, -1  # the last entries of MoELayer.stats (the first E: assignments)
 
 
@@ -45,11 +50,11 @@ class _AttachLoss(torch.autograd.Function):
     """Identity on ``x``; in backward ``loss`` receives gradient 1 (its scale is inside it)."""
 
     @staticmethod
-    def forward(ctx, x, loss):
+    def forward(ctx: FunctionCtx, x: torch.Tensor, loss: torch.Tensor):
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: FunctionCtx, grad: torch.Tensor):
         return grad, torch.ones((), device=grad.device, dtype=torch.float32)
 
 
@@ -62,7 +67,7 @@ class MoELayer(nn.Module):
         tp: TPContext,
         cp: CPContext,
         ep: EPContext,
-        device=None,
+        device: torch.device | str | None = None,
         shared: nn.Module | None = None,
         layer_id: int = 0,
     ):
@@ -119,7 +124,15 @@ class MoELayer(nn.Module):
             out = self._auxiliary_losses(out, logits, probs, all_experts, experts, dropped)
         return out
 
-    def _auxiliary_losses(self, out, logits, probs, all_experts, experts, dropped):
+    def _auxiliary_losses(
+        self,
+        out: torch.Tensor,
+        logits: torch.Tensor,
+        probs: torch.Tensor,
+        all_experts: torch.Tensor,
+        experts: torch.Tensor,
+        dropped: torch.Tensor,
+    ):
         """Attach the balancing and z losses to ``out``'s gradient; record the step's stats."""
         moe, cp = self.moe, self.cp
         total = all_experts.shape[0] * cp.size  # the microbatch's tokens, every cp chunk

@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from megatronish.config.schema import OptimizerConfig, SchedulerConfig
 
 
 def lr_at(step: int, *, lr: float, min_lr: float, warmup: int, decay: int, style: str) -> float:
@@ -22,7 +27,9 @@ def lr_at(step: int, *, lr: float, min_lr: float, warmup: int, decay: int, style
     return min_lr + 0.5 * (lr - min_lr) * (1.0 + math.cos(math.pi * progress))
 
 
-def schedule_from_config(optimizer_cfg, scheduler_cfg, max_steps: int):
+def schedule_from_config(
+    optimizer_cfg: OptimizerConfig, scheduler_cfg: SchedulerConfig, max_steps: int
+) -> Callable[[int], float]:
     """A ``step -> lr`` function from the config groups."""
     decay = scheduler_cfg.decay_steps if scheduler_cfg.decay_steps is not None else max_steps
     return lambda step: lr_at(

@@ -35,7 +35,15 @@ def decay_runs(numel: int, decay_ranges: list[tuple[int, int]]) -> list[tuple[in
 class ShardedAdamW:
     """Decoupled-weight-decay Adam on ``(param, grad, decay_ranges)`` flat tensors."""
 
-    def __init__(self, numels: list[int], device, *, betas, eps: float, weight_decay: float):
+    def __init__(
+        self,
+        numels: list[int],
+        device: torch.device | str,
+        *,
+        betas: tuple[float, float],
+        eps: float,
+        weight_decay: float,
+    ) -> None:
         self.beta1, self.beta2 = betas
         self.eps, self.weight_decay = eps, weight_decay
         self.exp_avg = [torch.zeros(n, device=device) for n in numels]

@@ -22,7 +22,7 @@ from torch import nn
 from megatronish.distributed.timers import Timers
 from megatronish.distributed.topology import Topology
 from megatronish.pipeline.grouping import Step, forward_only_steps, training_steps
-from megatronish.pipeline.no_pipeline import NO_PARAM_HOOKS
+from megatronish.pipeline.no_pipeline import NO_PARAM_HOOKS, ParamHooks
 from megatronish.pipeline.p2p import BatchedP2P, P2PCommunicator
 from megatronish.pipeline.posting import GroupPoster, Posted
 
@@ -114,7 +114,7 @@ def forward_backward_pipeline(
     topo: Topology,
     vpp: int,
     shape: PipelineShape,
-    param_hooks=None,
+    param_hooks: ParamHooks | None = None,
     timeline: Timeline | None = None,
     timers: Timers | None = None,
     comm: P2PCommunicator | None = None,
@@ -177,7 +177,7 @@ def forward_only_pipeline(
     topo: Topology,
     vpp: int,
     shape: PipelineShape,
-    param_hooks=None,
+    param_hooks: ParamHooks | None = None,
     comm: P2PCommunicator | None = None,
 ) -> list[torch.Tensor]:
     """Evaluation: the schedule's forwards in order, no backward; losses on the last stage."""

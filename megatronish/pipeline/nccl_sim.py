@@ -148,7 +148,9 @@ def run_groups(groups: Groups, compute: Mapping[int, Sequence[float]] | None = N
     return SimReport(issued, matched, dict(clock), busy)
 
 
-def _waiting(rank, groups, current, done) -> str:
+def _waiting(
+    rank: int, groups: Groups, current: Mapping[int, int], done: Mapping[int, set[int]]
+) -> str:
     index = current[rank]
     group = groups[rank][index]
     ops = ", ".join(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 from torch import nn
 
@@ -13,7 +15,7 @@ def forward_backward_no_pipeline(
     microbatches: list[tuple[torch.Tensor, torch.Tensor]],
     *,
     loss_scale: float,
-    param_hooks=None,
+    param_hooks: ParamHooks | None = None,
     timers: Timers | None = None,
 ) -> list[torch.Tensor]:
     """Gradient accumulation: ``loss * loss_scale`` is backpropagated for each microbatch.
@@ -36,6 +38,15 @@ def forward_backward_no_pipeline(
         hooks.after_compute(0, "bwd")
         losses.append(loss.detach())
     return losses
+
+
+class ParamHooks(Protocol):
+    """Told before (``prefetch``) and after each forward ("fwd") and backward ("bwd") of a
+    chunk (ZeRO's parameter gathering)."""
+
+    def prefetch(self, chunk_index: int, kind: str) -> None: ...
+
+    def after_compute(self, chunk_index: int, kind: str) -> None: ...
 
 
 class _NoParamHooks:

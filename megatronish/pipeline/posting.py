@@ -50,7 +50,9 @@ class Posted:
 class GroupPoster:
     """Posts groups through ``comm``; ``record`` receives timeline events, ``timers`` the waits."""
 
-    def __init__(self, comm: P2PCommunicator, record: Record | None = None, timers=None):
+    def __init__(
+        self, comm: P2PCommunicator, record: Record | None = None, timers: Timers | None = None
+    ):
         self.comm, self.record = comm, record
         self.region = (timers or Timers.off()).region
 

@@ -15,6 +15,10 @@ import json
 import re
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
 
 Event = tuple[str, float, float]
 Timelines = dict[int, list[Event]]
@@ -144,7 +148,7 @@ def _stages(events: list[Event]) -> tuple[float, float] | None:
 
 
 def _draw_ops(
-    ax, y: float, events: list[Event], origin: float, color: Callable, min_label_ms: float
+    ax: Axes, y: float, events: list[Event], origin: float, color: Callable, min_label_ms: float
 ) -> None:
     """One rank's compute bars (labelled F/B + microbatch) and thin communication bars."""
     for name, start, end in events:
@@ -168,7 +172,7 @@ def _draw_ops(
                 ax.text(x0 + width / 2, y, label, ha="center", va="center", fontsize=7)
 
 
-def _draw_stages(ax, y: float, events: list[Event], origin: float) -> None:
+def _draw_stages(ax: Axes, y: float, events: list[Event], origin: float) -> None:
     """Brackets above a rank's row: warm-up, steady 1F1B, cool-down."""
     stages = _stages(events)
     if stages is None:

@@ -34,16 +34,15 @@ import torch
 
 from megatronish.data_parallel.buckets import Bucket, plan_chunk_buckets
 from megatronish.data_parallel.grad_reduce import MAX_IN_FLIGHT
-from megatronish.data_parallel.grads import tied_rule
 from megatronish.data_parallel.param_units import chunk_visits
 from megatronish.data_parallel.stages import ZERO_STAGES, ZeroStage
 from megatronish.model.gpt import GPTChunk
-from megatronish.model.recompute import recompute_segments
 from megatronish.plan.hardware import Hardware, add_volumes
 from megatronish.plan.layout import Layout
 from megatronish.plan.moe import expert_dp, expert_group
+from megatronish.plan.pipeline import chunk_computes, mean_chunk_layers, tied_params
 from megatronish.plan.rank_model import meta_chunks
-from megatronish.plan.recompute import policy
+from megatronish.plan.recompute import peaks_in_backward, policy, segments
 from megatronish.spec import ModelSpec
 
 FP32 = 4
@@ -56,7 +55,7 @@ def zero_stage(layout: Layout) -> ZeroStage:
 
 def grad_group(layout: Layout) -> str:
     """The CommStats name of the group grads are reduced over: dp, or dp x cp."""
-    return "dp_cp" if layout.cp > 1 else "dp"
+    return layout.group("dp_cp")
 
 
 # -- states -----------------------------------------------------------------------------------
@@ -95,7 +94,7 @@ def chunk_buckets(chunk: GPTChunk, layout: Layout) -> list[Bucket]:
         int(layout.bucket_size_mb * 2**20),
         layout.dp_cp,
         0,
-        tied_rule(chunk.spec.tie_embeddings, layout.pp),
+        tied_params(chunk.spec, layout),
         torch.device("meta"),
         per_unit=zero_stage(layout).shards_grads,
         **expert_dp(layout),
@@ -131,7 +130,7 @@ def state_bytes(
     # Activations peak at the end of a forward, when only the late buckets (reduced at the end
     # of the step) hold full grads; under full recompute they peak in backward, beside the rest.
     late = sum(b.numel for bs in buckets for b in bs if b.late) * FP32 if stage.shards_grads else 0
-    grads_at_peak = grads_step if layout.recompute == "full" else late
+    grads_at_peak = grads_step if peaks_in_backward(layout) else late
     params_step = 0
     if stage.shards_params:
         units = rank_units(layout, chunks)
@@ -170,7 +169,7 @@ def states_key(layout: Layout) -> tuple:
     # ZeRO 3's gathered peak follows recompute; ZeRO 2/3's full grads alive at the activation
     # peak depend on full recompute.
     gathered_rc = policy(layout) if stage.shards_params else None
-    full = stage.shards_grads and layout.recompute == "full"
+    full = stage.shards_grads and peaks_in_backward(layout)
     return (
         layout.dp_cp,
         layout.zero_stage,
@@ -190,7 +189,7 @@ def rank_units(layout: Layout, chunks: list[GPTChunk]) -> list[ChunkUnits] | Non
     """The units ZeRO 3 gathers of a rank's chunks (None below ZeRO 3)."""
     if not zero_stage(layout).shards_params:
         return None
-    return [chunk_units(c, layout, tied_rule(c.spec.tie_embeddings, layout.pp)) for c in chunks]
+    return [chunk_units(c, layout, tied_params(c.spec, layout)) for c in chunks]
 
 
 def units_key(layout: Layout) -> tuple | None:
@@ -249,9 +248,7 @@ def chunk_units(chunk: GPTChunk, layout: Layout, is_tied) -> ChunkUnits:
     loss = [k for k, u in enumerate(units) if u.holds_loss]
     first_block = 1 if getattr(chunk, "embedding", None) is not None else 0
     n_blocks = len(getattr(chunk, "layers", ()))
-    runs = recompute_segments(
-        n_blocks, layout.recompute, layout.recompute_method, layout.recompute_num_layers
-    )
+    runs = segments(layout, n_blocks)
     return ChunkUnits(
         buckets=tuple(tuple(b) for b in per_unit),
         visits=tuple(index[id(v.unit)] for v in visits),
@@ -396,7 +393,7 @@ def exposed_dp_time(
     elif gather and stage.shards_params:
         # Prefetched: a unit gathers while the one before it computes; the first unit of each
         # forward and backward waits (about one unit of a chunk's layers + 1).
-        units = spec.num_layers / (layout.pp * layout.vpp) + 1
+        units = mean_chunk_layers(spec, layout) + 1
         zero3 = max(gather / units, gather - (compute + recompute))
     elif gather:  # zero 1/2: during the next step's first forward, its first bucket exposed
         first_forward = compute / 3 / layout.num_microbatches
@@ -413,7 +410,7 @@ def exposed_dp_time(
         # compute waits for its last bucket).
         one = reduce / volume[key][0]
         if stage.reduces_per_microbatch:
-            computes = layout.num_microbatches * layout.vpp
+            computes = chunk_computes(layout)
             end += max(computes * one, reduce - backward_all)
         else:
             end += max(one, reduce - backward_all / layout.num_microbatches)

@@ -151,6 +151,11 @@ def layer_bytes(spec: ModelSpec, layout: Layout, core: bool = True) -> int:
     return norms + attn + mlp + dropout
 
 
+def embedding_numel(spec: ModelSpec, layout: Layout) -> int:
+    """Elements of a tp rank's shard of the (vocabulary-parallel) word embedding."""
+    return spec.padded_vocab_size // layout.tp * spec.hidden_size
+
+
 def embedding_bytes(spec: ModelSpec, layout: Layout) -> int:
     """The first chunk's token ids (and masks under tp / dropout)."""
     x = layer_shape(spec, layout)

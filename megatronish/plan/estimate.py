@@ -31,7 +31,6 @@ from megatronish.plan import context_parallel, data_parallel, dense, moe, pipeli
 from megatronish.plan.data_parallel import StateBytes
 from megatronish.plan.hardware import add_volumes
 from megatronish.plan.layout import Layout
-from megatronish.plan.pipeline import representative_stages
 from megatronish.plan.rank_model import chunk_key, meta_chunks
 from megatronish.spec import ModelSpec
 
@@ -67,7 +66,7 @@ def activation_plan(spec: ModelSpec, layout: Layout, pp_rank: int) -> Activation
         for c in range(n_chunks)
     }
     mine = layout.stage_chunks(pp_rank)
-    peak = pipeline.peak_in_flight(layout.pp, layout.vpp, layout.num_microbatches, pp_rank, sizes)
+    peak = pipeline.rank_peak_in_flight(layout, pp_rank, sizes)
     # The peak is either at the loss (the last chunk's logits on top of everything kept) or in
     # the first layers' backward (the head's tensors freed, a recomputed group rebuilt).
     at_loss = dense.loss_workspace(spec, layout) if n_chunks - 1 in mine else 0
@@ -190,13 +189,7 @@ class Planner:
 
     def _stage(self, layout: Layout, pp_rank: int) -> StagePlan:
         spec = self.spec
-        # What every block depends on: the rank's chunks, their sequence split and dtype.
-        shape = (
-            chunk_key(layout, spec.num_layers, pp_rank),
-            layout.cp,
-            layout.layers_per_chunk,
-            layout.precision,
-        )
+        shape = layout.rank_key(spec.num_layers, pp_rank)
         run = (layout.micro_batch_size, layout.num_microbatches, recompute.policy(layout))
         chunks = self._chunks(layout, pp_rank)
         st = self._cached(
@@ -244,8 +237,7 @@ class Planner:
         """The plan of ``layout``: every pipeline stage, or the representative ones."""
         spec = self.spec
         tokens = layout.global_batch_size * spec.seq_length
-        ranks = representative_stages(layout.pp) if representative else range(layout.pp)
-        stages = [self._stage(layout, r) for r in ranks]
+        stages = [self._stage(layout, r) for r in pipeline.planned_stages(layout, representative)]
         hardware = self._flops_per_token + recompute.recompute_flops_per_token(spec, layout)
         return Plan(
             spec=spec,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from megatronish.config.derived import derive
+from megatronish.distributed.parallel_grid import ParallelGrid
 from megatronish.model.build import chunk_ids_of_stage
 from megatronish.spec import ModelSpec
 
@@ -44,9 +45,28 @@ class Layout:
         return self.dp * self.cp
 
     @property
+    def grid(self) -> ParallelGrid:
+        """The runtime's rank grid of this layout (its named groups, the experts' view)."""
+        return ParallelGrid.of(tp=self.tp, cp=self.cp, dp=self.dp, pp=self.pp, ep=self.ep)
+
+    @property
     def edp(self) -> int:
         """Ranks holding the same experts (expert grads reduced, their ZeRO shards spread)."""
-        return self.dp_cp // self.ep
+        return self.grid.size("edp")
+
+    def group(self, name: str) -> str:
+        """The CommStats name of the runtime's group ``name`` on this layout (dp_cp is dp's
+        group when cp = 1, edp dp_cp's when ep = 1)."""
+        return self.grid.communicator(name)
+
+    @property
+    def stage_ranks(self) -> int:
+        """Ranks sharing the work of one pipeline stage of a model replica: tp x cp."""
+        return self.tp * self.cp
+
+    def replica_tokens(self, seq_length: int) -> float:
+        """Tokens per step of one model replica (its dp rank's share of the batch)."""
+        return self.global_batch_size * seq_length / self.dp
 
     @property
     def num_microbatches(self) -> int:
@@ -76,6 +96,23 @@ class Layout:
     def stage_chunks(self, pp_rank: int) -> list[int]:
         """The global chunks pipeline rank ``pp_rank`` holds (the trainer's rule)."""
         return chunk_ids_of_stage(pp_rank, self.pp, self.vpp)
+
+    def rank_key(self, num_layers: int, pp_rank: int) -> tuple:
+        """The fields that decide what a rank of pipeline stage ``pp_rank`` holds and its
+        tensors' shapes: its chunks' layers, their tp / ep shards, the sequence split (sp, cp)
+        and the dtype (the planner's caches add the fields each feature's terms read)."""
+        return (
+            self.tp,
+            self.sp,
+            self.cp,
+            self.ep,
+            self.precision,
+            self.pp,
+            self.vpp,
+            self.chunk_layers(num_layers),
+            self.layers_per_chunk,
+            pp_rank,
+        )
 
     def describe(self) -> str:
         parts = [f"tp={self.tp}"] + ([f"cp={self.cp}"] if self.cp > 1 else []) + [f"pp={self.pp}"]

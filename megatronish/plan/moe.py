@@ -35,10 +35,10 @@ from dataclasses import dataclass
 
 from megatronish.model.build import chunk_layer_ranges
 from megatronish.model.flops import layer_matmul_params
-from megatronish.model.recompute import recompute_segments
 from megatronish.plan import dense
 from megatronish.plan.context_parallel import rank_seq_length
 from megatronish.plan.layout import Layout
+from megatronish.plan.recompute import segments
 from megatronish.spec import ModelSpec
 
 FP32, INT64 = 4, 8
@@ -184,10 +184,7 @@ def rank_blocks(spec: ModelSpec, layout: Layout, pp_rank: int) -> RankBlocks:
     for c in layout.stage_chunks(pp_rank):
         blocks = flags[c]
         moe += sum(blocks)
-        segments = recompute_segments(
-            len(blocks), layout.recompute, layout.recompute_method, layout.recompute_num_layers
-        )
-        for start, end, checkpointed in segments:
+        for start, end, checkpointed in segments(layout, len(blocks)):
             if checkpointed:
                 redo += sum(blocks[start:end])
                 ending += blocks[end - 1]
@@ -246,9 +243,7 @@ def expert_dp(layout: Layout) -> dict:
 def expert_group(layout: Layout) -> str | None:
     """The CommStats name of the group that reduces expert grads: dp's own group without
     expert parallelism, ``edp`` with it, None when a single rank holds each expert."""
-    if layout.ep == 1:
-        return "dp_cp" if layout.cp > 1 else "dp"
-    return "edp" if layout.edp > 1 else None
+    return layout.group("edp") if layout.edp > 1 else None
 
 
 def merge_expert_grads(times: dict, volume: dict, group: str) -> tuple[dict, dict]:

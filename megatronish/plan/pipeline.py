@@ -22,9 +22,14 @@ stages.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+from torch import nn
+
+from megatronish.data_parallel.grads import tied_rule
 from megatronish.model.build import chunk_ids_of_stage
 from megatronish.pipeline.schedule import analytic_bubble, schedule_ops
-from megatronish.plan.dense import hidden_bytes
+from megatronish.plan.dense import embedding_numel, hidden_bytes
 from megatronish.plan.hardware import Hardware, comm_time, slowdown
 from megatronish.plan.layout import Layout
 from megatronish.spec import ModelSpec
@@ -45,10 +50,42 @@ def representative_stages(pp: int) -> list[int]:
     return sorted({0, min(1, pp - 1), pp - 1})
 
 
+def planned_stages(layout: Layout, representative: bool) -> list[int]:
+    """The pipeline ranks a plan lists: every one, or the representative ones."""
+    return representative_stages(layout.pp) if representative else list(range(layout.pp))
+
+
+def end_stages(layout: Layout) -> list[int]:
+    """The first and the last pipeline rank (the busiest: the embedding, the head)."""
+    return sorted({0, layout.pp - 1})
+
+
+def mean_chunk_layers(spec: ModelSpec, layout: Layout) -> float:
+    """Blocks of a model chunk on average (``L / (p v)``)."""
+    return spec.num_layers / (layout.pp * layout.vpp)
+
+
+def chunk_computes(layout: Layout) -> int:
+    """Forwards (and as many backwards) a rank computes per step: one per microbatch and chunk it
+    holds (``m v``)."""
+    return layout.num_microbatches * layout.vpp
+
+
+def tied_params(spec: ModelSpec, layout: Layout) -> Callable[[str, nn.Parameter], bool]:
+    """The trainer's ``is_tied(name, p)``: the params whose grads are summed between the first
+    and the last stage (a word embedding tied to a head on another stage, head copies)."""
+    return tied_rule(spec.tie_embeddings, layout.pp)
+
+
 def capped_microbatches(layout: Layout) -> int:
     """Microbatches that give the same in-flight peak as the layout's: 1F1B's warm-up holds at
     most pp of them, the interleaved one's under 2 pp."""
     return min(layout.num_microbatches, layout.pp * (1 if layout.vpp == 1 else 2))
+
+
+def rank_peak_in_flight(layout: Layout, pp_rank: int, sizes: dict) -> float:
+    """:func:`peak_in_flight` of the layout's schedule on pipeline rank ``pp_rank``."""
+    return peak_in_flight(layout.pp, layout.vpp, layout.num_microbatches, pp_rank, sizes)
 
 
 def peak_in_flight(pp: int, vpp: int, microbatches: int, pp_rank: int, sizes: dict) -> float:
@@ -115,8 +152,7 @@ def embedding_volume(spec: ModelSpec, layout: Layout, pp_rank: int) -> dict[str,
     """The tied embedding's grad all-reduce between the first and the last stage."""
     if not spec.tie_embeddings or layout.pp == 1 or pp_rank not in (0, layout.pp - 1):
         return {}
-    numel = spec.padded_vocab_size // layout.tp * spec.hidden_size
-    return {"embedding/all_reduce": (1, numel * FP32)}
+    return {"embedding/all_reduce": (1, embedding_numel(spec, layout) * FP32)}
 
 
 def embedding_time(times: dict[str, float]) -> float:

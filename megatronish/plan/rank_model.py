@@ -29,13 +29,6 @@ def meta_chunks(spec: ModelSpec, layout: Layout, pp_rank: int) -> list[GPTChunk]
 
 
 def chunk_key(layout: Layout, num_layers: int, pp_rank: int) -> tuple:
-    """What :func:`meta_chunks` depends on (the planner builds them once per key)."""
-    return (
-        layout.tp,
-        layout.pp,
-        layout.vpp,
-        layout.sp,
-        layout.chunk_layers(num_layers),
-        pp_rank,
-        layout.ep,
-    )
+    """What :func:`meta_chunks` reads (the planner builds them once per key)."""
+    placement = layout.chunk_layers(num_layers), tuple(layout.stage_chunks(pp_rank))
+    return layout.tp, layout.sp, layout.ep, placement

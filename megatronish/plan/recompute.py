@@ -33,6 +33,18 @@ def policy(layout: Layout) -> tuple[str, str, int]:
     return layout.recompute, layout.recompute_method, layout.recompute_num_layers
 
 
+def segments(layout: Layout, num_blocks: int) -> list[tuple[int, int, bool]]:
+    """``(start, end, checkpointed)`` runs of a chunk's ``num_blocks`` blocks under the layout's
+    policy (the trainer's groups)."""
+    return recompute_segments(num_blocks, *policy(layout))
+
+
+def peaks_in_backward(layout: Layout) -> bool:
+    """Whether activations peak in a backward (full recompute rebuilds a group there) rather
+    than at the end of a forward."""
+    return layout.recompute == "full"
+
+
 def keeps_attention_core(layout: Layout) -> bool:
     """Whether the blocks keep the attention core's saved tensors (all but ``selective``)."""
     return layout.recompute != "selective"
@@ -86,7 +98,7 @@ def reruns(spec: ModelSpec, layout: Layout, pp_rank: int) -> tuple[int, int]:
     layers = layout.chunk_layers(spec.num_layers)
     redo = groups = 0
     for c in layout.stage_chunks(pp_rank):
-        for start, end, checkpointed in recompute_segments(layers[c], *policy(layout)):
+        for start, end, checkpointed in segments(layout, layers[c]):
             if checkpointed:
                 redo += end - start
                 groups += 1

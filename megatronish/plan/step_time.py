@@ -124,9 +124,9 @@ def _stage_time(
     slow = slowdown(layout, hw)
     layers = pipeline.stage_layers(spec, layout, pp_rank)
     rate = hw.peak_flops * efficiency(spec, layout, hw, *layers) / slow
-    tokens = layout.global_batch_size * spec.seq_length / layout.dp
+    tokens = layout.replica_tokens(spec.seq_length)
     model, extra = stage_flops_per_token(spec, layout, pp_rank)
-    ranks = layout.world_size // (layout.pp * layout.dp)  # those sharing a stage's work: tp x cp
+    ranks = layout.stage_ranks
     compute, recompute_s = (f * tokens / ranks / rate for f in (model, extra))
     times = {k: comm_time(layout, hw, k, c, b) * slow for k, (c, b) in volume.items()}
     tp, cp, ep = (
@@ -168,7 +168,7 @@ def lower_bound(spec: ModelSpec, layout: Layout, hw: Hardware) -> float:
     fewer calls), expert parallelism's all-to-alls; no dp communication."""
     plain = layout.with_(sp=False)
     volumes, stages = [], []
-    for r in sorted({0, layout.pp - 1}):
+    for r in pipeline.end_stages(layout):
         blocks = moe.rank_blocks(spec, layout, r)
         volume = add_volumes(
             dense.tp_volume(spec, plain, r),

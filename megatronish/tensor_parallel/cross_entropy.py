@@ -9,14 +9,25 @@ projection + loss of ``megatronish/model/linear_cross_entropy.py`` instead.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from megatronish.distributed.comm import ParallelGroup, all_reduce
 
+if TYPE_CHECKING:
+    from torch.autograd.function import FunctionCtx
+
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, group, vocab_size):
+    def forward(
+        ctx: FunctionCtx,
+        logits: torch.Tensor,
+        target: torch.Tensor,
+        group: ParallelGroup,
+        vocab_size: int,
+    ) -> torch.Tensor:
         per_rank = logits.shape[-1]
         start = group.rank * per_rank
         logits = logits.float()
@@ -45,7 +56,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return loss
 
     @staticmethod
-    def backward(ctx, grad_loss):
+    def backward(ctx: FunctionCtx, grad_loss: torch.Tensor):
         softmax, idx, outside = ctx.saved_tensors
         grad = softmax  # reused in place: the saved tensor is not needed again
         update = (~outside).to(grad.dtype).unsqueeze(-1)

@@ -20,7 +20,9 @@ from megatronish.tensor_parallel.mappings import (
 from megatronish.tensor_parallel.sharding import TPShard, mark_param
 
 
-def _empty(*shape: int, device=None, dtype=None) -> nn.Parameter:
+def _empty(
+    *shape: int, device: torch.device | str | None = None, dtype: torch.dtype | None = None
+) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, device=device, dtype=dtype))
 
 
@@ -42,7 +44,7 @@ class ColumnParallelLinear(nn.Module):
         sequence_parallel: bool = False,
         blocks: tuple[int, ...] | None = None,
         init_std: float = 0.02,
-        device=None,
+        device: torch.device | str | None = None,
     ):
         super().__init__()
         blocks = tuple(blocks or (out_features,))
@@ -88,7 +90,7 @@ class RowParallelLinear(nn.Module):
         bias: bool = False,
         sequence_parallel: bool = False,
         init_std: float = 0.02,
-        device=None,
+        device: torch.device | str | None = None,
     ):
         super().__init__()
         if in_features % group.size:
@@ -132,7 +134,7 @@ class VocabParallelEmbedding(nn.Module):
         *,
         sequence_parallel: bool = False,
         init_std: float = 0.02,
-        device=None,
+        device: torch.device | str | None = None,
     ):
         super().__init__()
         if num_embeddings % group.size:

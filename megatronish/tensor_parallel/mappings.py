@@ -20,6 +20,8 @@ Every function takes its group explicitly and is the identity for a group of one
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from megatronish.distributed.comm import (
@@ -28,6 +30,9 @@ from megatronish.distributed.comm import (
     all_reduce,
     reduce_scatter_dim0,
 )
+
+if TYPE_CHECKING:
+    from torch.autograd.function import FunctionCtx
 
 
 def in_backward() -> bool:
@@ -52,81 +57,83 @@ def _split_first(x: torch.Tensor, group: ParallelGroup) -> torch.Tensor:
 
 class _CopyToTP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx: FunctionCtx, x: torch.Tensor, group: ParallelGroup) -> torch.Tensor:
         ctx.group = group
         return x
 
     @staticmethod
-    def backward(ctx, g):
+    def backward(ctx: FunctionCtx, g: torch.Tensor) -> tuple[torch.Tensor, None]:
         return all_reduce(g.contiguous(), ctx.group), None
 
 
 class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx: FunctionCtx, x: torch.Tensor, group: ParallelGroup) -> torch.Tensor:
         return all_reduce(x.clone(), group)
 
     @staticmethod
-    def backward(ctx, g):
+    def backward(ctx: FunctionCtx, g: torch.Tensor) -> tuple[torch.Tensor, None]:
         return g, None
 
 
 class _ScatterToTP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx: FunctionCtx, x: torch.Tensor, group: ParallelGroup) -> torch.Tensor:
         ctx.group = group
         return _split_last(x, group)
 
     @staticmethod
-    def backward(ctx, g):
+    def backward(ctx: FunctionCtx, g: torch.Tensor) -> tuple[torch.Tensor, None]:
         return _gather_last(g, ctx.group), None
 
 
 class _GatherFromTP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx: FunctionCtx, x: torch.Tensor, group: ParallelGroup) -> torch.Tensor:
         ctx.group = group
         return _gather_last(x, group)
 
     @staticmethod
-    def backward(ctx, g):
+    def backward(ctx: FunctionCtx, g: torch.Tensor) -> tuple[torch.Tensor, None]:
         return _split_last(g, ctx.group), None
 
 
 class _ScatterToSP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx: FunctionCtx, x: torch.Tensor, group: ParallelGroup) -> torch.Tensor:
         ctx.group = group
         return _split_first(x, group)
 
     @staticmethod
-    def backward(ctx, g):
+    def backward(ctx: FunctionCtx, g: torch.Tensor) -> tuple[torch.Tensor, None]:
         return all_gather_dim0(g, ctx.group), None
 
 
 class _GatherFromSP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx: FunctionCtx, x: torch.Tensor, group: ParallelGroup) -> torch.Tensor:
         ctx.group = group
         return all_gather_dim0(x, group)
 
     @staticmethod
-    def backward(ctx, g):
+    def backward(ctx: FunctionCtx, g: torch.Tensor) -> tuple[torch.Tensor, None]:
         return reduce_scatter_dim0(g, ctx.group), None
 
 
 class _ReduceScatterToSP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx: FunctionCtx, x: torch.Tensor, group: ParallelGroup) -> torch.Tensor:
         ctx.group = group
         return reduce_scatter_dim0(x, group)
 
     @staticmethod
-    def backward(ctx, g):
+    def backward(ctx: FunctionCtx, g: torch.Tensor) -> tuple[torch.Tensor, None]:
         return all_gather_dim0(g, ctx.group), None
 
 
-def _apply(fn, x: torch.Tensor, group: ParallelGroup) -> torch.Tensor:
+def _apply(
+    fn: type[torch.autograd.Function], x: torch.Tensor, group: ParallelGroup
+) -> torch.Tensor:
     return x if group.size == 1 else fn.apply(x, group)
 
 

@@ -84,7 +84,7 @@ class ParamInfo:
 UNMARKED = ParamInfo()
 
 
-def mark_param(p: torch.nn.Parameter, **fields) -> torch.nn.Parameter:
+def mark_param(p: torch.nn.Parameter, **fields: object) -> torch.nn.Parameter:
     """Attach a :class:`ParamInfo` made of ``fields`` to ``p``; returns ``p``."""
     p.info = ParamInfo(**fields)
     return p
@@ -95,7 +95,7 @@ def param_info(p: torch.nn.Parameter) -> ParamInfo:
     return getattr(p, "info", UNMARKED)
 
 
-def update_param_info(p: torch.nn.Parameter, **changes) -> None:
+def update_param_info(p: torch.nn.Parameter, **changes: object) -> None:
     """Change fields of ``p``'s record (e.g. the head's ``tied_to``, known to the model only)."""
     p.info = replace(param_info(p), **changes)
 

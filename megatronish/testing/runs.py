@@ -85,7 +85,7 @@ def build_trainer(
 
     Collective when ``world > 1``. Data is :class:`PatternTokens` (no files). ``p2p``: the
     pipeline's p2p factory (e.g. :class:`~megatronish.testing.strict_p2p.StrictP2P`); ``kw``
-    goes to the Trainer (``saving``, ``stop``).
+    goes to the Trainer (``saving``, ``stop``; see :func:`trainer_for`).
     """
 
     cfg = (
@@ -96,10 +96,20 @@ def build_trainer(
     return trainer_for(cfg, rank, world, p2p=p2p, **kw)[0]
 
 
-def trainer_for(cfg, rank: int, world: int, device: torch.device | None = None, p2p=None, **kw):
+def trainer_for(
+    cfg,
+    rank: int,
+    world: int,
+    device: torch.device | None = None,
+    p2p=None,
+    checkpoint_rng: bool = False,
+    **kw,
+):
     """``(Trainer, its RNG tracker)`` for the composed ``cfg`` in the current world, on
     ``device`` (default CPU), with :class:`PatternTokens` data. Collective when ``world > 1``.
-    ``kw`` goes to the Trainer; ``saving=True`` saves to ``checkpoint.dir`` with this RNG."""
+    ``kw`` goes to the Trainer; ``saving=True`` saves to ``checkpoint.dir``. With
+    ``checkpoint_rng`` (implied by ``saving=True``) the trainer's checkpoints hold this RNG's
+    streams and its loads restore them."""
     from megatronish.checkpoint.save import Saving
     from megatronish.training.job import build_model
     from megatronish.training.trainer import Trainer
@@ -108,7 +118,8 @@ def trainer_for(cfg, rank: int, world: int, device: torch.device | None = None, 
     chunks = build_model(cfg, topo, d, spec, rng)
     data = PatternTokens(spec.vocab_size, spec.seq_length, seed=cfg.trainer.seed)
     if kw.get("saving") is True:
-        kw["saving"] = Saving(rng)
+        kw["saving"], checkpoint_rng = Saving(), True
+    kw["rng"] = rng if checkpoint_rng else None
     return Trainer(cfg, topo, spec, d, chunks, data, p2p=p2p, **kw), rng
 
 

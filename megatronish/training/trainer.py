@@ -36,6 +36,7 @@ from megatronish.pipeline.engine import (
 from megatronish.pipeline.no_pipeline import forward_backward_no_pipeline
 from megatronish.pipeline.p2p import BatchedP2P
 from megatronish.spec import ModelSpec
+from megatronish.tensor_parallel.random import RNGTracker
 from megatronish.training.numerics import (
     StepResult,
     TooManySkippedSteps,
@@ -81,9 +82,12 @@ class Trainer:
         p2p=None,
         saving: Saving | None = None,
         stop: StopRequest | None = None,
+        rng: RNGTracker | None = None,
     ):
         """``saving``: checkpoints go to ``checkpoint.dir`` (periodic, final and asynchronous
-        saves from :meth:`fit`); ``stop``: a :class:`StopRequest` asked at every step boundary."""
+        saves from :meth:`fit`); ``stop``: a :class:`StopRequest` asked at every step boundary;
+        ``rng``: the model's RNG streams, which checkpoints save and a load restores (None:
+        neither)."""
         self.cfg, self.topo, self.spec, self.derived = cfg, topo, spec, derived
         self.chunks = chunks
         self.train_data, self.valid_data = train_data, valid_data
@@ -134,6 +138,7 @@ class Trainer:
             self.zero,
             self.optimizer,
             self.state,
+            rng,
             settle=self.settle,
             drop_unsettled=self._drop_unsettled,
             log=lambda line: self.logger.info(line),
@@ -141,9 +146,7 @@ class Trainer:
         self.saver = (
             None
             if saving is None
-            else CheckpointSaver(
-                cfg, self.checkpoint_parts, saving.rng, saving.run_id, saving.special_tokens
-            )
+            else CheckpointSaver(cfg, self.checkpoint_parts, saving.run_id, saving.special_tokens)
         )
         self.stop = stop
         self.holds_loss = topo.is_last_stage

@@ -219,3 +219,17 @@ def test_the_grid_of_a_config(parallel, world, degrees):
     grid = ParallelGrid.from_config(parallel, world)
     assert {axis: grid.size(axis) for axis in degrees} == degrees
     assert grid.world_size == world
+
+
+@pytest.mark.parametrize(
+    "cp,ep,dp_cp,edp",
+    [(1, 1, "dp", "dp"), (2, 1, "dp_cp", "dp_cp"), (1, 2, "dp", "edp"), (2, 2, "dp_cp", "edp")],
+)
+def test_a_group_on_the_same_ranks_as_another_shares_its_communicator(cp, ep, dp_cp, edp):
+    grid = ParallelGrid.of(tp=2, cp=cp, dp=4, pp=2, ep=ep)
+    assert grid.communicator("dp_cp") == dp_cp
+    assert grid.communicator("edp") == edp
+    for name in ("dp_cp", "edp"):
+        shared = grid.communicator(name)
+        assert sorted(grid.groups(name)) == sorted(grid.groups(shared))
+    assert all(grid.communicator(n) == n for n in ("tp", "cp", "dp", "ep", "pp"))

@@ -15,9 +15,10 @@ from megatronish.config.validate import config_errors
 from megatronish.plan.advisor import Ranked, advise, reason
 from megatronish.plan.candidates import MICRO_BATCH_SIZES, divisors, valid_layouts
 from megatronish.plan.cli import main as plan_main
-from megatronish.plan.estimate import Planner, make_plan, representative_stages
+from megatronish.plan.estimate import Planner, make_plan
 from megatronish.plan.layout import layout_from_config, spec_of
 from megatronish.plan.matmul_efficiency import matmul_efficiency, model_efficiency
+from megatronish.plan.pipeline import representative_stages
 from megatronish.plan.report import write_parallel_file
 from megatronish.plan.step_time import TERMS, Hardware, StepTime, lower_bound, step_time
 from megatronish.testing.runs import test_config as tiny_config

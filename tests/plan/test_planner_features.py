@@ -11,10 +11,14 @@ OWN_FILE = {
     "zero/dp": "data_parallel.py",
     "moe/ep": "moe.py",
 }
-# Where a feature is still named outside its own file, and why: tp shards every other
-# feature's tensors and rank_model builds the rank's tp/ep contexts; pp appears where units or
-# work are counted per stage; the others name the dp_cp / edp groups their terms run over.
-MOST_FILES = {"tp/sp": 5, "pipeline/vpp": 5, "recompute": 4, "cp": 4, "zero/dp": 3, "moe/ep": 3}
+# Where a feature is still named outside its own file, and why (each is the feature acting on
+# another one's tensors, not a term of its own computed elsewhere): tp shards every feature's
+# tensors (cp's gathered K/V, the experts and their sp collectives) and rank_model builds the
+# rank's tp/ep contexts; ZeRO shards and reduces the expert buckets over their own group
+# (data_parallel); the experts' balancing counts are summed over cp (moe); Korthikanti et al.'s
+# reference formula has one case per recompute policy (dense). Group names, the rank's cache
+# keys and per-replica counts are the layout's (layout.py, from the runtime's grid).
+MOST_FILES = {"tp/sp": 4, "pipeline/vpp": 1, "recompute": 2, "cp": 2, "zero/dp": 1, "moe/ep": 3}
 
 
 def test_each_feature_lives_in_its_own_file_and_spreads_no_further():

@@ -294,7 +294,7 @@ def profiles(rig: Rig) -> dict:
 
     def save() -> None:
         t0 = time.perf_counter()
-        tensors, index = snapshot(trainer.checkpoint_parts, None)
+        tensors, index = snapshot(trainer.checkpoint_parts)
         t1 = time.perf_counter()
         WRITE_RANK_FILES(tmp, 0, tensors, index)
         t2 = time.perf_counter()

@@ -51,7 +51,7 @@ def run(ctx: CheckContext, out: SectionResult) -> None:
             "checkpoint.async_save=true",
         ]
         built = ctx.build(overrides)
-        saver = CheckpointSaver(built.cfg, built.trainer.checkpoint_parts, built.rng)
+        saver = CheckpointSaver(built.cfg, built.trainer.checkpoint_parts)
         for _ in range(ctx.warmup):
             ctx.step(built)
         first, first_s = timed(ctx, lambda: saver.save(blocking=True))

@@ -82,9 +82,10 @@ class Built:
 
 
 def build_trainer(cfg: TrainConfig, device: torch.device) -> Built:
-    """A one-process Trainer for ``cfg`` on ``device`` with synthetic data."""
+    """A one-process Trainer for ``cfg`` on ``device`` with synthetic data; its checkpoints
+    hold its RNG streams (as a run's do)."""
     apply_fp32_matmul_setting(device, cfg.trainer.tf32)
-    trainer, rng = trainer_for(cfg, 0, 1, device)
+    trainer, rng = trainer_for(cfg, 0, 1, device, checkpoint_rng=True)
     return Built(cfg, trainer, rng)
 
 

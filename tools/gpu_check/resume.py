@@ -99,17 +99,13 @@ def run(ctx: CheckContext, out: SectionResult) -> None:
         )
         for _ in range(BEFORE):
             ctx.step(first)
-        path = CheckpointSaver(first.cfg, first.trainer.checkpoint_parts, first.rng).save(
-            blocking=True
-        )
+        path = CheckpointSaver(first.cfg, first.trainer.checkpoint_parts).save(blocking=True)
         out.note(f"saved step {BEFORE}: {path}")
         uninterrupted = continue_run(ctx, first)
         del first
         ctx.release()
         second = ctx.build(overrides)
-        load_into(
-            second.trainer.checkpoint_parts, path, rng=second.rng, seed=second.cfg.trainer.seed
-        )
+        load_into(second.trainer.checkpoint_parts, path)
         if second.trainer.state.step != BEFORE:
             out.fail(f"the loaded trainer is at step {second.trainer.state.step}, not {BEFORE}")
         resumed = continue_run(ctx, second)

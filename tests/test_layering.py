@@ -100,22 +100,10 @@ def test_no_module_import_cycles():
 # Layers whose every parameter (and dataclass field) has a type. With the rule above, which counts
 # annotation-only imports, that type comes from the layer itself or one below: an object of a
 # higher layer (a trainer passed down and read inside) cannot hide in an unannotated name.
-TYPED_LAYERS = [
-    "file_modes",
-    "config",
-    "spec",
-    "distributed",
-    "context_parallel",
-    "tensor_parallel",
-    "moe",
-    "model",
-    "pipeline",
-    "optim",
-    "data_parallel",
-    "hf",
-    "checkpoint",
-    "generate",
-]
+# Not yet: data (a preprocessing helper formats any cell a dataset yields: ``object`` is its
+# only true type), and the layers above checkpoint, which no lower layer is handed.
+UNTYPED_LAYERS = {"data", "plan", "training", "train", "testing"}
+TYPED_LAYERS = [layer for layer in LAYERS if layer not in UNTYPED_LAYERS]
 VAGUE = {"Any", "object"}  # says nothing of what is read: only ``*args`` / ``**kwargs`` may
 
 

@@ -20,6 +20,7 @@ import heapq
 import math
 from dataclasses import dataclass
 
+from megatronish.config.schema import TrainConfig
 from megatronish.plan.candidates import valid_layouts
 from megatronish.plan.estimate import Plan, Planner
 from megatronish.plan.layout import Layout
@@ -81,7 +82,7 @@ class Advice:
 
 
 def advise(
-    cfg,
+    cfg: TrainConfig,
     spec: ModelSpec,
     world_size: int,
     hw: Hardware,

@@ -21,6 +21,7 @@ from types import SimpleNamespace
 
 from omegaconf import OmegaConf
 
+from megatronish.config.schema import TrainConfig
 from megatronish.config.validate import config_errors
 from megatronish.plan.layout import Layout
 from megatronish.plan.recompute import POLICIES
@@ -40,7 +41,7 @@ def _namespace(node):
     return node
 
 
-def config_view(cfg) -> SimpleNamespace:
+def config_view(cfg: TrainConfig) -> SimpleNamespace:
     """A plain, mutable copy of a composed config that ``config_errors`` accepts (it skips the
     unknown-key check, which the composed config already passed)."""
     return _namespace(OmegaConf.to_container(cfg, resolve=True))
@@ -99,7 +100,7 @@ def _shapes(
                                 )
 
 
-def valid_layouts(cfg, world_size: int, vocab_size: int | None = None) -> list[Layout]:
+def valid_layouts(cfg: TrainConfig, world_size: int, vocab_size: int | None = None) -> list[Layout]:
     """Every layout of ``cfg``'s model and batch on ``world_size`` ranks that passes
     ``config_errors`` (``cfg`` is a composed config; its own parallel values are ignored).
 
@@ -127,7 +128,7 @@ def valid_layouts(cfg, world_size: int, vocab_size: int | None = None) -> list[L
     return out
 
 
-def _base_config(cfg):
+def _base_config(cfg: TrainConfig):
     """``cfg`` as a one-rank job (the layout fields the candidates replace)."""
     base = copy.deepcopy(cfg)
     base.parallel.tp = base.parallel.cp = base.parallel.pp = base.parallel.vpp = 1
@@ -139,7 +140,7 @@ def _base_config(cfg):
     return base
 
 
-def base_errors(cfg, vocab_size: int | None = None) -> list[str]:
+def base_errors(cfg: TrainConfig, vocab_size: int | None = None) -> list[str]:
     """Problems of ``cfg`` that no layout can fix (model shape, optimizer, ...): the rules
     checked on the one-rank job with micro batch 1 (the data section's aside)."""
     view = config_view(_base_config(cfg))

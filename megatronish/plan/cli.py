@@ -24,6 +24,7 @@ from pathlib import Path
 from megatronish.config.cli_errors import repeated_keys_reason
 from megatronish.config.compose import parse_bool
 from megatronish.config.option_docs import help_text, options_help
+from megatronish.config.schema import TrainConfig
 from megatronish.config.validate import ConfigError
 from megatronish.plan.devices import GiB, GPUModel, UnknownDevice, gpu_named, local_gpu
 from megatronish.plan.option_docs import ADVISOR_OPTION_DOCS, DEFAULT_TOP, PLAN_OPTION_DOCS
@@ -77,12 +78,12 @@ def unused_advise_options(options: dict) -> list[str]:
     return [k for k in options if k in ADVISE_OPTIONS and k != "advise"]
 
 
-def tf32_allowed(cfg) -> bool:
+def tf32_allowed(cfg: TrainConfig) -> bool:
     """Whether the config lets fp32 matmuls use TF32 tensor cores (``trainer.tf32``)."""
     return bool(cfg.trainer.get("tf32", False))
 
 
-def peak_tflops_of(options: dict, cfg) -> float | None:
+def peak_tflops_of(options: dict, cfg: TrainConfig) -> float | None:
     """Peak TFLOP/s per device: ``peak_tflops=T`` (or ``device=NAME``'s), else
     ``trainer.peak_tflops``, else this machine's GPU from the device table; None if unknown."""
     if options.get("peak_tflops"):
@@ -139,7 +140,7 @@ def _refuse_options(lines: list[str]) -> int:
     return 2
 
 
-def advise_main(cfg, overrides: list[str], options: dict) -> int:
+def advise_main(cfg: TrainConfig, overrides: list[str], options: dict) -> int:
     """Run the advisor on a composed config (see the module docstring)."""
     from megatronish.plan.advisor import advise
     from megatronish.plan.candidates import base_errors
@@ -239,7 +240,7 @@ def split_options(argv: list[str]) -> tuple[list[str], dict[str, float]]:
     return overrides, options
 
 
-def world_size_errors(cfg) -> list[str]:
+def world_size_errors(cfg: TrainConfig) -> list[str]:
     """``world_size=N`` given but not a number of ranks."""
     if cfg.world_size is not None and cfg.world_size < 1:
         return [f"world_size={cfg.world_size} must be >= 1 (the number of ranks to plan for)"]

@@ -7,6 +7,7 @@ import itertools
 
 from omegaconf import OmegaConf
 
+from megatronish.config.schema import TrainConfig
 from megatronish.config.validate import ConfigError, config_errors
 from megatronish.plan.devices import GiB
 from megatronish.plan.estimate import make_plan
@@ -21,7 +22,7 @@ class LayoutDoesNotFit(ConfigError):
         ValueError.__init__(self, message)
 
 
-def _changes(cfg, world: int) -> list[tuple[str, dict]]:
+def _changes(cfg: TrainConfig, world: int) -> list[tuple[str, dict]]:
     """Single changes that lower memory per rank (as ``key -> value`` overrides)."""
     p, t = cfg.parallel, cfg.trainer
     dp = world // (p.tp * p.cp * p.pp)
@@ -48,14 +49,16 @@ def _changes(cfg, world: int) -> list[tuple[str, dict]]:
     return out
 
 
-def _apply(cfg, changes: dict):
+def _apply(cfg: TrainConfig, changes: dict):
     new = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
     for key, value in changes.items():
         OmegaConf.update(new, key, value, merge=False)
     return new
 
 
-def fitting_options(cfg, world: int, vocab: int, budget: int, runtime: int, limit: int = 6):
+def fitting_options(
+    cfg: TrainConfig, world: int, vocab: int, budget: int, runtime: int, limit: int = 6
+):
     """Up to ``limit`` (overrides, peak bytes) of the fewest changes that fit, smallest first."""
     found = []
     changes = _changes(cfg, world)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from megatronish.config.derived import derive
+from megatronish.config.schema import TrainConfig
 from megatronish.distributed.parallel_grid import ParallelGrid
 from megatronish.model.build import chunk_ids_of_stage
 from megatronish.spec import ModelSpec
@@ -136,7 +137,7 @@ class Layout:
         return replace(self, **changes)
 
 
-def layout_from_config(cfg, world_size: int) -> Layout:
+def layout_from_config(cfg: TrainConfig, world_size: int) -> Layout:
     """The layout a validated config describes on ``world_size`` ranks."""
     p, t = cfg.parallel, cfg.trainer
     d = derive(cfg, world_size)
@@ -163,7 +164,7 @@ def layout_from_config(cfg, world_size: int) -> Layout:
     )
 
 
-def spec_of(cfg, vocab_size: int | None = None) -> ModelSpec:
+def spec_of(cfg: TrainConfig, vocab_size: int | None = None) -> ModelSpec:
     """The model shape of ``cfg`` (``vocab_size`` when the config leaves it to the tokenizer)."""
     vocab = cfg.model.vocab_size or vocab_size or cfg.data.vocab_size
     return ModelSpec.from_config(cfg.model, vocab)

@@ -5,11 +5,12 @@ with (:mod:`megatronish.plan.vocab`)."""
 
 from __future__ import annotations
 
+from megatronish.config.schema import TrainConfig
 from megatronish.config.validate import config_errors, vocab_errors
 from megatronish.plan.vocab import PlannedVocab, VocabError, planned_vocab
 
 
-def planning_errors(cfg, world_size: int) -> tuple[list[str], PlannedVocab | None]:
+def planning_errors(cfg: TrainConfig, world_size: int) -> tuple[list[str], PlannedVocab | None]:
     """``(problems, vocabulary)``: every rule ``cfg`` breaks that the planner checks, and the
     vocabulary to plan with (None when there are problems)."""
     errors = config_errors(cfg, world_size, data=False)

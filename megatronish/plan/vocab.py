@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass
 
 from megatronish.config.derived import pad_vocab
-from megatronish.config.schema import DataConfig
+from megatronish.config.schema import DataConfig, TrainConfig
 
 
 class VocabError(ValueError):
@@ -60,7 +60,7 @@ def _assumed(data, path: str | None) -> str:
     return f"data.vocab_size assumed, {why}{hint}"
 
 
-def planned_vocab(cfg) -> PlannedVocab:
+def planned_vocab(cfg: TrainConfig) -> PlannedVocab:
     """The vocabulary of ``cfg``'s model (see the module docstring); raises :class:`VocabError`
     for a tokenizer file that cannot be read."""
     m, data = cfg.model, cfg.data

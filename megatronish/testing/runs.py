@@ -8,6 +8,7 @@ import torch
 
 from megatronish.config.compose import load_config
 from megatronish.config.derived import derive
+from megatronish.config.schema import TrainConfig
 from megatronish.config.validate import ConfigError, config_errors
 from megatronish.distributed.topology import Topology
 from megatronish.spec import ModelSpec
@@ -97,7 +98,7 @@ def build_trainer(
 
 
 def trainer_for(
-    cfg,
+    cfg: TrainConfig,
     rank: int,
     world: int,
     device: torch.device | None = None,
@@ -123,7 +124,7 @@ def trainer_for(
     return Trainer(cfg, topo, spec, d, chunks, data, p2p=p2p, **kw), rng
 
 
-def layout_parts(cfg, rank: int, world: int, device: torch.device | None = None):
+def layout_parts(cfg: TrainConfig, rank: int, world: int, device: torch.device | None = None):
     """``(Topology, Derived, ModelSpec, RNGTracker)`` for the composed ``cfg`` in the current
     world: what :func:`~megatronish.training.job.build_model` takes. Collective when
     ``world > 1``."""

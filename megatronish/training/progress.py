@@ -16,6 +16,8 @@ import time
 from datetime import datetime
 from typing import Any
 
+from megatronish.config.schema import TrainConfig
+
 
 def fmt_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
@@ -111,7 +113,14 @@ class ProgressLogger:
     """Prints, writes the log file and (optionally) sends metrics to wandb; a no-op on ranks
     that do not log."""
 
-    def __init__(self, cfg, enabled: bool, run_dir: str, run_id: str | None = None, bar_file=None):
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        enabled: bool,
+        run_dir: str,
+        run_id: str | None = None,
+        bar_file=None,
+    ):
         """``bar_file``: where ``logging.progress_bar`` draws (default: stderr, when it is a
         terminal)."""
         self.enabled = enabled
@@ -135,7 +144,7 @@ class ProgressLogger:
             self.wandb_run = self._start_wandb(cfg, run_dir, run_id)
 
     @staticmethod
-    def _start_wandb(cfg, run_dir: str, run_id: str | None):
+    def _start_wandb(cfg: TrainConfig, run_dir: str, run_id: str | None):
         try:
             import wandb
             from omegaconf import OmegaConf

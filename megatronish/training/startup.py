@@ -5,12 +5,13 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from megatronish.config.schema import TrainConfig
 from megatronish.plan.estimate import Plan, make_plan
 from megatronish.plan.layout import layout_from_config, spec_of
 from megatronish.training.progress import fmt_bytes
 
 
-def planned(cfg, world_size: int, vocab_size: int, device_type: str) -> Plan:
+def planned(cfg: TrainConfig, world_size: int, vocab_size: int, device_type: str) -> Plan:
     """The planner's view of this run (no allocation)."""
     layout = replace(layout_from_config(cfg, world_size), device_type=device_type)
     return make_plan(spec_of(cfg, vocab_size), layout)
@@ -60,7 +61,7 @@ def throughput_note(world_size: int) -> str:
     )
 
 
-def log_startup(cfg, job, trainer, logger) -> None:
+def log_startup(cfg: TrainConfig, job, trainer, logger) -> None:
     """Log what the run is before its first step (on the rank that logs): model size, planned
     memory, data epochs, the steps left and what the step lines report."""
     if not logger.enabled:

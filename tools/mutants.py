@@ -457,7 +457,7 @@ MUTANTS = [
         "zero3-built-whole",
         "ZeRO 3 builds every rank's whole chunk before sharding it",
         "megatronish/training/job.py",
-        (("deferred=cfg.parallel.zero_stage == 3,", "deferred=False,"),),
+        (("deferred=ZERO_STAGES[cfg.parallel.zero_stage].shards_params,", "deferred=False,"),),
         (
             "tests/data_parallel/test_sharded_build.py::test_zero3_build_holds_at_most_one_unit_beyond_its_shards",
         ),

@@ -152,7 +152,7 @@ def full_local_values(
     (collective). Under ZeRO 1-3 they are gathered into ``into`` (three flat buffers of
     ``bucket.numel``), or into new tensors when it is None; ZeRO 0 returns the optimizer's own."""
     dp = bucket.group  # dp x cp, or the expert-data-parallel ranks for experts
-    if zero.stage == 0:
+    if not zero.zero_stage.shards_optimizer_state:
         return bucket.main_shard, optimizer.exp_avg[index], optimizer.exp_avg_sq[index]
     out = []
     shards = (bucket.main_shard, optimizer.exp_avg[index], optimizer.exp_avg_sq[index])

@@ -148,7 +148,7 @@ def _snapshot_buckets(
 ) -> list[torch.Tensor]:
     """Queue every piece's copy; returns the gather buffers the copies read (ZeRO 1-3)."""
     ring = None
-    if zero.stage > 0 and zero.buckets:
+    if zero.zero_stage.shards_optimizer_state and zero.buckets:
         ring = GatherRing(copies, zero.buckets[0].device)
     for i, bucket in enumerate(zero.buckets):
         into = None if ring is None else ring.take(i, bucket.numel)

@@ -97,7 +97,7 @@ def measure_step(trainer) -> MeasuredMemory:
         peaks.append(_peak_net_bytes(prof))
         return out
 
-    gatherer = trainer.zero.gatherer if trainer.zero.stage == 3 else None
+    gatherer = trainer.zero.gatherer if trainer.zero.zero_stage.shards_params else None
     if gatherer is not None:
         gatherer.peak_gathered_numel = gatherer.gathered_numel
     trainer.forward_backward = profiled

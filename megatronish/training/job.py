@@ -13,6 +13,7 @@ from megatronish.config.derived import Derived, derive
 from megatronish.config.schema import TrainConfig
 from megatronish.config.validate import ConfigError, vocab_errors
 from megatronish.context_parallel.attention import CPContext
+from megatronish.data_parallel.stages import ZERO_STAGES
 from megatronish.distributed.agree import PeerError, agree
 from megatronish.distributed.cpus import default_threads, usable_cpus
 from megatronish.distributed.launch import LaunchEnv, init_process_group, pick_device
@@ -107,7 +108,7 @@ def build_model(
         vpp=cfg.parallel.vpp,
         seed=cfg.trainer.seed,
         device=topo.device,
-        deferred=cfg.parallel.zero_stage == 3,
+        deferred=ZERO_STAGES[cfg.parallel.zero_stage].shards_params,
     )
     t = cfg.trainer
     apply_recompute(chunks, t.recompute, t.recompute_method, t.recompute_num_layers, rng)

@@ -12,6 +12,7 @@ tp-ep-edp-pp over the same ranks. Pure; tests drive it for many shapes.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 from megatronish.config.derived import data_parallel_size
@@ -78,12 +79,15 @@ class ParallelGrid:
         dp = data_parallel_size(p, world_size)
         return cls.of(tp=p.tp, cp=p.cp, dp=dp, pp=p.pp, ep=p.ep)
 
+    @cached_property
+    def _sizes(self) -> dict[str, int]:
+        return {**self.dense.sizes, **self.expert.sizes}
+
     def size(self, axis: str) -> int:
         """The degree of ``axis`` (tp, cp, dp, pp, ep or edp)."""
-        sizes = self.dense.sizes | self.expert.sizes
-        if axis not in sizes:
-            raise ValueError(f"no axis {axis!r}: the axes are {', '.join(sizes)}")
-        return sizes[axis]
+        if axis not in self._sizes:
+            raise ValueError(f"no axis {axis!r}: the axes are {', '.join(self._sizes)}")
+        return self._sizes[axis]
 
     @property
     def world_size(self) -> int:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 import torch
@@ -37,7 +38,7 @@ class Topology:
             raise KeyError(f"no group {name!r} in this Topology: it has {', '.join(self.groups)}")
         return self.groups[name]
 
-    @property
+    @cached_property
     def coords(self) -> Coords:
         return self.grid.coords(self.rank)
 

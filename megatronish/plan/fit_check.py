@@ -7,6 +7,7 @@ import itertools
 
 from omegaconf import OmegaConf
 
+from megatronish.config.derived import data_parallel_size
 from megatronish.config.schema import TrainConfig
 from megatronish.config.validate import ConfigError, config_errors
 from megatronish.plan.devices import GiB
@@ -25,7 +26,7 @@ class LayoutDoesNotFit(ConfigError):
 def _changes(cfg: TrainConfig, world: int) -> list[tuple[str, dict]]:
     """Single changes that lower memory per rank (as ``key -> value`` overrides)."""
     p, t = cfg.parallel, cfg.trainer
-    dp = world // (p.tp * p.cp * p.pp)
+    dp = data_parallel_size(p, world)
     out: list[tuple[str, dict]] = []
     if dp % 2 == 0:
         out.append((f"parallel.tp={2 * p.tp}", {"parallel.tp": 2 * p.tp, "parallel.dp": None}))

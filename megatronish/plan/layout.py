@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import cached_property
 
 from megatronish.config.derived import derive
 from megatronish.config.schema import TrainConfig
@@ -45,7 +46,7 @@ class Layout:
         """Ranks holding the same params: grads are reduced and ZeRO shards spread over them."""
         return self.dp * self.cp
 
-    @property
+    @cached_property
     def grid(self) -> ParallelGrid:
         """The runtime's rank grid of this layout (its named groups, the experts' view)."""
         return ParallelGrid.of(tp=self.tp, cp=self.cp, dp=self.dp, pp=self.pp, ep=self.ep)

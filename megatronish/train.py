@@ -66,11 +66,12 @@ SHUTDOWN_WAIT_S = 30.0  # the longest wait for process-group threads to end at e
 
 def dry_run_report(cfg: TrainConfig, world_size: int) -> str:
     """The resolved config and every derived value, as printed by ``trainer.dry_run=true``."""
+    from megatronish.config.pipeline_rules import resolve_pipeline_schedule
     from megatronish.model.flops import active_parameters, count_parameters, flops_per_token
     from megatronish.plan.vocab import planned_vocab
     from megatronish.spec import ModelSpec
 
-    d = derive(cfg, world_size)
+    d, p = derive(cfg, world_size), cfg.parallel
     vocab = planned_vocab(cfg)  # reads no data: an indexed corpus's tokenizer may not exist yet
     spec = ModelSpec.from_config(cfg.model, vocab.size)
     lines = [OmegaConf.to_yaml(cfg).rstrip(), "", "derived:"]
@@ -79,6 +80,11 @@ def dry_run_report(cfg: TrainConfig, world_size: int) -> str:
         "layout": f"tp={cfg.parallel.tp} cp={cfg.parallel.cp} pp={cfg.parallel.pp} "
         f"vpp={cfg.parallel.vpp} dp={d.dp}"
         + (f" ep={cfg.parallel.ep}" if cfg.parallel.ep > 1 else ""),
+        **(
+            {"pipeline_schedule": resolve_pipeline_schedule(p.pipeline_schedule, p.vpp)}
+            if p.pp > 1
+            else {}
+        ),
         "microbatches_per_step": d.num_microbatches,
         "tokens_per_step": d.tokens_per_step,
         "vocab_size": f"{spec.vocab_size} ({vocab.source})",
@@ -140,9 +146,14 @@ def _train(cfg: TrainConfig, launch: LaunchEnv, topo, derived, stop: StopRequest
 def _start_logging(cfg: TrainConfig, topo, run_id: str):
     """Collective: the run's ProgressLogger (its log file and W&B run on the rank that holds the
     loss); a log file that cannot be written stops every rank with one line."""
+    from megatronish.config.pipeline_rules import V_SHAPE_SCHEDULES
+    from megatronish.model.build import holds_last_chunk
     from megatronish.training.progress import ProgressLogger
 
-    loss_rank = topo.is_last_stage and topo.coords.tp == topo.coords.dp == topo.coords.cp == 0
+    p = cfg.parallel
+    v = p.pipeline_schedule in V_SHAPE_SCHEDULES
+    holds_loss = holds_last_chunk(topo.coords.pp, topo.pp, p.vpp, v)
+    loss_rank = holds_loss and topo.coords.tp == topo.coords.dp == topo.coords.cp == 0
     logger, error = None, None
     try:
         logger = ProgressLogger(cfg, enabled=loss_rank, run_dir=cfg.out_dir, run_id=run_id)

@@ -7,7 +7,7 @@ is restored. The table says which test failed first, or SURVIVED. The exit code 
 mutant survived or no longer applies (its source line changed: update the mutant).
 
 Examples:
-    python tools/mutants.py                 # all 56, about 5 minutes on 2 cores
+    python tools/mutants.py                 # all 60, about 5 minutes on 2 cores
     python tools/mutants.py --only loss-scale rng-restore
     python tools/mutants.py --list
     python tools/mutants.py --check         # edits apply, named tests exist; no test runs (CI)
@@ -45,6 +45,7 @@ GATHER = "tests/data_parallel/test_zero_gather.py"
 GENERATE = "tests/generate/test_generate.py"
 MOE = "tests/moe/test_moe.py"
 SYNCS = "tests/training/test_host_syncs.py"
+ZB_PARITY = "tests/pipeline/test_zero_bubble_parity.py"
 MUTANTS = [
     Mutant(
         "tp-all-reduce",
@@ -57,7 +58,12 @@ MUTANTS = [
         "tied-embedding-reduce",
         "tied embedding / head grads not summed across pp stages",
         "megatronish/data_parallel/zero.py",
-        (("        flat_all_reduce(tied, self.topo.embedding_group)", "        pass"),),
+        (
+            (
+                "        flat_all_reduce(sum_local_tied_copies(tied), self.topo.embedding_group)",
+                "        pass",
+            ),
+        ),
         ("tests/pipeline/test_pp_parity.py::test_pipeline_matches_serial",),
     ),
     Mutant(
@@ -421,7 +427,7 @@ MUTANTS = [
         "grouped-mm-strided-grad",
         "grouped matmul's backward given an expanded (stride-0) incoming gradient",
         "megatronish/moe/grouped_mm.py",
-        (("        out.register_hook(_contiguous_aligned)", "        pass"),),
+        (("        grad = _contiguous_aligned(grad)", "        pass"),),
         ("tests/moe/test_moe_experts.py::test_experts_equal_a_per_expert_loop",),
     ),
     Mutant(
@@ -539,6 +545,41 @@ MUTANTS = [
         "megatronish/data/preprocess.py",
         (("        if not isinstance(text, str):", "        if text is None:"),),
         ("tests/tools/test_tool_inputs_data.py",),
+    ),
+    Mutant(
+        "zbv-tied-local-sum",
+        "zbv: the embedding and its head copy, both on stage 0, not summed there",
+        "megatronish/data_parallel/grads.py",
+        (("        original.main_grad.add_(copy.main_grad)\n", ""),),
+        (f"{ZB_PARITY}::test_zero_bubble_matches_one_process[zbv-gpt2-tied]",),
+    ),
+    Mutant(
+        "zb-h1-no-held-w",
+        "ZB-H1 runs every W right after its B (no W held back to fill the cool-down)",
+        "megatronish/pipeline/zero_bubble.py",
+        (("        if k >= rank:", "        if k >= 0:"),),
+        (
+            "tests/pipeline/test_zero_bubble_schedule.py::test_zb_h1_bubble_is_the_papers_and_below_1f1b",
+        ),
+    ),
+    Mutant(
+        "b-computes-w",
+        "the engine's B does not defer the weight grads (W has nothing to do)",
+        "megatronish/pipeline/engine.py",
+        (
+            (
+                'backward(op.microbatch, op.chunk, deferred=op.kind == "bwd_input")',
+                "backward(op.microbatch, op.chunk, deferred=False)",
+            ),
+        ),
+        (f"{ZB_PARITY}::test_zero_reduces_a_bucket_when_its_last_w_is_done",),
+    ),
+    Mutant(
+        "zero-counts-absent-grads",
+        "ZeRO counts a parameter whose grad B left to W as arrived",
+        "megatronish/data_parallel/grad_hooks.py",
+        (('        if not getattr(p, "grad_arrived", True):', "        if False:"),),
+        (f"{ZB_PARITY}::test_zero_bubble_matches_one_process[zbv-dp2-zero1]",),
     ),
 ]
 

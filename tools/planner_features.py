@@ -25,7 +25,8 @@ REPO = Path(__file__).resolve().parents[1]
 PLAN = REPO / "megatronish" / "plan"
 FEATURES = {
     "tp/sp": r"\blayout\.(tp|sp|sequence_parallel)\b|\bsequence_parallel\b|\"tp/",
-    "pipeline/vpp": r"\blayout\.(pp|vpp)\b|\bschedule_ops\b|\banalytic_bubble\b|\"pp/",
+    "pipeline/vpp": r"\blayout\.(pp|vpp|schedule|v_shape|pipeline_schedule)\b|\bschedule_ops\b|"
+    r"\banalytic_bubble\b|\bsimulate\b|\bsplits_backward\b|\"pp/",
     "recompute": r"\blayout\.recompute\w*|\brecompute_segments\b",
     "cp": r"\blayout\.cp\b|\"cp/|\bx\.cp\b",
     "zero/dp": r"\blayout\.(zero_stage|zero3_keep_gathered|bucket_size_mb|dp)\b|\bzero\b|"

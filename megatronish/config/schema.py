@@ -58,6 +58,9 @@ class ParallelConfig:
     cp: int = 1  # context parallel: each sequence split over cp ranks (2 chunks each)
     pp: int = 1  # pipeline parallel: the layers split over pp stages
     vpp: int = 1  # virtual pipeline: model chunks per pp stage (interleaved 1F1B)
+    # 1f1b | interleaved | zb-h1 | zbv; null: 1f1b for vpp=1, interleaved above. zb-h1 (vpp=1)
+    # and zbv (vpp=2, chunks in a V) split each backward into B and W to fill the bubble
+    pipeline_schedule: str | None = None
     ep: int = 1  # expert parallel: experts split over ep ranks carved out of dp x cp
     dp: int | None = None  # null: world_size / (tp * cp * pp)
     sp: bool = False  # sequence parallel: norms and dropout on sequence shards over tp

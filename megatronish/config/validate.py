@@ -12,6 +12,11 @@ from megatronish.config.cli_errors import unknown_key_reason
 from megatronish.config.data_rules import data_errors
 from megatronish.config.derived import default_ffn_hidden, pad_vocab
 from megatronish.config.moe_rules import moe_errors
+from megatronish.config.pipeline_rules import (
+    PIPELINE_SCHEDULES,
+    pipeline_schedule_error,
+    resolve_pipeline_schedule,
+)
 from megatronish.config.schema import TrainConfig
 from megatronish.config.value_rules import get, not_finite, value_errors
 
@@ -178,6 +183,22 @@ def config_errors(
         errors.append(f"parallel.zero_stage={p.zero_stage} must be 0, 1, 2 or 3")
     if p.vpp > 1 and p.pp == 1:
         errors.append(f"parallel.vpp={p.vpp} needs parallel.pp > 1 (interleaving splits stages)")
+    schedule = p.pipeline_schedule
+    if schedule is not None and schedule not in PIPELINE_SCHEDULES:
+        errors.append(
+            f"parallel.pipeline_schedule={schedule!r} is not one of {', '.join(PIPELINE_SCHEDULES)}"
+            " (or null)"
+        )
+        schedule = None
+    elif schedule is not None and p.pp == 1:
+        errors.append(
+            f"parallel.pipeline_schedule={schedule} needs parallel.pp > 1 (one stage has no "
+            "pipeline to schedule); set it to null"
+        )
+        schedule = None
+    schedule = resolve_pipeline_schedule(schedule, p.vpp)
+    if p.pp > 1 and (error := pipeline_schedule_error(schedule, p.pp, p.vpp, p.pp)):
+        errors.append(error)  # the chunks per stage it needs (the microbatches: below)
     if p.grad_reduce_dtype == "bf16" and cfg.trainer.precision != "bf16":
         errors.append(
             "parallel.grad_reduce_dtype=bf16 needs trainer.precision=bf16 (fp32 training "
@@ -261,11 +282,9 @@ def config_errors(
                 f"{micro} microbatch(es) per step is fewer than parallel.pp={p.pp}; raise "
                 f"trainer.global_batch_size to at least {p.pp * mbs * dp}"
             )
-        elif p.vpp > 1 and micro % p.pp:
-            errors.append(
-                f"interleaved pipelining (vpp={p.vpp}) needs microbatches per step ({micro}) "
-                f"divisible by parallel.pp={p.pp}; change trainer.global_batch_size"
-            )
+        elif p.pp > 1 and (error := pipeline_schedule_error(schedule, p.pp, p.vpp, micro)):
+            if error not in errors:
+                errors.append(error)
 
     # Optimisation.
     if o.lr <= 0:

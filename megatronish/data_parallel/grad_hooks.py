@@ -21,6 +21,21 @@ if TYPE_CHECKING:
     from megatronish.data_parallel.zero import ZeroDataParallel
 
 
+def note_arrival(p: nn.Parameter) -> Callable[[torch.Tensor | None], None]:
+    """A tensor hook on ``p`` noting whether the grad autograd is about to accumulate exists.
+
+    Autograd runs a parameter's accumulation, and its hooks, also when the op that used it
+    returned no grad for it: a split backward's B (:mod:`megatronish.tensor_parallel.
+    weight_grad`) leaves the weight grads to W. Only a grad that arrived counts."""
+    param = weakref.ref(p)
+
+    def hook(grad: torch.Tensor | None) -> None:
+        if (p := param()) is not None:
+            p.grad_arrived = grad is not None
+
+    return hook
+
+
 def make_grad_hook(zero: ZeroDataParallel, b: Bucket) -> Callable[[nn.Parameter], None]:
     """The post-accumulate-grad hook of a parameter of ``b``."""
     owner, bucket = weakref.ref(zero), weakref.ref(b)
@@ -29,6 +44,9 @@ def make_grad_hook(zero: ZeroDataParallel, b: Bucket) -> Callable[[nn.Parameter]
         zero, b = owner(), bucket()
         if zero is None or b is None:
             return
+        if not getattr(p, "grad_arrived", True):  # no grad this time (B of a split backward)
+            return
+        p.grad_arrived = True
         grad = p.grad
         if b.grad_flat is None:  # zero 2/3: the first grad of this bucket's microbatch
             zero.new_grad_buffer(b)

@@ -25,6 +25,21 @@ def flat_all_reduce(tensors: list[torch.Tensor], group: ParallelGroup, op: str =
         offset += t.numel()
 
 
+def sum_local_tied_copies(tied: list[tuple[str, nn.Parameter]]) -> list[torch.Tensor]:
+    """Sum the word embedding's main grad and its head copy's in place when this rank holds
+    both (the V placement puts the first and the last chunk on one stage); returns the main
+    grads still to be summed over the embedding group (none then: no other stage holds one)."""
+    names = {n for n, _ in tied}
+    copies = [p for _, p in tied if param_info(p).tied_to in names]
+    if not copies:
+        return [p.main_grad for _, p in tied]
+    for copy in copies:
+        original = next(p for n, p in tied if n == param_info(copy).tied_to)
+        original.main_grad.add_(copy.main_grad)
+        copy.main_grad.copy_(original.main_grad)
+    return []
+
+
 def tied_rule(tie_embeddings: bool, pp: int) -> Callable[[str, nn.Parameter], bool]:
     """``is_tied(name, p)``: params whose grads are summed over the embedding group: the word
     embedding when a later stage holds the head tied to it, and every head copy (``tied_to``)."""

@@ -33,10 +33,15 @@ from torch import nn
 
 from megatronish.data_parallel.bucket_storage import allocate_params, owned_elements
 from megatronish.data_parallel.buckets import Bucket, is_expert, plan_chunk_buckets
-from megatronish.data_parallel.grad_hooks import make_grad_hook, make_main_grad_adder
+from megatronish.data_parallel.grad_hooks import make_grad_hook, make_main_grad_adder, note_arrival
 from megatronish.data_parallel.grad_norm import global_grad_norm
 from megatronish.data_parallel.grad_reduce import GradReducer
-from megatronish.data_parallel.grads import counts_in_norm, flat_all_reduce, tied_rule
+from megatronish.data_parallel.grads import (
+    counts_in_norm,
+    flat_all_reduce,
+    sum_local_tied_copies,
+    tied_rule,
+)
 from megatronish.data_parallel.param_gather import ParamGatherer
 from megatronish.data_parallel.param_units import chunk_visits
 from megatronish.data_parallel.stages import ZERO_STAGES
@@ -148,6 +153,7 @@ class ZeroDataParallel:
         if not self.zero_stage.shards_optimizer_state and b.group.rank != 0 and self.world_norm:
             b.norm_ranges = []  # zero 0 keeps whole replicas: the first one counts
         for _, p in b.params:
+            p.register_hook(note_arrival(p))
             p.register_post_accumulate_grad_hook(make_grad_hook(self, b))
             if self.separate_main:  # an op may add its fp32 grad here itself (the fused head)
                 p.accumulate_main_grad = make_main_grad_adder(self, b, p)
@@ -257,8 +263,8 @@ class ZeroDataParallel:
         late = [b for b in self.buckets if b.late]
         sp = [p.main_grad for b in late for _, p in b.params if param_info(p).sequence_parallel]
         flat_all_reduce(sp, self.topo.tp_group)
-        tied = [p.main_grad for b in late for n, p in b.params if self.is_tied(n, p)]
-        flat_all_reduce(tied, self.topo.embedding_group)
+        tied = [(n, p) for b in late for n, p in b.params if self.is_tied(n, p)]
+        flat_all_reduce(sum_local_tied_copies(tied), self.topo.embedding_group)
         for b in late:
             self.launch_reduction(b)
         self.reducer.finish_all()

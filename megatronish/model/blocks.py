@@ -22,6 +22,7 @@ from megatronish.context_parallel.attention import (
     gather_sequence,
 )
 from megatronish.context_parallel.attention_kernel import sdpa
+from megatronish.model.layer_norm import layer_norm
 from megatronish.model.parallel_context import ParallelContext
 from megatronish.model.rms_norm import rms_norm
 from megatronish.moe.layer import MoELayer
@@ -29,6 +30,7 @@ from megatronish.spec import ModelSpec
 from megatronish.tensor_parallel.context import TPContext
 from megatronish.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatronish.tensor_parallel.sharding import mark_param
+from megatronish.tensor_parallel.weight_grad import WeightGradStore
 
 
 class Norm(nn.Module):
@@ -52,11 +54,12 @@ class Norm(nn.Module):
                 sequence_parallel=sp,
                 weight_decay=False,
             )
+        self.weight_grad_store: WeightGradStore | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.rms:  # bf16: computed in fp32, rounded once (rms_norm_kernel picks how)
-            return rms_norm(x, self.weight, self.eps)
-        return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
+            return rms_norm(x, self.weight, self.eps, self.weight_grad_store)
+        return layer_norm(x, self.weight, self.bias, self.eps, self.weight_grad_store)
 
 
 def rope_tables(

@@ -23,9 +23,30 @@ def chunk_layer_ranges(layers_per_chunk: list[int] | tuple[int, ...]) -> list[ra
     return out
 
 
-def chunk_ids_of_stage(pp_rank: int, pp: int, vpp: int) -> list[int]:
-    """Chunks on pipeline rank ``pp_rank``: chunk c lives on rank c % pp."""
+def chunk_ids_of_stage(pp_rank: int, pp: int, vpp: int, v_shape: bool = False) -> list[int]:
+    """Chunks on pipeline rank ``pp_rank``, in local (virtual) order.
+
+    Chunk c lives on rank ``c % pp`` (a loop over the ranks, vpp times). ``v_shape`` (the ZBV
+    schedule, vpp = 2): chunk c < pp on rank c and chunk c >= pp back on rank ``2 pp - 1 - c``,
+    so rank 0 holds the first and the last chunk.
+    """
+    if v_shape:
+        if vpp != 2:
+            raise ValueError(f"the V placement holds two chunks per rank, not vpp={vpp}")
+        return [pp_rank, 2 * pp - 1 - pp_rank]
     return [pp_rank + v * pp for v in range(vpp)]
+
+
+def stage_of_chunk(chunk: int, pp: int, v_shape: bool = False) -> int:
+    """The pipeline rank that holds global chunk ``chunk`` (see :func:`chunk_ids_of_stage`)."""
+    if v_shape and chunk >= pp:
+        return 2 * pp - 1 - chunk
+    return chunk % pp
+
+
+def holds_last_chunk(pp_rank: int, pp: int, vpp: int, v_shape: bool = False) -> bool:
+    """True on the pipeline rank that holds the last chunk (the head and the loss)."""
+    return pp * vpp - 1 in chunk_ids_of_stage(pp_rank, pp, vpp, v_shape)
 
 
 def build_chunks(
@@ -38,6 +59,7 @@ def build_chunks(
     seed: int = 1234,
     device: torch.device | str = "cpu",
     deferred: bool = False,
+    v_shape: bool = False,
 ) -> list[GPTChunk]:
     """This pipeline rank's chunks (virtual stages), initialised from ``seed``.
 
@@ -45,12 +67,13 @@ def build_chunks(
     gets a ``deferred_init`` (:class:`~megatronish.model.init.DeferredInit`) from which ZeRO
     materialises only this rank's shards on ``device``; no rank ever holds the whole chunk.
     Everything else (buffers, a MoE layer's ``stats``) is built on ``device`` with its values.
+    ``v_shape``: the chunks of the V placement (:func:`chunk_ids_of_stage`).
     """
     device = torch.device(device)
     ranges = chunk_layer_ranges(layers_per_chunk)
     n = len(ranges)
     chunks = []
-    for c in chunk_ids_of_stage(pp_rank, pp, vpp):
+    for c in chunk_ids_of_stage(pp_rank, pp, vpp, v_shape):
         with parameters_on_meta() if deferred else contextlib.nullcontext():
             chunk = GPTChunk(spec, ctx, ranges[c], first=c == 0, last=c == n - 1, device=device)
         if deferred:

@@ -65,6 +65,15 @@ def flops_per_token(spec: ModelSpec) -> float:
     return 6.0 * matmul_params(spec) + 12.0 * spec.num_layers * spec.seq_length * spec.hidden_size
 
 
+def split_backward_times(spec: ModelSpec) -> tuple[float, float, float]:
+    """Relative model FLOPs of a chunk's forward, input-gradient backward (B) and weight-gradient
+    backward (W) per token: ``2N + 4Lsh``, ``2N + 8Lsh`` and ``2N`` (the attention core has no
+    weights: its whole backward is B)."""
+    matmul = 2.0 * matmul_params(spec)
+    attention = 4.0 * spec.num_layers * spec.seq_length * spec.hidden_size
+    return matmul + attention, matmul + 2 * attention, matmul
+
+
 def _layer_bias(spec: ModelSpec, layer: int) -> int:
     """Biases of block ``layer``: qkv and proj; a dense MLP's fc1 and fc2 (experts have none)."""
     if not spec.bias:

@@ -7,8 +7,9 @@ layout and checkpoints can be keyed by them.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from megatronish.context_parallel.attention import CPContext
@@ -22,6 +23,53 @@ from megatronish.tensor_parallel.cross_entropy import vocab_parallel_cross_entro
 from megatronish.tensor_parallel.layers import VocabParallelEmbedding
 from megatronish.tensor_parallel.mappings import copy_to_tp, gather_from_sp
 from megatronish.tensor_parallel.sharding import TPShard, mark_param, update_param_info
+from megatronish.tensor_parallel.split_linear import linear
+from megatronish.tensor_parallel.weight_grad import (
+    GradPairs,
+    WeightGradStore,
+    grad_of,
+    weight_grads,
+)
+
+if TYPE_CHECKING:
+    from torch.autograd.function import FunctionCtx
+
+
+class _AddPositions(torch.autograd.Function):
+    """``x + table[rows].unsqueeze(1)``: the rows of a learned position table added to
+    ``[s, b, h]`` activations; the table's grad (the ops of the add's, the unsqueeze's and the
+    index's or slice's backward) goes through the store."""
+
+    @staticmethod
+    def forward(
+        ctx: FunctionCtx,
+        x: torch.Tensor,
+        table: torch.Tensor,
+        rows: torch.Tensor | slice,
+        store: WeightGradStore | None,
+    ) -> torch.Tensor:
+        ctx.table, ctx.rows, ctx.store = table, rows, store
+        return x + table[rows].unsqueeze(1)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(
+        ctx: FunctionCtx, grad: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None, None, None]:
+        table, rows = ctx.table, ctx.rows
+        if not ctx.needs_input_grad[1]:
+            return grad, None, None, None
+
+        def job() -> GradPairs:
+            g = grad.sum_to_size(grad.shape[0], 1, grad.shape[2]).squeeze(1)
+            full = g.new_zeros(table.shape)
+            if isinstance(rows, slice):
+                full[rows] = g
+            else:
+                full.index_put_((rows,), g, accumulate=True)
+            return [(table, full)]
+
+        return grad, grad_of(weight_grads(ctx.store, job), table), None, None
 
 
 class Embedding(nn.Module):
@@ -53,6 +101,7 @@ class Embedding(nn.Module):
                 std=spec.init_std,
                 sequence_parallel=tp.sequence_parallel,
             )
+        self.weight_grad_store: WeightGradStore | None = None
 
     def forward(self, ids: torch.Tensor, offset: int = 0) -> torch.Tensor:
         """``offset``: the position of the first token (decoding after cached tokens)."""
@@ -60,11 +109,13 @@ class Embedding(nn.Module):
         if self.position is not None:
             s_local = x.shape[0]
             start = self.tp.group.rank * s_local if self.tp.sequence_parallel else offset
+            rows = slice(start, start + s_local)
             if self.cp.size > 1:  # this cp rank's two chunks of positions
-                rows = self.cp.positions(x.device)[start : start + s_local]
-                x = x + self.position[rows].unsqueeze(1)
+                rows = self.cp.positions(x.device)[rows]
+            if torch.is_grad_enabled() and self.position.requires_grad:
+                x = _AddPositions.apply(x, self.position, rows, self.weight_grad_store)
             else:
-                x = x + self.position[start : start + s_local].unsqueeze(1)
+                x = x + self.position[rows].unsqueeze(1)
         p = self.spec.hidden_dropout
         return self.tp.dropout(x, p, self.training, self.tp.sequence_parallel)
 
@@ -101,6 +152,8 @@ class Head(nn.Module):
             # A tied head on another stage starts equal to (and is initialised as) the embedding.
             tied = "embedding.word.weight" if spec.tie_embeddings else None
             update_param_info(self.weight, tied_to=tied)
+        # The output projection's: the head's own weight or the embedding's it reuses.
+        self.weight_grad_store: WeightGradStore | None = None
 
     @property
     def output_weight(self) -> nn.Parameter:
@@ -114,7 +167,7 @@ class Head(nn.Module):
             x = gather_from_sp(x, self.tp.group)
         else:
             x = copy_to_tp(x, self.tp.group)
-        return F.linear(x, self.output_weight)
+        return linear(x, self.output_weight, store=self.weight_grad_store)
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean next-token loss over the microbatch; ``targets`` is ``[b, s]``."""
@@ -123,7 +176,12 @@ class Head(nn.Module):
             target = targets.t().reshape(-1)
             shared = self.embedding is not None  # the lookup adds its grad to the same weight
             return linear_cross_entropy(
-                x, self.output_weight, target, self.spec.vocab_size, weight_shared=shared
+                x,
+                self.output_weight,
+                target,
+                self.spec.vocab_size,
+                weight_shared=shared,
+                store=self.weight_grad_store,
             )
         logits = self.logits(x)
         losses = vocab_parallel_cross_entropy(

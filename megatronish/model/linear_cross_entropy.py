@@ -34,6 +34,11 @@ Precision. In fp32 everything is fp32. In 16 bits (bf16 params, or autocast) the
 - the hidden states' grad: two. The 16-bit GEMM's output is rounded in forward; backward scales
   it by the incoming grad over the token count in fp32 (a scale of 1/3 rounded to bf16 first
   would be off by up to 0.2%) and rounds once more.
+
+Split backward (zero-bubble schedules, :mod:`megatronish.tensor_parallel.weight_grad`): the
+weight's grad is computed in forward already, so its W job only scales it and hands it over,
+through the main-grad addition and placeholder above when the weight has one. While the store is
+deferring, backward (B) scales the hidden states' grad only; the weight's fp32 grad waits for W.
 """
 
 from __future__ import annotations
@@ -41,6 +46,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+
+from megatronish.tensor_parallel.weight_grad import GradPairs, WeightGradStore, weight_grads
 
 if TYPE_CHECKING:
     from torch.autograd.function import FunctionCtx
@@ -102,6 +109,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         target: torch.Tensor,
         vocab_size: int,
         weight_shared: bool,
+        store: WeightGradStore | None,
     ) -> torch.Tensor:
         n, dtype = x.shape[0], _compute_dtype(x)
         step = chunk_tokens(n, x.shape[1], weight.shape[0])
@@ -128,34 +136,42 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 grad_w = torch.zeros_like(weight, dtype=torch.float32)
         ctx.save_for_backward(grad_x, grad_w)
         ctx.tokens = n
-        ctx.weight_like = (weight.shape, weight.dtype, weight.device)
-        ctx.weight_shared = weight_shared
-        ctx.add_to_main_grad = getattr(weight, "accumulate_main_grad", None)
+        ctx.weight, ctx.weight_shared, ctx.store = weight, weight_shared, store
         return total / n
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx: FunctionCtx, grad_loss: torch.Tensor):
+    def backward(
+        ctx: FunctionCtx, grad_loss: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None, None, None, None, None]:
         grad_x, grad_w = ctx.saved_tensors
+        weight, shared = ctx.weight, ctx.weight_shared
         scale = grad_loss.float() / ctx.tokens  # e.g. 1/3 for 3 microbatches: not in bf16
         if grad_x.dtype == torch.float32:
             grad_x.mul_(scale)
         else:  # the 16-bit product scaled in fp32, then rounded (its second rounding)
             grad_x.copy_(grad_x.float().mul_(scale))
-        return grad_x, _weight_grad(ctx, grad_w.mul_(scale)), None, None, None
+        if not ctx.needs_input_grad[1]:
+            return grad_x, None, None, None, None, None
+
+        def job() -> GradPairs:
+            return [(weight, _weight_grad(weight, grad_w.mul_(scale), shared))]
+
+        grads = weight_grads(ctx.store, job)
+        return grad_x, None if grads is None else grads[id(weight)], None, None, None, None
 
 
-def _weight_grad(ctx: FunctionCtx, grad_w: torch.Tensor) -> torch.Tensor:
+def _weight_grad(weight: torch.Tensor, grad_w: torch.Tensor, weight_shared: bool) -> torch.Tensor:
     """What autograd gets for the weight: its fp32 grad, or, when that went straight into the
     weight's fp32 main grad, a placeholder in the weight's dtype."""
-    shape, dtype, device = ctx.weight_like
-    if ctx.add_to_main_grad is None or dtype == grad_w.dtype:
+    add_to_main_grad = getattr(weight, "accumulate_main_grad", None)
+    if add_to_main_grad is None or weight.dtype == grad_w.dtype:
         return grad_w  # autograd accumulates it (in the weight's dtype)
     # A weight also used by the embedding lookup gets that grad added to ours by autograd: the
     # placeholder is zero then, and the hook adds the sum. Otherwise the hook drops it.
-    ctx.add_to_main_grad(grad_w, grad_is_placeholder=not ctx.weight_shared)
-    make = torch.zeros if ctx.weight_shared else torch.empty
-    return make(shape, dtype=dtype, device=device)
+    add_to_main_grad(grad_w, grad_is_placeholder=not weight_shared)
+    make = torch.zeros if weight_shared else torch.empty
+    return make(weight.shape, dtype=weight.dtype, device=weight.device)
 
 
 def _loss_only(
@@ -179,6 +195,7 @@ def linear_cross_entropy(
     target: torch.Tensor,
     vocab_size: int,
     weight_shared: bool = False,
+    store: WeightGradStore | None = None,
 ) -> torch.Tensor:
     """Mean cross entropy of the logits ``x @ weight.T`` over ids below ``vocab_size``.
 
@@ -187,8 +204,9 @@ def linear_cross_entropy(
     and their rows get zero grad. A target id in ``[vocab_size, V_padded)`` is not checked here
     (that would make the host wait for the device): its log-probability is -inf, so the loss is
     inf (the module docstring says where ids are checked). ``weight_shared``: the weight also
-    feeds other ops of the same backward (the tied embedding on the same chunk).
+    feeds other ops of the same backward (the tied embedding on the same chunk). ``store``:
+    where the weight's grad goes (:mod:`megatronish.tensor_parallel.weight_grad`).
     """
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
-        return _LinearCrossEntropy.apply(x, weight, target, vocab_size, weight_shared)
+        return _LinearCrossEntropy.apply(x, weight, target, vocab_size, weight_shared, store)
     return _loss_only(x, weight, target, vocab_size)

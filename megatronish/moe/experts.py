@@ -17,6 +17,7 @@ from torch import nn
 from megatronish.moe.grouped_mm import expert_offsets, grouped_linear, grouped_mm_supported
 from megatronish.spec import ModelSpec
 from megatronish.tensor_parallel.sharding import ExpertShard, TPShard, mark_param
+from megatronish.tensor_parallel.weight_grad import WeightGradStore
 
 
 class GroupedExperts(nn.Module):
@@ -53,6 +54,7 @@ class GroupedExperts(nn.Module):
             experts=experts,
             std=spec.init_std / math.sqrt(2 * spec.num_layers),
         )
+        self.weight_grad_store: WeightGradStore | None = None
 
     def forward(
         self, rows: torch.Tensor, counts: list[int], offsets: torch.Tensor | None = None
@@ -65,10 +67,11 @@ class GroupedExperts(nn.Module):
             grouped = all(grouped_mm_supported(rows, w, counts) for w in (self.fc1, self.fc2))
         if grouped and offsets is None:
             offsets = expert_offsets(counts, rows.device)  # once for both matmuls
-        y = grouped_linear(rows, self.fc1, counts, offsets, grouped)
+        store = self.weight_grad_store
+        y = grouped_linear(rows, self.fc1, counts, offsets, grouped, store)
         if self.llama:
             gate, up = y.chunk(2, dim=-1)
             y = F.silu(gate) * up
         else:
             y = F.gelu(y, approximate="tanh")
-        return grouped_linear(y, self.fc2, counts, offsets, grouped)
+        return grouped_linear(y, self.fc2, counts, offsets, grouped, store)

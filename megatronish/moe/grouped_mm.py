@@ -18,8 +18,12 @@ grouped kernel (CUTLASS); elsewhere it loops over the groups after copying the o
 host, a device sync per call that :class:`ExpertLoop` (host counts) avoids: we use it there
 only. Blackwell (10.x) gives a nonzero weight grad to a group without rows (pytorch#172439,
 open): an empty expert takes the loop there. On CPU it is a loop like ours; we use it wherever
-it exists, so CPU tests run torch's op and its backward. No grouped call is made with no rows
-at all (grouped GEMM kernels have crashed or hung on it).
+it exists, so CPU tests run torch's op and the two grouped calls of its backward. No grouped
+call is made with no rows at all (grouped GEMM kernels have crashed or hung on it).
+
+Split backward (zero-bubble schedules): both are autograd functions whose backward computes the
+rows' grad and hands the stack's to a store (:mod:`megatronish.tensor_parallel.weight_grad`),
+which runs it at once or in the schedule's W.
 """
 
 from __future__ import annotations
@@ -31,6 +35,13 @@ from functools import lru_cache
 from typing import TYPE_CHECKING
 
 import torch
+
+from megatronish.tensor_parallel.weight_grad import (
+    GradPairs,
+    WeightGradStore,
+    grad_of,
+    weight_grads,
+)
 
 if TYPE_CHECKING:
     from torch.autograd.function import FunctionCtx
@@ -106,31 +117,82 @@ class ExpertLoop(torch.autograd.Function):
     group by its expert's transpose) as one ``torch.mm`` per expert, into one ``[rows, n]``."""
 
     @staticmethod
-    def forward(ctx: FunctionCtx, x: torch.Tensor, weight: torch.Tensor, counts: tuple[int, ...]):
+    def forward(
+        ctx: FunctionCtx,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        counts: tuple[int, ...],
+        store: WeightGradStore | None = None,
+    ) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
-        ctx.counts = counts
+        ctx.counts, ctx.weight, ctx.store = counts, weight, store
         out = x.new_empty(x.shape[0], weight.shape[1])
         for part, w, o in zip(x.split(counts), weight.unbind(0), out.split(counts), strict=True):
             torch.mm(part, w.t(), out=o)
         return out
 
     @staticmethod
-    def backward(ctx: FunctionCtx, grad: torch.Tensor):
+    @torch.autograd.function.once_differentiable
+    def backward(
+        ctx: FunctionCtx, grad: torch.Tensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:
         x, weight = ctx.saved_tensors
-        counts, grads = ctx.counts, grad.split(ctx.counts)
-        grad_x = grad_w = None
+        counts, grads, param = ctx.counts, grad.split(ctx.counts), ctx.weight
+        grad_x = None
         if ctx.needs_input_grad[0]:
             grad_x = x.new_empty(x.shape)
             for g, w, o in zip(grads, weight.unbind(0), grad_x.split(counts), strict=True):
                 torch.mm(g, w, out=o)
-        if ctx.needs_input_grad[1]:
+        if not ctx.needs_input_grad[1]:
+            return grad_x, None, None, None
+
+        def job() -> GradPairs:
             grad_w = weight.new_empty(weight.shape)
             for n, g, part, o in zip(counts, grads, x.split(counts), grad_w.unbind(0)):
                 if n:
                     torch.mm(g.t(), part, out=o)
                 else:  # an expert without rows: its grad is zero, whatever mm does with k=0
                     o.zero_()
-        return grad_x, grad_w, None
+            return [(param, grad_w)]
+
+        return grad_x, grad_of(weight_grads(ctx.store, job), param), None, None
+
+
+class _GroupedMM(torch.autograd.Function):
+    """``torch._grouped_mm(x, weight.transpose(1, 2), offs=offsets)`` with the two grouped
+    matmuls of torch's backward for it, the stack's through a store."""
+
+    @staticmethod
+    def forward(
+        ctx: FunctionCtx,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        offsets: torch.Tensor,
+        store: WeightGradStore | None,
+    ) -> torch.Tensor:
+        x = _contiguous_aligned(x)
+        ctx.save_for_backward(x, weight, offsets)
+        ctx.weight, ctx.store = weight, store
+        return torch._grouped_mm(x, weight.transpose(1, 2), offs=offsets)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(
+        ctx: FunctionCtx, grad: torch.Tensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:
+        x, weight, offsets = ctx.saved_tensors
+        param = ctx.weight
+        grad = _contiguous_aligned(grad)  # its fp32 backward rejects an expanded grad
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_x = torch._grouped_mm(grad, weight, offs=offsets)
+        if not ctx.needs_input_grad[1]:
+            return grad_x, None, None, None
+
+        def job() -> GradPairs:
+            return [(param, torch._grouped_mm(grad.t(), x, offs=offsets))]
+
+        return grad_x, grad_of(weight_grads(ctx.store, job), param), None, None
 
 
 def grouped_linear(
@@ -139,13 +201,15 @@ def grouped_linear(
     counts: Sequence[int],
     offsets: torch.Tensor | None = None,
     grouped: bool | None = None,
+    store: WeightGradStore | None = None,
 ) -> torch.Tensor:
     """``x [rows, k]`` grouped by expert (``counts`` rows each, in expert order) through
     ``weight [experts, n, k]``: ``[rows, n]``, group ``e`` being ``F.linear(rows_e, weight[e])``.
 
     ``offsets``: the int32 end rows on ``x``'s device (else built from ``counts``: a host to
     device copy on GPUs). ``grouped``: use (True, unless there are no rows) or never use
-    (False) ``torch._grouped_mm``; None: where :func:`grouped_mm_supported`.
+    (False) ``torch._grouped_mm``; None: where :func:`grouped_mm_supported`. ``store``: where
+    the stack's grad goes.
     """
     if len(counts) != weight.shape[0] or sum(counts) != x.shape[0]:
         raise ValueError(
@@ -154,10 +218,9 @@ def grouped_linear(
     if grouped is None:
         grouped = grouped_mm_supported(x, weight, counts)
     if not grouped or x.shape[0] == 0:
-        return ExpertLoop.apply(x, weight, tuple(counts))
+        return ExpertLoop.apply(x, weight, tuple(counts), store)
     if offsets is None:
         offsets = expert_offsets(counts, x.device)
-    out = torch._grouped_mm(_contiguous_aligned(x), weight.transpose(1, 2), offs=offsets)
-    if out.requires_grad:
-        out.register_hook(_contiguous_aligned)
-    return out
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return _GroupedMM.apply(x, weight, offsets, store)
+    return torch._grouped_mm(_contiguous_aligned(x), weight.transpose(1, 2), offs=offsets)

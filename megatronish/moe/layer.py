@@ -19,7 +19,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from megatronish.context_parallel.attention import CPContext
@@ -39,6 +38,8 @@ from megatronish.spec import ModelSpec
 from megatronish.tensor_parallel.context import TPContext
 from megatronish.tensor_parallel.mappings import gather_from_sp, in_backward, reduce_scatter_to_sp
 from megatronish.tensor_parallel.sharding import mark_param
+from megatronish.tensor_parallel.split_linear import linear
+from megatronish.tensor_parallel.weight_grad import WeightGradStore
 
 if TYPE_CHECKING:
     from torch.autograd.function import FunctionCtx
@@ -89,6 +90,7 @@ class MoELayer(nn.Module):
         local = moe.num_experts // ep.size
         self.experts = GroupedExperts(spec, tp.size, local, ep.rank * local, device)
         self.shared = shared
+        self.weight_grad_store: WeightGradStore | None = None  # the router's
         self.loss_scale = 1.0  # the language-model loss's scale per microbatch (the trainer's)
         # Since the last reset: assignments per expert, balancing loss, z-loss, dropped slots
         # (this rank's parts; summed over ranks they are the step's totals).
@@ -97,7 +99,8 @@ class MoELayer(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         moe, tp, ep = self.moe, self.tp, self.ep.group
         s, b, h = x.shape
-        logits = F.linear(x.reshape(-1, h).float(), self.router.float())
+        store = self.weight_grad_store
+        logits = linear(x.reshape(-1, h).float(), self.router.float(), store=store)
         probs, weights, experts = route(logits, moe.top_k, moe.renormalize)
         tokens = x.reshape(-1, h)
         all_weights, all_experts = weights, experts

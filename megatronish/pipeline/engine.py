@@ -1,13 +1,19 @@
 """Runs a pipeline schedule's steps on this rank's model chunks.
 
-The steps come from :mod:`megatronish.pipeline.grouping` (pure functions of pp, vpp, the number
-of microbatches and the rank): before each compute, one group of sends and receives is posted
-through a :class:`~megatronish.pipeline.p2p.P2PCommunicator` (default: batched isend/irecv on
-the pipeline group) and waited on as a unit. The executor keeps the input and output of every
-forward until its backward, frees the data of an output once its send is posted (the group
-keeps the sent buffer until it completes; the backward does not need the data), and scales each
-microbatch loss by ``loss_scale`` so a step equals the non-pipelined one. It can record the
-wall-clock span of every op for a timeline.
+The steps come from :mod:`megatronish.pipeline.grouping` (pure functions of pp, vpp, the
+schedule, the number of microbatches and the rank): before each compute, one group of sends and
+receives is posted through a :class:`~megatronish.pipeline.p2p.P2PCommunicator` (default:
+batched isend/irecv on the pipeline group) and waited on as a unit. The executor keeps the input
+and output of every forward until its backward, frees the data of an output once its send is
+posted (the group keeps the sent buffer until it completes; the backward does not need the
+data), and scales each microbatch loss by ``loss_scale`` so a step equals the non-pipelined one.
+It can record the wall-clock span of every op for a timeline.
+
+Zero-bubble schedules split each backward: B (``bwd_input``) runs the chunk's backward with its
+weight grads deferred into a :class:`~megatronish.tensor_parallel.weight_grad.WeightGradStore`
+under (microbatch, chunk), and W (``bwd_weight``) runs them later, after the step's group is
+posted and before it is waited for. Two neighbouring chunks on one rank (the turn of the V)
+hand the activation and its gradient over in memory.
 """
 
 from __future__ import annotations
@@ -19,12 +25,22 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from megatronish.config.pipeline_rules import resolve_pipeline_schedule
 from megatronish.distributed.timers import Timers
 from megatronish.distributed.topology import Topology
-from megatronish.pipeline.grouping import Step, forward_only_steps, training_steps
+from megatronish.model.build import chunk_ids_of_stage, stage_of_chunk
+from megatronish.pipeline.grouping import (
+    EQUAL_TIMES,
+    OpTimes,
+    Step,
+    forward_only_steps,
+    training_steps,
+)
 from megatronish.pipeline.no_pipeline import NO_PARAM_HOOKS, ParamHooks
 from megatronish.pipeline.p2p import BatchedP2P, P2PCommunicator
 from megatronish.pipeline.posting import GroupPoster, Posted
+from megatronish.pipeline.schedule import splits_backward, v_shape
+from megatronish.tensor_parallel.weight_grad import WeightGradStore
 
 
 @dataclass
@@ -118,16 +134,28 @@ def forward_backward_pipeline(
     timeline: Timeline | None = None,
     timers: Timers | None = None,
     comm: P2PCommunicator | None = None,
+    schedule: str | None = None,
+    weight_grads: WeightGradStore | None = None,
+    op_times: OpTimes = EQUAL_TIMES,
 ) -> list[torch.Tensor]:
-    """One step of (interleaved) 1F1B; returns the per-microbatch losses on the last stage.
+    """One step of ``schedule`` (None: 1F1B, or interleaved 1F1B for vpp > 1); returns the
+    per-microbatch losses on the rank that holds the last chunk.
 
     ``timers`` sums forward, backward and the p2p waits (see :mod:`~.posting`). ``comm`` posts
     the p2p groups (default: :class:`~megatronish.pipeline.p2p.BatchedP2P` on the pipeline
-    group).
+    group). A zero-bubble schedule needs ``weight_grads``, the store the chunks' layers were
+    given (:func:`~megatronish.tensor_parallel.weight_grad.attach_weight_grad_store`);
+    ``op_times`` plans its groups (:func:`~megatronish.pipeline.grouping.training_steps`).
     """
     pp, rank, m = topo.pp, topo.coords.pp, len(microbatches)
+    schedule = resolve_pipeline_schedule(schedule, vpp)
+    if splits_backward(schedule) and weight_grads is None:
+        raise ValueError(f"the {schedule} schedule needs the chunks' WeightGradStore")
+    v = v_shape(schedule)
     last_chunk = pp * vpp - 1
-    local = {rank + v * pp: chunk for v, chunk in enumerate(chunks)}
+    ids = chunk_ids_of_stage(rank, pp, vpp, v)
+    local = dict(zip(ids, chunks, strict=True))
+    virtual = {c: i for i, c in enumerate(ids)}
     record = timeline.add if timeline is not None else None
     poster = GroupPoster(comm or BatchedP2P(topo.pp_group), record, timers)
     inputs: dict[Key, torch.Tensor] = {}
@@ -137,35 +165,58 @@ def forward_backward_pipeline(
     span = timeline.span if timeline is not None else (lambda _: contextlib.nullcontext())
     hooks = param_hooks or NO_PARAM_HOOKS
     region = (timers or Timers.off()).region
+    here = lambda chunk: 0 <= chunk <= last_chunk and stage_of_chunk(chunk, pp, v) == rank
 
-    for step in training_steps(pp, vpp, m, rank):
+    def forward(mb: int, c: int) -> None:
+        tokens, targets = microbatches[mb]
+        if c == 0:
+            x = tokens
+        elif here(c - 1):  # the turn of the V: the previous chunk's output, in memory
+            x = inputs[(mb, c)] = outputs[(mb, c - 1)].detach().requires_grad_(True)
+        else:
+            x = inputs[(mb, c)].requires_grad_(True)
+        with region("forward", "forward mb{} chunk{}", mb, c):
+            out = local[c](x, targets if c == last_chunk else None)
+        hooks.after_compute(virtual[c], "fwd")
+        if c == last_chunk:
+            losses.append(out.detach())
+            out = out * loss_scale
+        outputs[(mb, c)] = out
+
+    def backward(mb: int, c: int, deferred: bool) -> None:
+        out = outputs.pop((mb, c))
+        store = weight_grads.deferring((mb, c)) if deferred else contextlib.nullcontext()
+        with region("backward", "backward mb{} chunk{}", mb, c), store:
+            if c == last_chunk:
+                out.backward()
+            else:
+                _backward_from(out, grads_in.pop((mb, c)))
+        if c > 0 and here(c - 1):  # hand the input's gradient to the previous chunk
+            grads_in[(mb, c - 1)] = inputs.pop((mb, c)).grad
+        hooks.after_compute(virtual[c], "bwd")
+
+    def weight(mb: int, c: int) -> None:
+        with span(f"bwd_weight mb{mb} c{c}"):
+            with region("backward", "weight grads mb{} chunk{}", mb, c):
+                weight_grads.run((mb, c))
+            hooks.after_compute(virtual[c], "bwd")
+
+    for step in training_steps(pp, vpp, m, rank, schedule, op_times):
         posted = _post(poster, step, inputs, outputs, grads_in, shape, topo.device)
+        for op in step.weights:  # W needs nothing in flight: it fills the transfer's time
+            weight(op.microbatch, op.chunk)
         op = step.compute
         if op is not None:  # its first params gather while the p2p group completes
-            hooks.prefetch(op.chunk // pp, op.kind)
-        poster.wait(posted)
+            hooks.prefetch(virtual[op.chunk], "fwd" if op.kind == "fwd" else "bwd")
+        poster.wait(posted, since=time.perf_counter() if step.weights else None)
         if op is None:
             continue
-        key, v = (op.microbatch, op.chunk), op.chunk // pp
         with span(f"{op.kind} mb{op.microbatch} c{op.chunk}"):
             if op.kind == "fwd":
-                tokens, targets = microbatches[op.microbatch]
-                x = tokens if op.chunk == 0 else inputs[key].requires_grad_(True)
-                with region("forward", "forward mb{} chunk{}", op.microbatch, op.chunk):
-                    out = local[op.chunk](x, targets if op.chunk == last_chunk else None)
-                hooks.after_compute(v, "fwd")
-                if op.chunk == last_chunk:
-                    losses.append(out.detach())
-                    out = out * loss_scale
-                outputs[key] = out
+                forward(op.microbatch, op.chunk)
             else:
-                out = outputs.pop(key)
-                with region("backward", "backward mb{} chunk{}", op.microbatch, op.chunk):
-                    if op.chunk == last_chunk:
-                        out.backward()
-                    else:
-                        _backward_from(out, grads_in.pop(key))
-                hooks.after_compute(v, "bwd")
+                backward(op.microbatch, op.chunk, deferred=op.kind == "bwd_input")
+    poster.finish()
     return losses
 
 
@@ -179,20 +230,26 @@ def forward_only_pipeline(
     shape: PipelineShape,
     param_hooks: ParamHooks | None = None,
     comm: P2PCommunicator | None = None,
+    schedule: str | None = None,
 ) -> list[torch.Tensor]:
-    """Evaluation: the schedule's forwards in order, no backward; losses on the last stage."""
+    """Evaluation: the schedule's forwards in order, no backward; losses where the last chunk
+    is."""
     pp, rank = topo.pp, topo.coords.pp
+    schedule = resolve_pipeline_schedule(schedule, vpp)
+    v = v_shape(schedule)
     last_chunk = pp * vpp - 1
-    local = {rank + v * pp: chunk for v, chunk in enumerate(chunks)}
+    ids = chunk_ids_of_stage(rank, pp, vpp, v)
+    local = dict(zip(ids, chunks, strict=True))
+    virtual = {c: i for i, c in enumerate(ids)}
     poster = GroupPoster(comm or BatchedP2P(topo.pp_group))
     hooks = param_hooks or NO_PARAM_HOOKS
     inputs: dict[Key, torch.Tensor] = {}
     outputs: dict[Key, torch.Tensor] = {}
     losses = []
-    for step in forward_only_steps(pp, vpp, len(microbatches), rank):
+    for step in forward_only_steps(pp, vpp, len(microbatches), rank, schedule):
         posted = _post(poster, step, inputs, outputs, {}, shape, topo.device)
         if step.compute is not None:
-            hooks.prefetch(step.compute.chunk // pp, "fwd")
+            hooks.prefetch(virtual[step.compute.chunk], "fwd")
         poster.wait(posted)
         for op in step.group:
             if op.kind == "send_act":
@@ -201,11 +258,17 @@ def forward_only_pipeline(
         if op is None:
             continue
         tokens, targets = microbatches[op.microbatch]
-        x = tokens if op.chunk == 0 else inputs.pop((op.microbatch, op.chunk))
+        if op.chunk == 0:
+            x = tokens
+        elif stage_of_chunk(op.chunk - 1, pp, v) == rank:  # the turn of the V
+            x = outputs.pop((op.microbatch, op.chunk - 1))
+        else:
+            x = inputs.pop((op.microbatch, op.chunk))
         out = local[op.chunk](x, targets if op.chunk == last_chunk else None)
-        hooks.after_compute(op.chunk // pp, "fwd")
+        hooks.after_compute(virtual[op.chunk], "fwd")
         if op.chunk == last_chunk:
             losses.append(out.detach())
         else:
             outputs[(op.microbatch, op.chunk)] = out
+    poster.finish()
     return losses

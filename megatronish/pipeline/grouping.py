@@ -22,69 +22,265 @@ with pp=2, vpp=2, m=4 rank 0 sends grad (0, 2) in a group of its own, which rank
 only after its group sending grad (1, 3), which rank 0 receives only after that send.
 ``tests/pipeline/test_pipeline_nccl_sim.py`` replays what the engine posts in
 :mod:`megatronish.pipeline.nccl_sim` for many layouts.
+
+The zero-bubble schedules post like 1F1B, one segment per forward and per B: a W moves no data,
+so it joins no group. It runs after the group before the next compute is posted and before that
+group is waited for, filling the time its transfers take (a B's gradient leaves before the W
+that follows the B runs). A hand-over between two chunks on the same rank (the turn of the V)
+posts nothing.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
-from megatronish.pipeline.schedule import Op, compute_order, num_warmup
+from megatronish.config.pipeline_rules import resolve_pipeline_schedule
+from megatronish.model.build import stage_of_chunk
+from megatronish.pipeline.ops import INPUT_GRAD_KINDS, DeadlockError, Op, message
+from megatronish.pipeline.schedule import (
+    compute_order,
+    message_order,
+    num_warmup,
+    transfers_around,
+    v_shape,
+)
 
 
 @dataclass(frozen=True)
 class Step:
-    """One p2p group (sends and receives, possibly none), then one compute op (or None)."""
+    """One p2p group (sends and receives, possibly none), the W ops that run while it is in
+    flight, then one compute op (or None)."""
 
     group: tuple[Op, ...]
     compute: Op | None
+    weights: tuple[Op, ...] = ()
 
 
-def transfers_around(pp: int, vpp: int, op: Op) -> tuple[list[Op], list[Op]]:
-    """The receives a compute ``op`` needs before it and the sends it makes after it."""
-    last, mb, c = pp * vpp - 1, op.microbatch, op.chunk
-    if op.kind == "fwd":
-        recvs = [Op("recv_act", mb, c, peer=(c - 1) % pp)] if c > 0 else []
-        sends = [Op("send_act", mb, c, peer=(c + 1) % pp)] if c < last else []
-    else:
-        recvs = [Op("recv_grad", mb, c, peer=(c + 1) % pp)] if c < last else []
-        sends = [Op("send_grad", mb, c, peer=(c - 1) % pp)] if c > 0 else []
-    return recvs, sends
+def _recv_of(message: tuple[str, int, int], peer: int) -> Op:
+    kind, mb, chunk = message
+    return (
+        Op("recv_act", mb, chunk + 1, peer)
+        if kind == "act"
+        else Op("recv_grad", mb, chunk - 1, peer)
+    )
 
 
-def _steps(pp: int, vpp: int, segments: list[list[Op]]) -> list[Step]:
+class _InOrder:
+    """Receives in the order their sender sends them: a receive needed now brings along, into
+    the same group, every earlier message from that peer not yet received (NCCL matches a
+    pair's transfers by order; the early buffer waits for its compute)."""
+
+    def __init__(self, order: dict[tuple[int, int], list[tuple[str, int, int]]], rank: int):
+        self.pending = {src: list(msgs) for (src, dst), msgs in order.items() if dst == rank}
+
+    def expand(self, recvs: list[Op]) -> list[Op]:
+        out: list[Op] = []
+        for op in recvs:
+            queue = self.pending[op.peer]
+            if message(op) not in queue:  # brought along earlier
+                continue
+            upto = queue.index(message(op)) + 1
+            out += [_recv_of(msg, op.peer) for msg in queue[:upto]]
+            del queue[:upto]
+        return out
+
+
+def _steps(
+    pp: int,
+    vpp: int,
+    segments: list[list[Op]],
+    schedule: str,
+    order: dict[tuple[int, int], list[tuple[str, int, int]]],
+    rank: int,
+    weights_before: dict[int, list[Op]] | None = None,
+) -> list[Step]:
+    """Steps of ``segments``; ``order``: the messages each pair exchanges, in send order;
+    ``weights_before[i]``: the W ops the schedule runs just before the i-th compute of the
+    segments (``len`` of them: after the last)."""
+    weights_before = weights_before or {}
+    in_order = _InOrder(order, rank)
     steps: list[Step] = []
     sends: list[Op] = []
+    index = 0
     for segment in segments:
-        around = [transfers_around(pp, vpp, op) for op in segment]
-        group = tuple(sends + [r for recvs, _ in around for r in recvs])
-        steps.append(Step(group, segment[0]))
-        steps += [Step((), op) for op in segment[1:]]
+        around = [transfers_around(pp, vpp, op, schedule) for op in segment]
+        group = tuple(sends + in_order.expand([r for recvs, _ in around for r in recvs]))
+        for i, op in enumerate(segment):
+            weights = tuple(weights_before.get(index, ()))
+            steps.append(Step(group if i == 0 else (), op, weights))
+            index += 1
         sends = [s for _, op_sends in around for s in op_sends]
-    if sends:
-        steps.append(Step(tuple(sends), None))
+    trailing = tuple(weights_before.get(index, ()))
+    if sends or trailing:
+        steps.append(Step(tuple(sends), None, trailing))
     return steps
 
 
-def training_steps(pp: int, vpp: int, num_microbatches: int, rank: int) -> list[Step]:
-    """One training step of (interleaved) 1F1B on ``rank``: its groups and computes in order."""
-    order = compute_order(pp, vpp, num_microbatches, rank)
+def _split_weights(order: list[Op]) -> tuple[list[Op], dict[int, list[Op]]]:
+    """The computes that move data, and the W ops before each (by index; ``len``: after all)."""
+    computes: list[Op] = []
+    weights_before: dict[int, list[Op]] = {}
+    for op in order:
+        if op.kind == "bwd_weight":
+            weights_before.setdefault(len(computes), []).append(op)
+        else:
+            computes.append(op)
+    return computes, weights_before
+
+
+OpTimes = tuple[float, float, float]  # relative times of a chunk's F, B and W
+EQUAL_TIMES: OpTimes = (1.0, 1.0, 1.0)
+
+
+def _take(
+    inbox: list[tuple[Op, float]],
+    op: Op,
+    send_peers: set[int],
+    now: float,
+    transfers: tuple[int, int, str],
+) -> list[Op]:
+    """The receives to post before ``op``, removed from ``inbox`` (delivered, not yet posted,
+    with the time their data exists): the one ``op`` needs and each peer's earlier ones (pair
+    order), and from a peer this group also sends to, what that peer has sent by ``now`` (so
+    crossing sends meet their receives in the same groups without waiting for later data)."""
+    needed, _ = transfers_around(*transfers[:2], op, transfers[2])
+    upto: dict[int, int] = {}
+    for i, (recv, at) in enumerate(inbox):
+        if any(message(recv) == message(n) for n in needed) or (at <= now):
+            upto[recv.peer] = i
+    take = [recv for i, (recv, _) in enumerate(inbox) if i <= upto.get(recv.peer, -1)]
+    inbox[:] = [(recv, at) for recv, at in inbox if recv not in take]
+    return take
+
+
+@functools.cache
+def _joint_steps(
+    pp: int,
+    vpp: int,
+    num_microbatches: int,
+    schedule: str,
+    forward_only: bool,
+    times: OpTimes = EQUAL_TIMES,
+) -> dict[int, tuple[Step, ...]]:
+    """Every rank's steps, planned by running all ranks together in time (torch pipelining's
+    ``_add_send_recv`` idea, with equal times for F, B and W): the rank whose next compute can
+    start first runs it; the receive of each message it sends is delivered to the receiver at
+    once, and posted in the receiver's group before the compute that needs it, or earlier
+    when the receiver sends to that peer in a group after the data exists. Sends and receives
+    thus meet in groups posted around the same time and every pair's messages keep their send
+    order. Used for the V placement, whose neighbours exchange messages both ways (an activation
+    going up one leg, a gradient coming down the other); the NCCL simulator proves it. Planned
+    with the chunk's relative F, B and W ``times``, the groups keep the simulated bubble of the
+    schedule at those times."""
+    last = pp * vpp - 1
+    v = v_shape(schedule)
+    plans = {}
+    for r in range(pp):
+        order = compute_order(pp, vpp, num_microbatches, r, schedule)
+        if forward_only:
+            order = [op for op in order if op.kind == "fwd"]
+        plans[r] = _split_weights(order)
+    position = dict.fromkeys(range(pp), 0)
+    clock = dict.fromkeys(range(pp), 0.0)
+    inbox: dict[int, list[tuple[Op, float]]] = {r: [] for r in range(pp)}
+    sends: dict[int, list[Op]] = {r: [] for r in range(pp)}
+    ended: dict[tuple[str, int, int], float] = {}  # computes by (kind, mb, chunk), and messages
+    steps: dict[int, list[Step]] = {r: [] for r in range(pp)}
+
+    def input_time(rank: int, op: Op) -> float | None:
+        """When ``op``'s input exists (None: not yet produced)."""
+        mb, c = op.microbatch, op.chunk
+        if op.kind == "fwd":
+            if c == 0:
+                return 0.0
+            local = stage_of_chunk(c - 1, pp, v) == rank
+            return ended.get(("fwd", mb, c - 1) if local else ("act", mb, c - 1))
+        if c == last:
+            return 0.0
+        if stage_of_chunk(c + 1, pp, v) == rank:
+            times = [ended.get((kind, mb, c + 1)) for kind in INPUT_GRAD_KINDS]
+            return next((t for t in times if t is not None), None)
+        return ended.get(("grad", mb, c + 1))
+
+    while any(position[r] < len(plans[r][0]) for r in range(pp)):
+        starts = {}
+        for r in range(pp):
+            computes, weights_before = plans[r]
+            if position[r] < len(computes):
+                ready = input_time(r, computes[position[r]])
+                if ready is not None:
+                    weights = len(weights_before.get(position[r], ())) * times[2]
+                    starts[r] = max(clock[r] + weights, ready)
+        if not starts:
+            raise DeadlockError(f"{schedule} with pp={pp}, m={num_microbatches} cannot be posted")
+        r = min(starts, key=lambda rank: (starts[rank], rank))
+        computes, weights_before = plans[r]
+        op = computes[position[r]]
+        peers = {s.peer for s in sends[r]}
+        group = tuple(sends[r] + _take(inbox[r], op, peers, starts[r], (pp, vpp, schedule)))
+        steps[r].append(Step(group, op, tuple(weights_before.get(position[r], ()))))
+        clock[r] = starts[r] + (times[0] if op.kind == "fwd" else times[1])
+        ended[(op.kind, op.microbatch, op.chunk)] = clock[r]
+        _, sends[r] = transfers_around(pp, vpp, op, schedule)
+        for send in sends[r]:
+            inbox[send.peer].append((_recv_of(message(send), r), clock[r]))
+            ended[message(send)] = clock[r]
+        position[r] += 1
+    for r in range(pp):
+        trailing = tuple(plans[r][1].get(len(plans[r][0]), ()))
+        if sends[r] or inbox[r] or trailing:
+            steps[r].append(Step(tuple(sends[r] + [op for op, _ in inbox[r]]), None, trailing))
+    return {r: tuple(s) for r, s in steps.items()}
+
+
+def training_steps(
+    pp: int,
+    vpp: int,
+    num_microbatches: int,
+    rank: int,
+    schedule: str | None = None,
+    op_times: OpTimes = EQUAL_TIMES,
+) -> list[Step]:
+    """One training step on ``rank``: its groups, W ops and computes in order.
+
+    ``op_times``: the relative times of a chunk's F, B and W, which plan the V placement's
+    groups (:func:`_joint_steps`); every rank must pass the same numbers (the trainer derives
+    them from the model spec, :func:`~megatronish.model.flops.split_backward_times`)."""
+    schedule = resolve_pipeline_schedule(schedule, vpp)
+    order = compute_order(pp, vpp, num_microbatches, rank, schedule)
+    pairs = message_order(pp, vpp, num_microbatches, schedule)
+    if v_shape(schedule):
+        plan = _joint_steps(pp, vpp, num_microbatches, schedule, False, tuple(op_times))
+        return list(plan[rank])
+    if schedule != "interleaved":  # one segment per forward and per backward (or B)
+        computes, weights_before = _split_weights(order)
+        segments = [[op] for op in computes]
+        return _steps(pp, vpp, segments, schedule, pairs, rank, weights_before)
     warmup = num_warmup(pp, vpp, num_microbatches, rank)
     cooldown_from = len(order) - warmup
-    if vpp == 1:
-        segments = [[op] for op in order]
-    else:
-        segments = [[op] for op in order[:warmup]]
-        segments += [order[i : i + 2] for i in range(warmup, cooldown_from, 2)]
-        segments += [[op] for op in order[cooldown_from:]]
-    return _steps(pp, vpp, segments)
+    segments = [[op] for op in order[:warmup]]
+    segments += [order[i : i + 2] for i in range(warmup, cooldown_from, 2)]
+    segments += [[op] for op in order[cooldown_from:]]
+    return _steps(pp, vpp, segments, schedule, pairs, rank)
 
 
-def forward_only_steps(pp: int, vpp: int, num_microbatches: int, rank: int) -> list[Step]:
+def forward_only_steps(
+    pp: int, vpp: int, num_microbatches: int, rank: int, schedule: str | None = None
+) -> list[Step]:
     """Evaluation on ``rank``: the schedule's forwards in their order, each its own segment."""
-    order = compute_order(pp, vpp, num_microbatches, rank)
-    return _steps(pp, vpp, [[op] for op in order if op.kind == "fwd"])
+    schedule = resolve_pipeline_schedule(schedule, vpp)
+    if v_shape(schedule):
+        return list(_joint_steps(pp, vpp, num_microbatches, schedule, True)[rank])
+    forwards = [[op] for op in compute_order(pp, vpp, num_microbatches, rank, schedule)]
+    forwards = [segment for segment in forwards if segment[0].kind == "fwd"]
+    pairs = message_order(pp, vpp, num_microbatches, schedule)
+    activations = {pair: [msg for msg in msgs if msg[0] == "act"] for pair, msgs in pairs.items()}
+    return _steps(pp, vpp, forwards, schedule, activations, rank)
 
 
 def run_order(steps: list[Step]) -> list[Op]:
     """Every op of ``steps`` in the order the executor runs them (its timeline's order)."""
-    return [op for s in steps for op in (*s.group, *((s.compute,) if s.compute else ()))]
+    return [
+        op for s in steps for op in (*s.group, *s.weights, *((s.compute,) if s.compute else ()))
+    ]

@@ -12,9 +12,10 @@ The model, per rank a list of groups (what one ``batch_isend_irecv`` posts):
 * Matched transfers must agree on the message and its shape: order-based matching would
   otherwise swap tensors silently.
 * Optionally a rank computes for a given time after each group, which times the bubble of a
-  posting plan (latency-free transfers).
+  posting plan (latency-free transfers), and for another given time between issuing a group and
+  waiting for it (the W ops of a zero-bubble schedule, which need none of its data).
 
-:func:`run_groups` raises :class:`~megatronish.pipeline.schedule.DeadlockError` naming every
+:func:`run_groups` raises :class:`~megatronish.pipeline.ops.DeadlockError` naming every
 stuck rank's group when no rank can move, :class:`MismatchError` on a wrong pairing.
 """
 
@@ -24,7 +25,7 @@ from collections import deque
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from megatronish.pipeline.schedule import DeadlockError
+from megatronish.pipeline.ops import DeadlockError
 
 __all__ = ["DeadlockError", "MismatchError", "P2P", "SimReport", "run_groups"]
 
@@ -75,14 +76,21 @@ def _check(groups: Groups, compute: Mapping[int, Sequence[float]] | None) -> Non
                     raise ValueError(f"rank {rank}: {op} names no other rank of {sorted(groups)}")
 
 
-def run_groups(groups: Groups, compute: Mapping[int, Sequence[float]] | None = None) -> SimReport:
+def run_groups(
+    groups: Groups,
+    compute: Mapping[int, Sequence[float]] | None = None,
+    overlap: Mapping[int, Sequence[float]] | None = None,
+) -> SimReport:
     """Run every rank's ``groups`` (rank -> groups in posting order) to completion.
 
     With ``compute``, rank r computes ``compute[r][i]`` time units after its group i completed
-    and then issues group i + 1; a transfer completes when both sides have issued it (no
-    latency), a group when its last transfer did. That times the bubble of what was posted.
+    and then issues group i + 1; with ``overlap`` it also computes ``overlap[r][i]`` right after
+    issuing group i, before waiting for it. A transfer completes when both sides have issued it
+    (no latency), a group when its last transfer did. That times the bubble of what was posted.
     """
     _check(groups, compute)
+    if overlap is not None:
+        _check(groups, overlap)
     current = dict.fromkeys(groups, 0)  # index of the group a rank has issued
     left = dict.fromkeys(groups, 0)  # transfers of that group not yet matched
     done: dict[int, set[int]] = {r: set() for r in groups}  # matched transfers of that group
@@ -93,16 +101,20 @@ def run_groups(groups: Groups, compute: Mapping[int, Sequence[float]] | None = N
     touched: list[tuple[int, int]] = []
     issued = matched = 0
 
-    def run(rank: int) -> None:  # the current group completed: compute, then move on
-        spent = compute[rank][current[rank]] if compute is not None else 0.0
+    def spend(rank: int, times: Mapping[int, Sequence[float]] | None) -> None:
+        spent = times[rank][current[rank]] if times is not None else 0.0
         clock[rank] += spent
         busy[rank] += spent
+
+    def run(rank: int) -> None:  # the current group completed: compute, then move on
+        spend(rank, compute)
         current[rank] += 1
 
     def issue(rank: int) -> None:
         nonlocal issued
         rank_groups = groups[rank]
         while current[rank] < len(rank_groups) and not rank_groups[current[rank]]:
+            spend(rank, overlap)
             run(rank)  # an empty group completes at once
         if current[rank] == len(rank_groups):
             return
@@ -115,6 +127,7 @@ def run_groups(groups: Groups, compute: Mapping[int, Sequence[float]] | None = N
             queue = sends if op.kind == "send" else recvs
             queue.setdefault(pair, deque()).append((rank, i, op, clock[rank]))
             touched.append(pair)
+        spend(rank, overlap)
 
     def complete(rank: int, index: int, at: float) -> None:
         done[rank].add(index)

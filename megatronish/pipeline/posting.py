@@ -7,6 +7,13 @@ kind. Each send and receive keeps its own timeline event (``send_act mb0 c0``): 
 the posting, the receives the wait (a group of one kind shares both), one after the other in
 the group's order, so events never overlap. Profiler ranges are named after the ops
 (``send act mb0 chunk0``).
+
+Before a compute only a group's receives are waited for when the communicator returns one work
+per transfer (:class:`~megatronish.pipeline.p2p.GroupWork` on gloo, where waiting for a send
+blocks the host until the peer has received it); its sends complete in the background and are
+released once done, at the latest by :meth:`GroupPoster.finish` at the end of the step. Where
+the group completes as a unit (NCCL's coalesced group, or a communicator with NCCL's ordering)
+it is waited for whole.
 """
 
 from __future__ import annotations
@@ -18,8 +25,8 @@ from dataclasses import dataclass
 import torch
 
 from megatronish.distributed.timers import Timers
-from megatronish.pipeline.p2p import P2PCommunicator, P2PWork, Transfer
-from megatronish.pipeline.schedule import Op, message
+from megatronish.pipeline.ops import Op, message
+from megatronish.pipeline.p2p import GroupWork, P2PCommunicator, P2PWork, Transfer
 
 Record = Callable[[str, float, float], None]  # (event name, start, end) in perf_counter seconds
 
@@ -55,6 +62,7 @@ class GroupPoster:
     ):
         self.comm, self.record = comm, record
         self.region = (timers or Timers.off()).region
+        self.in_flight: list[GroupWork] = []  # waited-for groups whose sends may still run
 
     def post(self, ops: Sequence[Op], tensors: Sequence[torch.Tensor]) -> Posted | None:
         """Post ``ops`` (send_*/recv_* ops) with their data or buffers; None for no ops."""
@@ -73,22 +81,43 @@ class GroupPoster:
             work = self.comm.post(transfers)
         return Posted(work, sends, recvs, start, time.perf_counter())
 
-    def wait(self, posted: Posted | None) -> None:
-        """Wait for the whole group, then record its timeline events."""
+    def wait(self, posted: Posted | None, since: float | None = None) -> None:
+        """Wait for the whole group, then record its timeline events. ``since``: when the rank
+        began waiting, if it computed after posting (a zero-bubble schedule's W): the group's
+        events then start there, not over the W."""
         if posted is None:
             return
         sends, recvs = posted.sends, posted.recvs
         with self.region(
             "pp_recv_wait" if recvs else "pp_send_wait", "{}", _Labels(recvs or sends)
         ):
-            posted.work.wait()
+            if sends and isinstance(posted.work, GroupWork):
+                posted.work.wait_receives()
+                self.in_flight.append(posted.work)
+            else:
+                posted.work.wait()
+        self.in_flight = [w for w in self.in_flight if not w.release_if_completed()]
         if self.record is None:
             return
         end = time.perf_counter()
-        send_end = posted.posted if recvs else end
-        recv_start = posted.posted if sends else posted.start
-        _share(self.record, sends, posted.start, send_end)
+        if since is None:
+            send_end = posted.posted if recvs else end
+            recv_start = posted.posted if sends else posted.start
+            _share(self.record, sends, posted.start, send_end)
+        else:  # the sends' posting, then (after the W) the wait; sends alone: their wait
+            recv_start = since
+            if recvs:
+                _share(self.record, sends, posted.start, posted.posted)
+            else:
+                _share(self.record, sends, since, end)
         _share(self.record, recvs, recv_start, end)
+
+    def finish(self) -> None:
+        """Wait for every send still in flight (the end of a step)."""
+        with self.region("pp_send_wait", "finish sends"):
+            for work in self.in_flight:
+                work.wait()
+        self.in_flight = []
 
 
 def _share(record: Record, ops: list[Op], start: float, end: float) -> None:

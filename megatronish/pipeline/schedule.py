@@ -1,68 +1,74 @@
-"""Pipeline schedules as pure op lists: 1F1B and interleaved 1F1B, plus an event simulator.
+"""Pipeline schedules as pure op lists: 1F1B, interleaved 1F1B, ZB-H1 and ZBV.
 
 The layer stack is cut into ``pp * vpp`` chunks; global chunk ``c`` lives on pipeline rank
 ``c % pp`` as that rank's virtual chunk ``c // pp``. Chunk 0 embeds the tokens, the last chunk
 computes the loss. vpp = 1 is plain 1F1B (PipeDream-Flush, Narayanan et al. 2021, sec. 2.2.1);
 vpp > 1 is Megatron-LM's interleaved 1F1B (same paper, sec. 2.2.2), which divides the bubble by
-vpp at the cost of vpp times more point-to-point messages.
+vpp at the cost of vpp times more point-to-point messages. ``zb-h1`` and ``zbv`` split each
+backward into B and W (:mod:`megatronish.pipeline.zero_bubble`); ``zbv`` places the chunks in a
+V (:func:`megatronish.model.build.chunk_ids_of_stage`), so a chunk's neighbour may sit on the
+same rank: that hand-over is local, not a message.
 
 Nothing here touches processes or tensors. ``schedule_ops`` places each receive just before and
-each send just after its compute; ``simulate`` times that order with sends that never block (the
-bubble). A send on NCCL does block until the peer's receive runs: with sends and receives posted
-one by one even plain 1F1B deadlocks, rank r sending an activation while rank r+1 sends a
-gradient. So the executor posts them in groups, Megatron-LM's batched isend/irecv: which
-transfers share a group is :mod:`megatronish.pipeline.grouping`, and
-:mod:`megatronish.pipeline.nccl_sim` replays what the executor posts under NCCL's semantics.
-Both keep every pair of ranks' messages in ``message_order``.
+each send just after its compute; :func:`megatronish.pipeline.simulate.simulate` times that
+order with sends that never block (the bubble). A send on NCCL does block until the peer's
+receive runs: with sends and receives posted one by one even plain 1F1B deadlocks, rank r
+sending an activation while rank r+1 sends a gradient. So the executor posts them in groups,
+Megatron-LM's batched isend/irecv: which transfers share a group is
+:mod:`megatronish.pipeline.grouping`, and :mod:`megatronish.pipeline.nccl_sim` replays what
+the executor posts under NCCL's semantics. Both keep every pair of ranks' messages in
+``message_order``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-COMPUTE_KINDS = ("fwd", "bwd")
-
-
-@dataclass(frozen=True)
-class Op:
-    """One step of a rank's schedule.
-
-    ``kind`` is "fwd", "bwd", "recv_act", "send_act", "recv_grad" or "send_grad"; ``chunk`` is the
-    GLOBAL chunk id the op belongs to; ``peer`` is the other pipeline rank of a send or receive.
-    """
-
-    kind: str
-    microbatch: int
-    chunk: int
-    peer: int | None = None
+from megatronish.config.pipeline_rules import (
+    SPLIT_BACKWARD_SCHEDULES,
+    V_SHAPE_SCHEDULES,
+    pipeline_schedule_error,
+    resolve_pipeline_schedule,
+)
+from megatronish.model.build import stage_of_chunk
+from megatronish.pipeline.ops import INPUT_GRAD_KINDS, Op, message
+from megatronish.pipeline.zero_bubble import zb_h1_order, zbv_order
 
 
-class DeadlockError(RuntimeError):
-    """No rank can make progress: every unfinished rank waits on a message never sent."""
+def splits_backward(schedule: str) -> bool:
+    """True for the schedules that run B and W as separate ops."""
+    return schedule in SPLIT_BACKWARD_SCHEDULES
 
 
-class DependencyError(RuntimeError):
-    """A schedule runs an op before the op or message it needs (or names the wrong peer)."""
+def v_shape(schedule: str) -> bool:
+    """True for the schedule that places the chunks in a V (``zbv``)."""
+    return schedule in V_SHAPE_SCHEDULES
 
 
-def _validate(pp: int, vpp: int, num_microbatches: int, rank: int | None = None) -> None:
+def check_schedule(
+    pp: int,
+    vpp: int,
+    num_microbatches: int,
+    rank: int | None = None,
+    schedule: str | None = None,
+) -> str:
+    """Raise ValueError (one line naming the fix) unless ``schedule`` (None: the default for
+    vpp) runs pp / vpp / m on ``rank``; returns the schedule's name."""
     if pp < 1:
         raise ValueError(f"pp={pp} must be at least 1.")
     if vpp < 1:
         raise ValueError(f"vpp={vpp} must be at least 1; use vpp=1 for plain 1F1B.")
     if num_microbatches < 1:
         raise ValueError(f"num_microbatches={num_microbatches} must be at least 1.")
-    if vpp > 1 and pp == 1:
+    if rank is not None and not 0 <= rank < pp:
+        raise ValueError(f"rank={rank} must lie in [0, pp={pp}).")
+    schedule = resolve_pipeline_schedule(schedule, vpp)
+    if vpp > 1 and pp == 1 and schedule != "zbv":  # zbv's two legs may share one rank
         raise ValueError(
             f"vpp={vpp} needs pp > 1 (interleaving one stage gains nothing); set vpp=1."
         )
-    if vpp > 1 and num_microbatches % pp != 0:
-        raise ValueError(
-            f"Interleaved 1F1B needs num_microbatches ({num_microbatches}) divisible by "
-            f"pp ({pp}); pick a global batch size giving a multiple of {pp} microbatches."
-        )
-    if rank is not None and not 0 <= rank < pp:
-        raise ValueError(f"rank={rank} must lie in [0, pp={pp}).")
+    error = pipeline_schedule_error(schedule, pp, vpp, num_microbatches)
+    if error:
+        raise ValueError(error + ".")
+    return schedule
 
 
 def num_warmup(pp: int, vpp: int, num_microbatches: int, rank: int) -> int:
@@ -74,7 +80,7 @@ def num_warmup(pp: int, vpp: int, num_microbatches: int, rank: int) -> int:
     (Megatron-LM ``schedules.py``). Both are capped by the forwards that exist. Older Megatron
     forced all-forward-first when m == pp; newer versions (and we) only cap.
     """
-    _validate(pp, vpp, num_microbatches, rank)
+    check_schedule(pp, vpp, num_microbatches, rank)
     if vpp == 1:
         return min(pp - rank - 1, num_microbatches)
     return min(2 * (pp - rank - 1) + (vpp - 1) * pp, num_microbatches * vpp)
@@ -92,8 +98,16 @@ def _virtual_op(pp: int, vpp: int, rank: int, k: int, kind: str) -> Op:
     return Op(kind, microbatch, virtual * pp + rank)
 
 
-def compute_order(pp: int, vpp: int, num_microbatches: int, rank: int) -> list[Op]:
-    """The "fwd"/"bwd" ops of ``rank`` in run order: warm-up, steady 1F1B, cool-down."""
+def compute_order(
+    pp: int, vpp: int, num_microbatches: int, rank: int, schedule: str | None = None
+) -> list[Op]:
+    """The compute ops of ``rank`` in run order (1F1B and interleaved: warm-up, steady 1F1B,
+    cool-down; the zero-bubble schedules: :mod:`megatronish.pipeline.zero_bubble`)."""
+    schedule = check_schedule(pp, vpp, num_microbatches, rank, schedule)
+    if schedule == "zb-h1":
+        return zb_h1_order(pp, num_microbatches, rank)
+    if schedule == "zbv":
+        return zbv_order(pp, num_microbatches, rank)
     warmup = num_warmup(pp, vpp, num_microbatches, rank)
     total = num_microbatches * vpp
     fwd = lambda k: _virtual_op(pp, vpp, rank, k, "fwd")
@@ -105,170 +119,63 @@ def compute_order(pp: int, vpp: int, num_microbatches: int, rank: int) -> list[O
     return order
 
 
-def schedule_ops(pp: int, vpp: int, num_microbatches: int, rank: int) -> list[Op]:
+def transfers_around(
+    pp: int, vpp: int, op: Op, schedule: str | None = None
+) -> tuple[list[Op], list[Op]]:
+    """The receives a compute ``op`` needs before it and the sends it makes after it (none for
+    a neighbour chunk on the same rank, or for a W)."""
+    v = v_shape(resolve_pipeline_schedule(schedule, vpp))
+    last, mb, c = pp * vpp - 1, op.microbatch, op.chunk
+    here = stage_of_chunk(c, pp, v)
+
+    def peer(chunk: int) -> int | None:
+        stage = stage_of_chunk(chunk, pp, v)
+        return None if stage == here else stage
+
+    if op.kind == "fwd":
+        before, after = (c - 1 if c > 0 else None), (c + 1 if c < last else None)
+        kinds = ("recv_act", "send_act")
+    elif op.kind in INPUT_GRAD_KINDS:
+        before, after = (c + 1 if c < last else None), (c - 1 if c > 0 else None)
+        kinds = ("recv_grad", "send_grad")
+    else:
+        return [], []
+    recvs = (
+        [Op(kinds[0], mb, c, peer=p)]
+        if before is not None and (p := peer(before)) is not None
+        else []
+    )
+    sends = (
+        [Op(kinds[1], mb, c, peer=p)]
+        if after is not None and (p := peer(after)) is not None
+        else []
+    )
+    return recvs, sends
+
+
+def schedule_ops(
+    pp: int, vpp: int, num_microbatches: int, rank: int, schedule: str | None = None
+) -> list[Op]:
     """``compute_order`` with each receive just before, and each send just after, its compute."""
-    last = pp * vpp - 1
     ops: list[Op] = []
-    for op in compute_order(pp, vpp, num_microbatches, rank):
-        mb, c = op.microbatch, op.chunk
-        if op.kind == "fwd":
-            if c > 0:
-                ops.append(Op("recv_act", mb, c, peer=(c - 1) % pp))
-            ops.append(op)
-            if c < last:
-                ops.append(Op("send_act", mb, c, peer=(c + 1) % pp))
-        else:
-            if c < last:
-                ops.append(Op("recv_grad", mb, c, peer=(c + 1) % pp))
-            ops.append(op)
-            if c > 0:
-                ops.append(Op("send_grad", mb, c, peer=(c - 1) % pp))
+    for op in compute_order(pp, vpp, num_microbatches, rank, schedule):
+        recvs, sends = transfers_around(pp, vpp, op, schedule)
+        ops += [*recvs, op, *sends]
     return ops
 
 
-def message(op: Op) -> tuple[str, int, int]:
-    """The message a send or receive op moves, named by its sender: (kind, microbatch, chunk).
-
-    "act" is the activation out of ``chunk``; "grad" is the gradient w.r.t. the input of ``chunk``.
-    """
-    if op.kind == "send_act":
-        return ("act", op.microbatch, op.chunk)
-    if op.kind == "recv_act":
-        return ("act", op.microbatch, op.chunk - 1)
-    if op.kind == "send_grad":
-        return ("grad", op.microbatch, op.chunk)
-    if op.kind == "recv_grad":
-        return ("grad", op.microbatch, op.chunk + 1)
-    raise ValueError(f"Op kind {op.kind!r} moves no message; only send_*/recv_* ops do.")
-
-
 def message_order(
-    pp: int, vpp: int, num_microbatches: int
+    pp: int, vpp: int, num_microbatches: int, schedule: str | None = None
 ) -> dict[tuple[int, int], list[tuple[str, int, int]]]:
     """For every ordered pair (src, dst) of distinct ranks, the messages src sends dst, in order.
 
     NCCL matches point-to-point calls between two ranks by order, so the receiver must post its
     receives from ``src`` in exactly this order. Pairs that exchange nothing map to ``[]``.
     """
-    _validate(pp, vpp, num_microbatches)
+    schedule = check_schedule(pp, vpp, num_microbatches, schedule=schedule)
     order = {(s, d): [] for s in range(pp) for d in range(pp) if s != d}
     for src in range(pp):
-        for op in schedule_ops(pp, vpp, num_microbatches, src):
+        for op in schedule_ops(pp, vpp, num_microbatches, src, schedule):
             if op.kind.startswith("send"):
                 order[(src, op.peer)].append(message(op))
     return order
-
-
-@dataclass
-class Simulation:
-    """What ``simulate`` measured, per rank (times in the units of fwd_time/bwd_time)."""
-
-    finish_time: dict[int, float]
-    busy_time: dict[int, float]
-    timeline: dict[int, list[tuple[Op, float, float]]]
-    max_in_flight: dict[int, int]
-
-
-def simulate(
-    pp: int,
-    vpp: int,
-    num_microbatches: int,
-    fwd_time: float = 1.0,
-    bwd_time: float = 2.0,
-    comm_time: float = 0.0,
-    *,
-    ops: dict[int, list[Op]] | None = None,
-) -> Simulation:
-    """Run all ranks' ``schedule_ops`` together (or the given ``ops``, to test broken schedules).
-
-    A rank runs its ops in order. ``fwd_time``/``bwd_time`` are per chunk op, so with vpp > 1 a
-    chunk is 1/vpp of a stage and a step's ideal compute is ``m * vpp * (fwd + bwd)`` per rank.
-    Sends never block; a receive waits until its message was sent plus ``comm_time``. Messages
-    are matched by (kind, microbatch, chunk) here; NCCL's by-order matching is checked against
-    ``message_order`` by the tests. Raises DependencyError if an op runs before what it needs,
-    DeadlockError if ranks remain unfinished and none can move.
-    """
-    _validate(pp, vpp, num_microbatches)
-    if ops is None:
-        ops = {r: schedule_ops(pp, vpp, num_microbatches, r) for r in range(pp)}
-    last = pp * vpp - 1
-    sent_at: dict[tuple[str, int, int], float] = {}
-    clock = {r: 0.0 for r in range(pp)}
-    busy = {r: 0.0 for r in range(pp)}
-    timeline: dict[int, list[tuple[Op, float, float]]] = {r: [] for r in range(pp)}
-    in_flight = {r: 0 for r in range(pp)}  # forwards whose backward has not run: live activations
-    max_in_flight = {r: 0 for r in range(pp)}
-    pc = {r: 0 for r in range(pp)}
-
-    def fail(rank: int, op: Op, missing: str) -> DependencyError:
-        return DependencyError(f"rank {rank} runs {op} before {missing}.")
-
-    def run(rank: int, op: Op, done: set, received: set) -> bool:
-        """Run one op on ``rank``; False if it is a receive whose message was not sent yet."""
-        mb, c = op.microbatch, op.chunk
-        if op.kind in COMPUTE_KINDS and c % pp != rank:
-            raise fail(rank, op, f"noticing chunk {c} lives on rank {c % pp}")
-        if op.kind.startswith(("send", "recv")):
-            msg = message(op)
-            other = msg[2] + 1 if msg[0] == "act" else msg[2] - 1
-            sender, receiver = msg[2] % pp, other % pp
-            if not 0 <= other <= last or (sender, receiver) != (
-                (rank, op.peer) if op.kind.startswith("send") else (op.peer, rank)
-            ):
-                raise fail(rank, op, f"naming the right peer for message {msg}")
-        if op.kind.startswith("recv"):
-            if msg not in sent_at:
-                return False
-            clock[rank] = max(clock[rank], sent_at[msg] + comm_time)
-            received.add(msg)
-        elif op.kind.startswith("send"):
-            needed = ("fwd" if msg[0] == "act" else "bwd", mb, c)
-            if needed not in done:
-                raise fail(rank, op, f"computing {needed}")
-            sent_at[msg] = clock[rank]
-        else:
-            if op.kind == "fwd" and c > 0 and ("act", mb, c - 1) not in received:
-                raise fail(rank, op, f"receiving the activation of chunk {c - 1}")
-            if op.kind == "bwd" and ("fwd", mb, c) not in done:
-                raise fail(rank, op, "its forward")
-            if op.kind == "bwd" and c < last and ("grad", mb, c + 1) not in received:
-                raise fail(rank, op, f"receiving the gradient from chunk {c + 1}")
-            duration = fwd_time if op.kind == "fwd" else bwd_time
-            timeline[rank].append((op, clock[rank], clock[rank] + duration))
-            clock[rank] += duration
-            busy[rank] += duration
-            done.add((op.kind, mb, c))
-            in_flight[rank] += 1 if op.kind == "fwd" else -1
-            max_in_flight[rank] = max(max_in_flight[rank], in_flight[rank])
-        return True
-
-    done = {r: set() for r in range(pp)}
-    received = {r: set() for r in range(pp)}
-    progress = True
-    while progress:
-        progress = False
-        for r in range(pp):
-            while pc[r] < len(ops[r]) and run(r, ops[r][pc[r]], done[r], received[r]):
-                pc[r] += 1
-                progress = True
-    stuck = {r: ops[r][pc[r]] for r in range(pp) if pc[r] < len(ops[r])}
-    if stuck:
-        waits = "; ".join(f"rank {r} waits on {op}" for r, op in stuck.items())
-        raise DeadlockError(f"Pipeline schedule deadlocks: {waits}.")
-    return Simulation(dict(clock), busy, timeline, max_in_flight)
-
-
-def bubble_fraction(sim: Simulation, rank: int) -> float:
-    """Idle time of ``rank`` over its busy time, up to the step's makespan.
-
-    The step ends when the slowest rank finishes (the optimizer waits for all of them), so
-    ``(max finish - busy) / busy``: the quantity Narayanan et al. call the bubble fraction.
-    """
-    makespan = max(sim.finish_time.values())
-    return (makespan - sim.busy_time[rank]) / sim.busy_time[rank]
-
-
-def analytic_bubble(pp: int, vpp: int, num_microbatches: int) -> float:
-    """The paper's bubble fraction ``(pp - 1) / (vpp * m)`` (Narayanan et al. 2021, sec. 2.2)."""
-    _validate(pp, vpp, num_microbatches)
-    return (pp - 1) / (vpp * num_microbatches)

@@ -1,10 +1,13 @@
 """Pipeline timelines as Chrome/Perfetto traces, Gantt charts and measured bubble fractions.
 
 Input is what :class:`megatronish.pipeline.engine.Timeline` records, one list per pipeline rank:
-``{pp_rank: [(name, start_s, end_s), ...]}`` with names like ``"fwd mb3 c1"`` or
-``"recv_act mb0 c2"``. Times may be relative to any origin shared by the ranks (for example raw
-``time.perf_counter()`` values, which are comparable across processes of one machine): every
-output here is re-based so the earliest event of all ranks starts at 0.
+``{pp_rank: [(name, start_s, end_s), ...]}`` with names like ``"fwd mb3 c1"``, ``"bwd mb3 c1"``
+(a whole backward), ``"bwd_input mb3 c1"`` and ``"bwd_weight mb3 c1"`` (the zero-bubble
+schedules' B and W) or ``"recv_act mb0 c2"``; :func:`simulated_timelines` makes the same from a
+:func:`~megatronish.pipeline.simulate.simulate` run. Times may be relative to any origin shared
+by the ranks (for example raw ``time.perf_counter()`` values, which are comparable across
+processes of one machine): every output here is re-based so the earliest event of all ranks
+starts at 0.
 
 Pure Python (matplotlib only inside :func:`gantt_png`), so tests drive it without processes.
 """
@@ -17,6 +20,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from megatronish.pipeline.ops import COMPUTE_KINDS
+from megatronish.pipeline.simulate import Simulation
+
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
 
@@ -24,7 +30,15 @@ Event = tuple[str, float, float]
 Timelines = dict[int, list[Event]]
 
 _OP = re.compile(r"^(?P<kind>[a-z_]+) mb(?P<mb>\d+) c(?P<chunk>\d+)$")
-COMPUTE = ("fwd", "bwd")
+COMPUTE = COMPUTE_KINDS  # fwd, bwd (whole), bwd_input (B), bwd_weight (W)
+BACKWARD = ("bwd", "bwd_input", "bwd_weight")
+# How the chart draws each compute phase: its label letter, colour map and legend words.
+PHASE_STYLE = {
+    "fwd": ("F", "Blues", "forward"),
+    "bwd": ("BW", "Oranges", "backward (B and W at once)"),
+    "bwd_input": ("B", "Purples", "B: input grad"),
+    "bwd_weight": ("W", "Greens", "W: weight grads"),
+}
 
 
 def parse_op(name: str) -> tuple[str, int, int] | None:
@@ -34,7 +48,8 @@ def parse_op(name: str) -> tuple[str, int, int] | None:
 
 
 def phase_of(name: str) -> str:
-    """The category of an op: "fwd", "bwd", "comm" (sends and receives) or "other"."""
+    """The category of an op: its compute kind ("fwd", "bwd", "bwd_input", "bwd_weight"),
+    "comm" (sends and receives) or "other"."""
     parsed = parse_op(name)
     kind = parsed[0] if parsed else name.split(" ", 1)[0]
     if kind in COMPUTE:
@@ -51,12 +66,13 @@ def origin_of(timelines: Timelines) -> float:
 
 
 def phase_time(events: list[Event], *phases: str) -> float:
-    """Seconds a rank spent in ops of the given phases ("fwd", "bwd", "comm", "other")."""
+    """Seconds a rank spent in ops of the given phases (see :func:`phase_of`; a zero-bubble
+    schedule's backward is ``*BACKWARD``)."""
     return sum(end - start for name, start, end in events if phase_of(name) in phases)
 
 
 def busy_time(events: list[Event]) -> float:
-    """Seconds a rank spent computing (forward and backward ops)."""
+    """Seconds a rank spent computing (forward and backward ops, B and W included)."""
     return phase_time(events, *COMPUTE)
 
 
@@ -65,12 +81,15 @@ def measured_bubble(events: list[Event], span: tuple[float, float] | None = None
 
     ``span`` defaults to the rank's own first start to last end; pass the step's ``(start, end)``
     over all ranks to get the paper's definition (the optimizer waits for the slowest rank), which
-    :func:`megatronish.pipeline.schedule.bubble_fraction` uses for simulated schedules. Time in
+    :func:`megatronish.pipeline.simulate.bubble_fraction` uses for simulated schedules. Time in
     sends and receives, including waiting for a peer, counts as bubble.
     """
     busy = busy_time(events)
     if busy <= 0:
-        raise ValueError("measured_bubble needs at least one fwd or bwd event with a duration.")
+        raise ValueError(
+            "measured_bubble needs at least one fwd or bwd (or bwd_input, bwd_weight) event "
+            "with a duration."
+        )
     if span is None:
         span = (min(s for _, s, _ in events), max(e for _, _, e in events))
     return (span[1] - span[0] - busy) / busy
@@ -82,12 +101,29 @@ def step_span(timelines: Timelines) -> tuple[float, float]:
     return origin_of(timelines), max(ends, default=0.0)
 
 
+def simulated_timelines(sim: Simulation, seconds_per_unit: float = 1e-3) -> Timelines:
+    """The compute ops of a :func:`~megatronish.pipeline.simulate.simulate` run as timelines
+    (its time units as ``seconds_per_unit`` each; the simulation's sends take no time)."""
+    return {
+        rank: [
+            (
+                f"{op.kind} mb{op.microbatch} c{op.chunk}",
+                start * seconds_per_unit,
+                end * seconds_per_unit,
+            )
+            for op, start, end in ops
+        ]
+        for rank, ops in sim.timeline.items()
+    }
+
+
 def chrome_trace(timelines: Timelines, process_name: str = "pipeline") -> dict:
     """A Chrome trace (``chrome://tracing``, https://ui.perfetto.dev) of the pipeline ranks.
 
     One complete event (``ph: "X"``, ``ts``/``dur`` in microseconds) per op, on thread ``tid`` =
-    pipeline rank of process 0, named as recorded, with category fwd / bwd / comm and the
-    microbatch and chunk as ``args``; metadata events name the threads "pp rank N".
+    pipeline rank of process 0, named as recorded, with category fwd / bwd / bwd_input /
+    bwd_weight / comm and the microbatch and chunk as ``args``; metadata events name the
+    threads "pp rank N".
     """
     origin = origin_of(timelines)
     events: list[dict] = [
@@ -141,16 +177,32 @@ def write_chrome_trace(path: str | Path, timelines: Timelines) -> Path:
 def _stages(events: list[Event]) -> tuple[float, float] | None:
     """End of warm-up (first backward starts) and start of cool-down (last forward ends)."""
     fwd_ends = [e for n, _, e in events if phase_of(n) == "fwd"]
-    bwd_starts = [s for n, s, _ in events if phase_of(n) == "bwd"]
+    bwd_starts = [s for n, s, _ in events if phase_of(n) in ("bwd", "bwd_input")]
     if not fwd_ends or not bwd_starts:
         return None
     return min(bwd_starts), max(fwd_ends)
 
 
+def op_label(name: str) -> str | None:
+    """The text inside a compute bar: its phase's letter and the microbatch (``F3``, ``BW3`` for
+    a whole backward, ``B3`` and ``W3`` for a zero-bubble schedule's B and W); None for other
+    ops."""
+    parsed = parse_op(name)
+    if parsed is None or parsed[0] not in PHASE_STYLE:
+        return None
+    return f"{PHASE_STYLE[parsed[0]][0]}{parsed[1]}"
+
+
+def phases_in(timelines: Timelines) -> list[str]:
+    """The compute phases the timelines hold, in :data:`COMPUTE` order."""
+    seen = {phase_of(n) for events in timelines.values() for n, _, _ in events}
+    return [p for p in COMPUTE if p in seen]
+
+
 def _draw_ops(
     ax: Axes, y: float, events: list[Event], origin: float, color: Callable, min_label_ms: float
 ) -> None:
-    """One rank's compute bars (labelled F/B + microbatch) and thin communication bars."""
+    """One rank's compute bars (labelled by :func:`op_label`) and thin communication bars."""
     for name, start, end in events:
         x0, width = (start - origin) * 1e3, (end - start) * 1e3
         parsed, phase = parse_op(name), phase_of(name)
@@ -167,19 +219,19 @@ def _draw_ops(
                 edgecolor="white",
                 linewidth=0.5,
             )
-            if parsed and width > min_label_ms:
-                label = f"{'F' if phase == 'fwd' else 'B'}{parsed[1]}"
+            label = op_label(name)
+            if label and width > min_label_ms:
                 ax.text(x0 + width / 2, y, label, ha="center", va="center", fontsize=7)
 
 
-def _draw_stages(ax: Axes, y: float, events: list[Event], origin: float) -> None:
-    """Brackets above a rank's row: warm-up, steady 1F1B, cool-down."""
+def _draw_stages(ax: Axes, y: float, events: list[Event], origin: float, steady: str) -> None:
+    """Brackets above a rank's row: warm-up, the steady state (``steady``), cool-down."""
     stages = _stages(events)
     if stages is None:
         return
     marks = [min(s for _, s, _ in events), *stages, max(e for _, _, e in events)]
     marks = [(m - origin) * 1e3 for m in marks]
-    for a, b, text in zip(marks, marks[1:], ("warm-up", "1F1B", "cool-down")):
+    for a, b, text in zip(marks, marks[1:], ("warm-up", steady, "cool-down")):
         if b > a:
             ax.plot([a, a, b, b], [y + 0.34, y + 0.38, y + 0.38, y + 0.34], color="0.3", lw=0.8)
             ax.text((a + b) / 2, y + 0.40, text, ha="center", va="bottom", fontsize=7)
@@ -188,11 +240,12 @@ def _draw_stages(ax: Axes, y: float, events: list[Event], origin: float) -> None
 def gantt_png(path: str | Path, timelines: Timelines, title: str = "") -> Path:
     """Draw one row per pipeline rank: forward, backward and communication bars over time.
 
-    Forward ops are blue and backward ops orange, a darker shade for each later virtual chunk
-    (chunk // number of ranks), with the microbatch written inside; sends and receives are thin
-    grey bars under the row (a long one is a rank waiting on its peer); white is idle. Brackets
-    above each row mark warm-up, steady 1F1B and cool-down, and the right margin gives the
-    rank's measured bubble over the step span.
+    Forward ops are blue (``F``), whole backward ops orange (``BW``), a zero-bubble schedule's
+    B purple (``B``, the input grad) and W green (``W``, the weight grads), a darker shade for
+    each later virtual chunk (chunk // number of ranks), with the microbatch written inside;
+    sends and receives are thin grey bars under the row (a long one is a rank waiting on its
+    peer); white is idle. Brackets above each row mark warm-up, the steady state and cool-down,
+    and the right margin gives the rank's measured bubble over the step span.
     """
     import matplotlib
 
@@ -208,15 +261,17 @@ def gantt_png(path: str | Path, timelines: Timelines, title: str = "") -> Path:
     total_ms = (span[1] - span[0]) * 1e3
     chunks = [p[2] for ev in timelines.values() for n, _, _ in ev if (p := parse_op(n))]
     vpp = max(chunks, default=0) // pp + 1
-    maps = {"fwd": plt.get_cmap("Blues"), "bwd": plt.get_cmap("Oranges")}
+    maps = {phase: plt.get_cmap(style[1]) for phase, style in PHASE_STYLE.items()}
     shade = lambda v: 0.45 + 0.4 * (v / max(vpp - 1, 1))
     color = lambda phase, chunk: maps[phase](shade(chunk // pp))
+    phases = phases_in(timelines)
+    steady = "1F1B" if "bwd" in phases or not phases else "F, B, W"
 
     fig, ax = plt.subplots(figsize=(14, 1.0 + 1.2 * len(ranks)), dpi=110)
     for row, rank in enumerate(ranks):
         y = len(ranks) - 1 - row  # rank 0 on top
         _draw_ops(ax, y, timelines[rank], origin, color, min_label_ms=total_ms / 120)
-        _draw_stages(ax, y, timelines[rank], origin)
+        _draw_stages(ax, y, timelines[rank], origin, steady)
         if busy_time(timelines[rank]) > 0:
             bubble = measured_bubble(timelines[rank], span)
             ax.text(total_ms * 1.005, y, f"bubble\n{bubble:.1%}", va="center", fontsize=8)
@@ -226,8 +281,8 @@ def gantt_png(path: str | Path, timelines: Timelines, title: str = "") -> Path:
     ax.set_xlabel("time since the step started (ms)")
     ax.set_title(title)
     handles = [
-        Patch(color=maps[k](shade(v)), label=f"{word}, virtual chunk {v}")
-        for k, word in (("fwd", "forward"), ("bwd", "backward"))
+        Patch(color=maps[k](shade(v)), label=f"{PHASE_STYLE[k][2]}, virtual chunk {v}")
+        for k in phases
         for v in range(vpp)
     ]
     handles += [

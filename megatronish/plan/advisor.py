@@ -9,8 +9,8 @@ their step time (:func:`~megatronish.plan.step_time.lower_bound`, which needs no
 once the fastest layouts of ``top + 1`` (tp, cp, pp, ep) combinations that fit are known, a layout
 whose bound is slower than all of them cannot enter the table and is not planned. The table lists
 the fastest layout of each (tp, cp, pp, ep) combination (ep is 1 for a dense model; the others
-differ only in vpp, ZeRO stage, sp, recompute or micro batch); :func:`reason` says in words why a
-row beats the next.
+differ only in vpp, pipeline schedule, ZeRO stage, sp, recompute or micro batch); :func:`reason`
+says in words why a row beats the next.
 """
 
 from __future__ import annotations
@@ -129,7 +129,11 @@ def _term_phrase(term: str, win: Ranked, lose: Ranked, hw: Hardware) -> str:
     """Words for a model term in which ``win`` spends less time than ``lose``."""
     w, lo = win.layout, lose.layout
     if term == "bubble":
-        return "no bubble" if win.time.bubble == 0 else "a smaller bubble"
+        if win.time.bubble == 0:
+            return "no bubble"
+        if w.schedule != lo.schedule and w.pp > 1:
+            return f"a smaller bubble ({w.schedule})"
+        return "a smaller bubble"
     if term == "tp":
         if w.tp == 1:
             return "no tp communication"

@@ -1,9 +1,10 @@
 """Every parallel layout of a job on N ranks that the trainer accepts (pure, no processes).
 
-A candidate varies tp, cp, pp, vpp, sp, ZeRO stage, recompute and micro batch size, and for a
-mixture-of-experts model ep (divisors of dp x cp that divide the experts); dp follows from the
-world size. The model, the global batch, the precision and the bucket size stay as
-configured. Whether a candidate is valid is decided by
+A candidate varies tp, cp, pp, vpp, the pipeline schedule, sp, ZeRO stage, recompute and micro
+batch size, and for a mixture-of-experts model ep (divisors of dp x cp that divide the experts);
+dp follows from the world size; a pipeline runs its vpp's default schedule (1F1B, interleaved
+1F1B) or the zero-bubble one of its vpp (:data:`ZERO_BUBBLE`). The model, the global batch, the
+precision and the bucket size stay as configured. Whether a candidate is valid is decided by
 :func:`megatronish.config.validate.config_errors` itself, on a copy of the config holding the
 candidate's values, so the list holds exactly the layouts ``python -m megatronish.train`` would
 start (the data section aside: the planner reads no data).
@@ -29,6 +30,8 @@ from megatronish.plan.recompute import POLICIES
 MICRO_BATCH_SIZES = (1, 2, 4, 8, 16)
 RECOMPUTE = POLICIES
 ZERO_STAGES = (0, 1, 2, 3)
+# The zero-bubble schedule a pipeline of vpp chunks per stage may also run (pp > 1).
+ZERO_BUBBLE = {1: "zb-h1", 2: "zbv"}
 
 
 def divisors(n: int) -> list[int]:
@@ -53,6 +56,7 @@ def _with_layout(view: SimpleNamespace, layout: Layout) -> SimpleNamespace:
     p.tp, p.pp, p.vpp, p.dp, p.sp = layout.tp, layout.pp, layout.vpp, None, layout.sp
     p.cp, p.ep = layout.cp, layout.ep
     p.zero_stage, p.pipeline_layer_split = layout.zero_stage, None
+    p.pipeline_schedule = layout.pipeline_schedule
     t = SimpleNamespace(**vars(view.trainer))
     t.micro_batch_size, t.recompute = layout.micro_batch_size, layout.recompute
     t.recompute_method, t.recompute_num_layers = layout.recompute_method, 1
@@ -74,11 +78,19 @@ def expert_parallel_sizes(num_experts: int, dp_cp: int) -> list[int]:
     return [e for e in divisors(dp_cp) if num_experts % e == 0] if num_experts else [1]
 
 
+def schedules(pp: int, vpp: int) -> list[str | None]:
+    """The pipeline schedules a candidate of ``pp`` stages and ``vpp`` chunks each may run:
+    its default (None) and the zero-bubble one of its vpp, if any."""
+    if pp == 1 or vpp not in ZERO_BUBBLE:
+        return [None]
+    return [None, ZERO_BUBBLE[vpp]]
+
+
 def _shapes(
     base: Layout, world_size: int, num_layers: int, num_experts: int = 0
 ) -> Iterator[Layout]:
-    """tp, cp, pp, vpp, sp, micro batch and ep combinations (ZeRO 0, no recompute) before
-    validation: tp, cp and pp divide the world, vpp goes up to one layer per chunk."""
+    """tp, cp, pp, vpp, schedule, sp, micro batch and ep combinations (ZeRO 0, no recompute)
+    before validation: tp, cp and pp divide the world, vpp goes up to one layer per chunk."""
     sizes = sorted({*MICRO_BATCH_SIZES, base.micro_batch_size})
     for tp in divisors(world_size):
         for cp in divisors(world_size // tp):
@@ -88,24 +100,26 @@ def _shapes(
                     for mbs in (b for b in sizes if b * dp <= base.global_batch_size):
                         for sp in (False, True) if tp > 1 else (False,):
                             for ep in expert_parallel_sizes(num_experts, dp * cp):
-                                yield base.with_(
-                                    tp=tp,
-                                    cp=cp,
-                                    pp=pp,
-                                    vpp=vpp,
-                                    dp=dp,
-                                    sp=sp,
-                                    micro_batch_size=mbs,
-                                    ep=ep,
-                                )
+                                for schedule in schedules(pp, vpp):
+                                    yield base.with_(
+                                        tp=tp,
+                                        cp=cp,
+                                        pp=pp,
+                                        vpp=vpp,
+                                        dp=dp,
+                                        sp=sp,
+                                        micro_batch_size=mbs,
+                                        ep=ep,
+                                        pipeline_schedule=schedule,
+                                    )
 
 
 def valid_layouts(cfg: TrainConfig, world_size: int, vocab_size: int | None = None) -> list[Layout]:
     """Every layout of ``cfg``'s model and batch on ``world_size`` ranks that passes
     ``config_errors`` (``cfg`` is a composed config; its own parallel values are ignored).
 
-    The rules run once per shape (tp, pp, vpp, sp, micro batch, ep): none of them depends on
-    the ZeRO stage or the recompute policy, which take every value they allow.
+    The rules run once per shape (tp, pp, vpp, schedule, sp, micro batch, ep): none of them
+    depends on the ZeRO stage or the recompute policy, which take every value they allow.
     """
     from megatronish.plan.layout import layout_from_config
 
@@ -137,6 +151,8 @@ def _base_config(cfg: TrainConfig):
     base.parallel.dp = None
     base.parallel.sp = False
     base.parallel.pipeline_layer_split = None
+    if "pipeline_schedule" in base.parallel:
+        base.parallel.pipeline_schedule = None
     return base
 
 

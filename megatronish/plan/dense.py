@@ -151,6 +151,47 @@ def layer_bytes(spec: ModelSpec, layout: Layout, core: bool = True) -> int:
     return norms + attn + mlp + dropout
 
 
+def attention_weight_grad_bytes(spec: ModelSpec, layout: Layout) -> int:
+    """What the weight-gradient work (W of a split backward) of a block's norms and attention
+    keeps from the block's B to its W, per microbatch: each layer's saved tensors (the two norms'
+    own, the qkv and projection inputs; the MLP's are :func:`mlp_weight_grad_bytes`) and the
+    grad of its output (``s_r b h`` per norm,
+    ``s b (a + 2g) d / t`` and ``s b h``)."""
+    x, e = layer_shape(spec, layout), layout.activation_bytes
+    tokens_r, tokens = x.s_r * x.b, x.s * x.b
+    saved = 2 * _norm_bytes(spec, x, e) - tokens * x.h * e + tokens * x.a * x.d * e
+    grads = 2 * tokens_r * x.h * e + tokens * (x.a + 2 * x.g) * x.d * e + tokens * x.h * e
+    return saved + grads
+
+
+def mlp_weight_grad_bytes(spec: ModelSpec, layout: Layout) -> int:
+    """What the dense MLP's W keeps from B: its linears' inputs (``s b h``, ``s b f / t``) and
+    output grads (``s b f / t``, twice that for SwiGLU's gate|up, and ``s b h``): the part a
+    mixture-of-experts block replaces."""
+    x, e = layer_shape(spec, layout), layout.activation_bytes
+    tokens = x.s * x.b
+    width = 2 if spec.is_llama else 1
+    return tokens * (x.h + x.f) * e + tokens * (width * x.f + x.h) * e
+
+
+def head_weight_grad_bytes(spec: ModelSpec, layout: Layout) -> int:
+    """What the head's W keeps from B: the final norm's tensors and output grad; at tp > 1 the
+    vocab-parallel logits' grad (``s b V / t``) beside the projection's input; at tp = 1 the
+    weight's grad, computed in forward and already counted (:func:`head_bytes`)."""
+    x, e = layer_shape(spec, layout), layout.activation_bytes
+    norm = _norm_bytes(spec, x, e) + x.s_r * x.b * x.h * e
+    if x.t == 1:
+        return norm - x.s * x.b * x.h * e  # the projection's input is the grad computed ahead
+    return norm + x.s * x.b * (spec.padded_vocab_size // x.t) * e
+
+
+def embedding_weight_grad_bytes(spec: ModelSpec, layout: Layout) -> int:
+    """What the embedding's W keeps from B: the grad of its output (``s_r b h``; learned
+    positions add theirs)."""
+    x, e = layer_shape(spec, layout), layout.activation_bytes
+    return x.s_r * x.b * x.h * e * (1 if spec.is_llama else 2)
+
+
 def embedding_numel(spec: ModelSpec, layout: Layout) -> int:
     """Elements of a tp rank's shard of the (vocabulary-parallel) word embedding."""
     return spec.padded_vocab_size // layout.tp * spec.hidden_size
@@ -180,16 +221,23 @@ def head_bytes(spec: ModelSpec, layout: Layout) -> int:
 
 
 def loss_workspace(spec: ModelSpec, layout: Layout) -> int:
-    """Temporaries alive while the last chunk computes the loss (logits and their copies)."""
+    """Temporaries alive while the last chunk computes the loss, beside what it keeps.
+
+    At tp > 1 the vocabulary-parallel cross entropy (``tensor_parallel/cross_entropy.py``)
+    shifts the fp32 logits into a new buffer and turns it into the softmax in place: that is the
+    softmax :func:`head_bytes` already counts, not a temporary. Beside it (per element of the
+    rank's ``[s b, V / t]`` logits): the logits in the activation dtype, and one fp32 buffer on
+    the rank holding padding (the copy with the padding masked) or under bf16 (the logits in
+    fp32, which the masked copy replaces); an fp32 rank without padding holds the logits alone.
+    """
     x, e = layer_shape(spec, layout), layout.activation_bytes
     tokens = x.s * x.b
     if x.t == 1:  # one chunk's logits and fp32 log-probabilities (bf16: and the logits in fp32)
         v = spec.padded_vocab_size  # the GEMM runs over the padded rows (linear_cross_entropy)
         chunk = chunk_tokens(tokens, x.h, v)
         return chunk * v * (e + 4) + (chunk * v * 4 if e < 4 else 0)
-    # logits, their copy with padding masked (on the rank holding padding), shifted (then exp)
-    buffers = 3 if spec.padded_vocab_size > spec.vocab_size else 2
-    return buffers * tokens * (spec.padded_vocab_size // x.t) * 4
+    copy = FP32 if spec.padded_vocab_size > spec.vocab_size or e < FP32 else 0
+    return tokens * (spec.padded_vocab_size // x.t) * (e + copy)
 
 
 def backward_workspace(spec: ModelSpec, layout: Layout) -> int:

@@ -11,13 +11,13 @@ plans thousands of one model with one :class:`Planner`, which is fast because
 - ``representative=True`` plans only the first, the second and the last stage. Stages between
   the first and the last hold the same chunks (an even layer split), so the same states and
   communication, and the fewest in-flight microbatches belong to the later ones, so the second
-  stage has the largest peak of them; ``peak_bytes`` and every listed stage equal the full plan's
-  (tests compare them);
+  stage has the largest peak of them (ZB-H1 holds ``r`` W back on stage ``r`` instead: where that
+  outweighs the activations B frees, the last stage, which also holds the head, holds more than
+  any between); ``peak_bytes`` and every listed stage equal the full plan's (tests compare them);
 - each building block is computed once per distinct input (a dict per block, keyed by the layout
   fields it reads), e.g. states once per (tp, pp, vpp, dp, sp, ZeRO stage, stage);
 - the in-flight peak of a pipeline stops changing after ``pp`` microbatches (``2 pp``
-  interleaved: the schedule's warm-up is shorter), so activations are planned with at most that
-  many;
+  interleaved or ZBV), so activations are planned with at most that many;
 - meta chunks are built once per (tp, pp, vpp, sp, layer split, stage) and handed to the
   building blocks that read them (meta chunks hold no memory and are only read).
 """
@@ -46,8 +46,9 @@ class ActivationPlan:
 
 def activation_plan(spec: ModelSpec, layout: Layout, pp_rank: int) -> ActivationPlan:
     """Peak activation memory of a rank of pipeline stage ``pp_rank`` during a step: what each
-    chunk's forward keeps (its blocks under the recompute policy, the embedding, the head) at
-    the schedule's in-flight peak, plus the largest workspace (at the loss, or in a backward)."""
+    chunk's forward keeps (its blocks under the recompute policy, the embedding, the head) and,
+    under a zero-bubble schedule, what each W keeps from its B, at the schedule's in-flight
+    peak, plus the largest workspace (at the loss, or in a backward)."""
     layers = layout.chunk_layers(spec.num_layers)
     n_chunks = len(layers)
     flags = moe.block_flags(spec, layout)
@@ -65,15 +66,23 @@ def activation_plan(spec: ModelSpec, layout: Layout, pp_rank: int) -> Activation
         + head(c)
         for c in range(n_chunks)
     }
+    # What a split backward's W keeps from its B (zero-bubble schedules; others never ask).
+    kept = {
+        c: moe.blocks_weight_grad_bytes(spec, layout, flags[c] or (False,) * layers[c])
+        + (dense.embedding_weight_grad_bytes(spec, layout) if c == 0 else 0)
+        + (dense.head_weight_grad_bytes(spec, layout) if c == n_chunks - 1 else 0)
+        for c in range(n_chunks)
+    }
     mine = layout.stage_chunks(pp_rank)
-    peak = pipeline.rank_peak_in_flight(layout, pp_rank, sizes)
+    rebuilt = {
+        c: recompute.rebuild_workspace(layout, layers[c], flags[c], blocks, group_input)
+        for c in mine
+    }
+    peak = pipeline.rank_peak_in_flight(layout, pp_rank, sizes, kept, rebuilt)
     # The peak is either at the loss (the last chunk's logits on top of everything kept) or in
     # the first layers' backward (the head's tensors freed, a recomputed group rebuilt).
     at_loss = dense.loss_workspace(spec, layout) if n_chunks - 1 in mine else 0
-    in_backward = moe.backward_workspace(spec, layout) + max(
-        recompute.rebuild_workspace(layout, layers[c], flags[c], blocks, group_input) - head(c)
-        for c in mine
-    )
+    in_backward = moe.backward_workspace(spec, layout) + max(rebuilt[c] - head(c) for c in mine)
     in_backward += dense.sp_workspace(spec, layout)
     work = max(at_loss, in_backward, 0) + pipeline.p2p_workspace(spec, layout)
     per_rank_part = sum(sizes[c] for c in mine)
@@ -125,7 +134,7 @@ class Plan:
     tokens_per_step: int
     model_flops_per_step: float  # 6N + 12Lsh per token (N: active weights; flops_per_token)
     hardware_flops_per_step: float  # + the forward work repeated by recompute
-    bubble: float  # (pp - 1) / (vpp m); 0 without a pipeline
+    bubble: float  # the schedule's idle share: (pp - 1) / (vpp m) for 1F1B; 0 without a pipeline
     stages: list[StagePlan] = field(default_factory=list)
     active_parameters: int = 0  # the parameters a token uses (top-k experts); dense: all
 
@@ -209,7 +218,7 @@ class Planner:
         )
         act = self._cached(
             "activations",
-            (shape, layout.micro_batch_size, self._capped(layout), recompute.policy(layout)),
+            (shape, layout.micro_batch_size, pipeline.walk_key(layout), recompute.policy(layout)),
             lambda: self._activations(layout, pp_rank),
         )
         before_dp, after_dp = self._cached(
@@ -246,7 +255,7 @@ class Planner:
             tokens_per_step=tokens,
             model_flops_per_step=self._flops_per_token * tokens,
             hardware_flops_per_step=hardware * tokens,
-            bubble=pipeline.bubble(layout),
+            bubble=pipeline.bubble(spec, layout),
             stages=stages,
             active_parameters=self._active,
         )

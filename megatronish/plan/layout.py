@@ -6,6 +6,7 @@ from dataclasses import dataclass, replace
 from functools import cached_property
 
 from megatronish.config.derived import derive
+from megatronish.config.pipeline_rules import V_SHAPE_SCHEDULES, resolve_pipeline_schedule
 from megatronish.config.schema import TrainConfig
 from megatronish.distributed.parallel_grid import ParallelGrid
 from megatronish.model.build import chunk_ids_of_stage
@@ -36,6 +37,9 @@ class Layout:
     cp: int = 1  # context parallel: each sequence split over cp ranks
     ep: int = 1  # expert parallel: experts split over ep ranks carved out of dp x cp
     device_type: str = "cuda"  # cuda | cpu: SDPA's kernels differ (plan/dense.py)
+    # parallel.pipeline_schedule: None for the default of vpp (1f1b, interleaved), or a
+    # zero-bubble one (zb-h1 with vpp = 1, zbv with vpp = 2)
+    pipeline_schedule: str | None = None
 
     @property
     def world_size(self) -> int:
@@ -85,6 +89,16 @@ class Layout:
         return 2 if self.grad_reduce_dtype == "bf16" else 4
 
     @property
+    def schedule(self) -> str:
+        """The pipeline schedule this layout runs (the default of its vpp when not set)."""
+        return resolve_pipeline_schedule(self.pipeline_schedule, self.vpp)
+
+    @property
+    def v_shape(self) -> bool:
+        """Whether the chunks sit in a V (zbv: the first and the last chunk on stage 0)."""
+        return self.schedule in V_SHAPE_SCHEDULES
+
+    @property
     def sequence_parallel(self) -> bool:
         return self.sp and self.tp > 1
 
@@ -97,7 +111,7 @@ class Layout:
 
     def stage_chunks(self, pp_rank: int) -> list[int]:
         """The global chunks pipeline rank ``pp_rank`` holds (the trainer's rule)."""
-        return chunk_ids_of_stage(pp_rank, self.pp, self.vpp)
+        return chunk_ids_of_stage(pp_rank, self.pp, self.vpp, self.v_shape)
 
     def rank_key(self, num_layers: int, pp_rank: int) -> tuple:
         """The fields that decide what a rank of pipeline stage ``pp_rank`` holds and its
@@ -114,12 +128,15 @@ class Layout:
             self.chunk_layers(num_layers),
             self.layers_per_chunk,
             pp_rank,
+            self.v_shape,
         )
 
     def describe(self) -> str:
         parts = [f"tp={self.tp}"] + ([f"cp={self.cp}"] if self.cp > 1 else []) + [f"pp={self.pp}"]
         if self.vpp > 1:
             parts.append(f"vpp={self.vpp}")
+        if self.schedule != resolve_pipeline_schedule(None, self.vpp):
+            parts.append(f"schedule={self.schedule}")
         parts.append(f"dp={self.dp}")
         if self.ep > 1:
             parts.append(f"ep={self.ep}")
@@ -142,6 +159,9 @@ def layout_from_config(cfg: TrainConfig, world_size: int) -> Layout:
     """The layout a validated config describes on ``world_size`` ranks."""
     p, t = cfg.parallel, cfg.trainer
     d = derive(cfg, world_size)
+    schedule = getattr(p, "pipeline_schedule", None)
+    if schedule == resolve_pipeline_schedule(None, p.vpp):
+        schedule = None  # the default, as a layout without one
     return Layout(
         tp=p.tp,
         cp=p.cp,
@@ -162,6 +182,7 @@ def layout_from_config(cfg: TrainConfig, world_size: int) -> Layout:
         grad_reduce_dtype=p.grad_reduce_dtype,
         ep=getattr(p, "ep", 1),
         device_type="cpu" if t.device == "cpu" else "cuda",  # auto: plan for the GPU
+        pipeline_schedule=schedule,
     )
 
 

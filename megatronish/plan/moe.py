@@ -141,6 +141,35 @@ def blocks_bytes(
     return sum(block_bytes(spec, layout, f, core) for f in flags)
 
 
+def mlp_weight_grad_bytes(spec: ModelSpec, layout: Layout) -> int:
+    """What a mixture-of-experts MLP's W keeps from its B per microbatch: the router's fp32
+    input and logits' grad (``T_r h``, ``T_r E``), every expert linear's input and output grad
+    (``N h`` and ``N f'`` in, SwiGLU's ``2 N f'`` (GELU ``N f'``) and ``N h`` out), and the
+    shared experts' as a dense MLP of ``shared * f`` units."""
+    moe, e, h, t = spec.moe, layout.activation_bytes, spec.hidden_size, layout.tp
+    tokens, rows = routed_tokens(spec, layout), dispatched_rows(spec, layout)
+    own = tokens // t if layout.sequence_parallel else tokens
+    width = 2 if spec.is_llama else 1
+    f = moe.ffn_hidden_size // t
+    router = own * (h + moe.num_experts) * FP32
+    experts = rows * (h + f) * e + rows * (width * f + h) * e
+    shared = 0
+    if moe.shared_experts:
+        f_shared = moe.shared_experts * moe.ffn_hidden_size // t
+        shared = tokens * (h + f_shared) * e + tokens * (width * f_shared + h) * e
+    return router + experts + shared
+
+
+def blocks_weight_grad_bytes(spec: ModelSpec, layout: Layout, flags: tuple[bool, ...]) -> int:
+    """What the W of a run of blocks keeps from their B (``flags``: which are mixtures of
+    experts; :func:`~megatronish.plan.dense.attention_weight_grad_bytes` and the MLP's)."""
+    attention = dense.attention_weight_grad_bytes(spec, layout)
+    mlp = {False: dense.mlp_weight_grad_bytes(spec, layout)}
+    if any(flags):
+        mlp[True] = mlp_weight_grad_bytes(spec, layout)
+    return sum(attention + mlp[f] for f in flags)
+
+
 def mean_block_bytes(spec: ModelSpec, layout: Layout, core: bool = True) -> float:
     """Bytes a block keeps per microbatch: a dense block's, or the mean over the model's."""
     if spec.moe is None:

@@ -60,7 +60,7 @@ def plan_report(
         f"tokens per step: {plan.tokens_per_step:,}",
         f"model FLOPs per step: {plan.model_flops_per_step:.3e} "
         f"(with recompute: {plan.hardware_flops_per_step:.3e})",
-        f"pipeline bubble: {plan.bubble:.1%} of compute",
+        f"pipeline bubble: {plan.bubble:.1%} of compute{_schedule_note(lay)}",
         "",
         "per rank (GiB)  | params | grads | optimizer | states | activations (in flight) | peak",
     ]
@@ -99,6 +99,11 @@ def plan_report(
                 f"  at {mfu:.0%} MFU: {t:.2f} s per step, {plan.tokens_per_step / t:,.0f} tokens/s"
             )
     return "\n".join(lines)
+
+
+def _schedule_note(layout: Layout) -> str:
+    """`` (1f1b schedule)``: the pipeline schedule the bubble is of ("" without a pipeline)."""
+    return f" ({layout.schedule} schedule)" if layout.pp > 1 else ""
 
 
 def vocab_line(spec: ModelSpec, vocab: PlannedVocab | None) -> str:
@@ -234,7 +239,8 @@ LAYOUT_KEYS = ("parallel", "trainer.micro_batch_size", "trainer.recompute", "wor
 
 
 def parallel_values(layout: Layout, ep: bool = False) -> dict[str, object]:
-    """The ``parallel`` keys of ``layout`` (``ep``: also ``ep``, which it has when > 1)."""
+    """The ``parallel`` keys of ``layout`` (``ep``: also ``ep``, which it has when > 1; and
+    ``pipeline_schedule`` when it runs a zero-bubble one, or with ``ep``, null for the default)."""
     out = {
         "tp": layout.tp,
         "cp": layout.cp,
@@ -244,6 +250,8 @@ def parallel_values(layout: Layout, ep: bool = False) -> dict[str, object]:
         "sp": layout.sequence_parallel,
         "zero_stage": layout.zero_stage,
     }
+    if ep or layout.pipeline_schedule is not None:
+        out["pipeline_schedule"] = layout.pipeline_schedule
     return {**out, "ep": layout.ep} if ep or layout.ep > 1 else out
 
 
@@ -301,22 +309,27 @@ def run_overrides(overrides: list[str], layout: Layout, name: str | None) -> lis
             cfg = compose.load_config(candidate)
         except Exception:  # noqa: BLE001 - e.g. an experiment that overrides the group itself
             cfg = None
+        defaults = {"ep": 1, "pipeline_schedule": None}
         if cfg is not None and all(
-            cfg.parallel.get(k, 1) == v for k, v in parallel_values(layout, ep=True).items()
+            cfg.parallel.get(k, defaults.get(k, 1)) == v
+            for k, v in parallel_values(layout, ep=True).items()
         ):
             return candidate
     explicit = [f"parallel.{k}={_yaml(v)}" for k, v in parallel_values(layout).items()]
-    if layout.ep == 1 and _ep_of([*kept, *explicit]) != 1:  # e.g. an experiment's own ep
+    composed = _parallel_of([*kept, *explicit])
+    if layout.ep == 1 and composed.get("ep", 1) != 1:  # e.g. an experiment's own ep
         explicit.append("parallel.ep=1")
+    if layout.pipeline_schedule is None and composed.get("pipeline_schedule") is not None:
+        explicit.append("parallel.pipeline_schedule=null")
     return [*kept, *explicit]
 
 
-def _ep_of(overrides: list[str]) -> int:
-    """``parallel.ep`` of the config ``overrides`` compose (1 when they do not compose)."""
+def _parallel_of(overrides: list[str]) -> dict:
+    """The ``parallel`` keys of the config ``overrides`` compose ({} when they do not)."""
     try:
-        return compose.load_config(overrides).parallel.get("ep", 1)
+        return dict(compose.load_config(overrides).parallel)
     except Exception:  # noqa: BLE001 - the command is still the best we can write
-        return 1
+        return {}
 
 
 def write_parallel_file(path: Path, layout: Layout, overrides: list[str], summary: str) -> str:

@@ -13,8 +13,9 @@ The model (symbols: ``N`` ranks, ``t`` tp, ``p`` pp, ``v`` vpp, ``d`` dp, ``m`` 
   part is reported as ``recompute``). The busiest stage sets the pace; with even layers it is the
   last one, which also computes the head. Mixture-of-experts blocks count their active weights
   (router, top-k and shared experts), as the model FLOPs do.
-- **Bubble.** 1F1B idles ``(p - 1) / (v m)`` of the busiest stage's work
-  (:func:`~megatronish.pipeline.schedule.analytic_bubble`).
+- **Bubble.** The schedule's idle share of the busiest stage's work
+  (:func:`~megatronish.plan.pipeline.bubble`): 1F1B ``(p - 1) / (v m)``, the zero-bubble
+  schedules less (W fills the bubble).
 - **Communication** uses the planner's per-stage volumes (calls, tensor bytes) of each feature
   (:mod:`~megatronish.plan.hardware` times them). A call of ``B`` tensor bytes on a group of
   ``n`` ranks takes ``latency + f * B / bandwidth`` with the ring factors ``f = 2 (n - 1) / n``
@@ -38,7 +39,8 @@ The model (symbols: ``N`` ranks, ``t`` tp, ``p`` pp, ``v`` vpp, ``d`` dp, ``m`` 
   bucket, exposed = ``max(m v buckets, all reductions - all backwards)``. The tied-embedding
   all-reduce is exposed. Pipeline sends and receives are posted ahead and overlap compute in the
   steady state; the first microbatch's forward and the last one's backward cross every one of the
-  ``p v - 1`` chunk boundaries in sequence, so ``2 (p v - 1)`` messages are exposed.
+  ``p v - 1`` chunk boundaries in sequence, so ``2 (p v - 1)`` messages are exposed (ZBV's turn
+  between its legs is local, one boundary fewer).
 - **Shared cores** (CPU runs with more ranks than cores, ``Hardware.shared_cores``; fractional
   when other jobs take part of the machine): ``peak_flops``, the bandwidths and the latency
   are those of a rank with a core of its own, and every rank gets ``cores / N`` of a core for
@@ -180,4 +182,4 @@ def lower_bound(spec: ModelSpec, layout: Layout, hw: Hardware) -> float:
         volumes.append(volume)
         stages.append(_stage_time(spec, layout, r, volume, hw))
     pp = pipeline.exposed_pp_time(layout, volumes, hw)
-    return _combine(layout, pipeline.bubble(layout), stages, pp, hw).total
+    return _combine(layout, pipeline.bubble(spec, layout), stages, pp, hw).total

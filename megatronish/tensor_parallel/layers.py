@@ -2,9 +2,22 @@
 
 With a tp group of one they are plain ``nn.Linear`` / ``nn.Embedding`` computations. Each layer
 takes its group and the sequence-parallel flag explicitly.
+
+Split backward (zero-bubble schedules): each layer hands its weight grads to its
+``weight_grad_store`` (:mod:`megatronish.tensor_parallel.weight_grad`), which computes them at
+once or, while deferring, in the schedule's W; the input grad and every tp collective of the
+backward stay in B. A sequence-parallel column-parallel linear keeps its all-gathered input (the
+one the linear saves for backward today) for W rather than gathering it again there: a gather in
+W would be communication exposed inside the bubble-filling work and one more tp collective whose
+order every tp rank must match, while 1F1B already keeps the gathered input until the backward;
+W only extends its life from B to W (the planner counts it). The row-parallel bias is added
+after the reduction; its grad is W work too. The embedding's whole backward is W (the ids take
+no grad; the reduction's backward, a tp collective, stays in B).
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +31,16 @@ from megatronish.tensor_parallel.mappings import (
     reduce_scatter_to_sp,
 )
 from megatronish.tensor_parallel.sharding import TPShard, mark_param
+from megatronish.tensor_parallel.split_linear import add_bias, linear
+from megatronish.tensor_parallel.weight_grad import (
+    GradPairs,
+    WeightGradStore,
+    grad_of,
+    weight_grads,
+)
+
+if TYPE_CHECKING:
+    from torch.autograd.function import FunctionCtx
 
 
 def _empty(
@@ -65,13 +88,14 @@ class ColumnParallelLinear(nn.Module):
                 init="zeros",
                 weight_decay=False,
             )
+        self.weight_grad_store: WeightGradStore | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
             x = gather_from_sp(x, self.group)
         else:
             x = copy_to_tp(x, self.group)
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.weight_grad_store)
 
 
 class RowParallelLinear(nn.Module):
@@ -109,14 +133,50 @@ class RowParallelLinear(nn.Module):
                 sequence_parallel=sequence_parallel and group.size > 1,
                 weight_decay=False,
             )
+        self.weight_grad_store: WeightGradStore | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = linear(x, self.weight, store=self.weight_grad_store)
         if self.sequence_parallel:
             y = reduce_scatter_to_sp(y, self.group)
         else:
             y = reduce_from_tp(y, self.group)
-        return y if self.bias is None else y + self.bias
+        return y if self.bias is None else add_bias(y, self.bias, self.weight_grad_store)
+
+
+class _Lookup(torch.autograd.Function):
+    """``F.embedding(ids, weight)`` with the rows of ``outside`` ids zeroed; its backward (the
+    weight's grad: the ids take none) goes through the store."""
+
+    @staticmethod
+    def forward(
+        ctx: FunctionCtx,
+        ids: torch.Tensor,
+        weight: torch.Tensor,
+        outside: torch.Tensor | None,
+        store: WeightGradStore | None,
+    ) -> torch.Tensor:
+        out = F.embedding(ids, weight)
+        if outside is not None:
+            out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        ctx.save_for_backward(ids, outside)
+        ctx.weight, ctx.store = weight, store
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(
+        ctx: FunctionCtx, grad: torch.Tensor
+    ) -> tuple[None, torch.Tensor | None, None, None]:
+        ids, outside = ctx.saved_tensors
+        weight = ctx.weight
+
+        def job() -> GradPairs:  # the ops of masked_fill's and embedding's backward
+            g = grad if outside is None else grad.masked_fill(outside.unsqueeze(-1), 0)
+            rows = weight.shape[0]
+            return [(weight, torch.ops.aten.embedding_dense_backward(g, ids, rows, -1, False))]
+
+        return None, grad_of(weight_grads(ctx.store, job), weight), None, None
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -147,15 +207,20 @@ class VocabParallelEmbedding(nn.Module):
             shard=TPShard(dim=0, blocks=(num_embeddings,)),
             std=init_std,
         )
+        self.weight_grad_store: WeightGradStore | None = None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.group.size == 1:
-            out = F.embedding(ids, self.weight)
-        else:
+        local, outside = ids, None
+        if self.group.size > 1:
             local = ids - self.start
             outside = (local < 0) | (local >= self.per_rank)
-            out = F.embedding(local.masked_fill(outside, 0), self.weight)
-            out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+            local = local.masked_fill(outside, 0)
+        if torch.is_grad_enabled() and self.weight.requires_grad:
+            out = _Lookup.apply(local, self.weight, outside, self.weight_grad_store)
+        else:
+            out = F.embedding(local, self.weight)
+            if outside is not None:
+                out = out.masked_fill(outside.unsqueeze(-1), 0.0)
         if self.sequence_parallel:
             return reduce_scatter_to_sp(out, self.group)
         return reduce_from_tp(out, self.group)

@@ -7,7 +7,8 @@ from collections.abc import Callable
 
 from megatronish.pipeline.grouping import Step
 from megatronish.pipeline.nccl_sim import P2P
-from megatronish.pipeline.schedule import Op, message, message_order, schedule_ops
+from megatronish.pipeline.ops import Op, message
+from megatronish.pipeline.schedule import message_order, schedule_ops
 
 Groups = dict[int, list[list[P2P]]]  # pipeline rank -> its groups in posting order
 

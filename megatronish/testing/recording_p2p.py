@@ -15,6 +15,7 @@ from torch import nn
 from megatronish.distributed.comm import CommStats, ParallelGroup
 from megatronish.distributed.parallel_grid import ParallelGrid
 from megatronish.distributed.topology import Topology
+from megatronish.model.build import chunk_ids_of_stage
 from megatronish.pipeline.engine import (
     PipelineShape,
     forward_backward_pipeline,
@@ -22,6 +23,7 @@ from megatronish.pipeline.engine import (
 )
 from megatronish.pipeline.nccl_sim import P2P
 from megatronish.pipeline.p2p import Transfer
+from megatronish.tensor_parallel.weight_grad import WeightGradStore, attach_weight_grad_store
 
 Groups = dict[int, list[list[P2P]]]  # pipeline rank -> the groups it posted, in order
 
@@ -64,11 +66,20 @@ class StubChunk(nn.Module):
 
 
 def stub_chunks(
-    pp: int, vpp: int, rank: int, split: Sequence[int], shape: tuple[int, ...]
+    pp: int,
+    vpp: int,
+    rank: int,
+    split: Sequence[int],
+    shape: tuple[int, ...],
+    v_shape: bool = False,
 ) -> list[nn.Module]:
-    """The stub chunks of pipeline ``rank``; ``split`` gives the layers of every global chunk."""
+    """The stub chunks of pipeline ``rank``; ``split`` gives the layers of every global chunk
+    (``v_shape``: the V placement of the zbv schedule)."""
     last = pp * vpp - 1
-    return [StubChunk(shape, split[c], c == 0, c == last) for c in range(rank, last + 1, pp)]
+    return [
+        StubChunk(shape, split[c], c == 0, c == last)
+        for c in chunk_ids_of_stage(rank, pp, vpp, v_shape)
+    ]
 
 
 def stub_topology(pp: int, rank: int) -> Topology:
@@ -90,25 +101,38 @@ def record_engine(
     chunks_of: Callable[[int], list[nn.Module]],
     shape: PipelineShape,
     forward_only: bool = False,
+    schedule: str | None = None,
 ) -> Groups:
     """Run the engine once per pipeline rank (``chunks_of(rank)``); the groups each posted."""
     groups: Groups = {}
     for rank in range(pp):
         comm = RecordingP2P()
         topo = stub_topology(pp, rank)
+        chunks = chunks_of(rank)
         if forward_only:
             forward_only_pipeline(
-                chunks_of(rank), microbatches, topo=topo, vpp=vpp, shape=shape, comm=comm
+                chunks,
+                microbatches,
+                topo=topo,
+                vpp=vpp,
+                shape=shape,
+                comm=comm,
+                schedule=schedule,
             )
         else:
+            store = WeightGradStore()
+            for chunk in chunks:
+                attach_weight_grad_store(chunk, store)
             forward_backward_pipeline(
-                chunks_of(rank),
+                chunks,
                 microbatches,
                 loss_scale=1.0,
                 topo=topo,
                 vpp=vpp,
                 shape=shape,
                 comm=comm,
+                schedule=schedule,
+                weight_grads=store,
             )
         groups[rank] = comm.groups
     return groups

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from megatronish.config.derived import Derived, derive
+from megatronish.config.pipeline_rules import V_SHAPE_SCHEDULES
 from megatronish.config.schema import TrainConfig
 from megatronish.config.validate import ConfigError, vocab_errors
 from megatronish.context_parallel.attention import CPContext
@@ -109,6 +110,7 @@ def build_model(
         seed=cfg.trainer.seed,
         device=topo.device,
         deferred=ZERO_STAGES[cfg.parallel.zero_stage].shards_params,
+        v_shape=cfg.parallel.pipeline_schedule in V_SHAPE_SCHEDULES,
     )
     t = cfg.trainer
     apply_recompute(chunks, t.recompute, t.recompute_method, t.recompute_num_layers, rng)

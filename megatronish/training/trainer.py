@@ -17,13 +17,19 @@ from megatronish.checkpoint.host_copies import HostCopies, StreamCopies
 from megatronish.checkpoint.parts import CheckpointParts
 from megatronish.checkpoint.save import CheckpointSaver, Saving
 from megatronish.config.derived import Derived
+from megatronish.config.pipeline_rules import (
+    SPLIT_BACKWARD_SCHEDULES,
+    V_SHAPE_SCHEDULES,
+    resolve_pipeline_schedule,
+)
 from megatronish.config.schema import TrainConfig
 from megatronish.context_parallel.split import split_sequence
 from megatronish.data_parallel.zero import ZeroDataParallel
 from megatronish.distributed.comm import all_reduce
 from megatronish.distributed.timers import Timers, device_sync, max_min_over_ranks, timer_metrics
 from megatronish.distributed.topology import Topology
-from megatronish.model.flops import flops_per_token
+from megatronish.model.build import holds_last_chunk
+from megatronish.model.flops import flops_per_token, split_backward_times
 from megatronish.moe import metrics as moe
 from megatronish.optim.lr_schedule import schedule_from_config
 from megatronish.optim.sharded_adamw import ShardedAdamW
@@ -37,6 +43,7 @@ from megatronish.pipeline.no_pipeline import forward_backward_no_pipeline
 from megatronish.pipeline.p2p import BatchedP2P
 from megatronish.spec import ModelSpec
 from megatronish.tensor_parallel.random import RNGTracker
+from megatronish.tensor_parallel.weight_grad import WeightGradStore, attach_weight_grad_store
 from megatronish.training.numerics import (
     StepResult,
     TooManySkippedSteps,
@@ -149,7 +156,17 @@ class Trainer:
             else CheckpointSaver(cfg, self.checkpoint_parts, saving.run_id, saving.special_tokens)
         )
         self.stop = stop
-        self.holds_loss = topo.is_last_stage
+        schedule = resolve_pipeline_schedule(p.pipeline_schedule, p.vpp)
+        self.pipeline_schedule = schedule
+        self.holds_loss = holds_last_chunk(
+            topo.coords.pp, topo.pp, p.vpp, schedule in V_SHAPE_SCHEDULES
+        )
+        # Zero-bubble schedules: the layers' weight grads wait here for the schedule's W.
+        self.weight_grads: WeightGradStore | None = None
+        if topo.pp > 1 and schedule in SPLIT_BACKWARD_SCHEDULES:
+            self.weight_grads = WeightGradStore()
+            for chunk in chunks:
+                attach_weight_grad_store(chunk, self.weight_grads)
         self.prefetcher = BatchPrefetcher(
             lambda first: self._host_microbatches(self.train_data, first),
             cfg.trainer.global_batch_size,
@@ -169,6 +186,8 @@ class Trainer:
         if self.topo.pp == 1:
             return functools.partial(forward_backward_no_pipeline, timers=self.timers)
 
+        op_times = split_backward_times(self.spec)
+
         def run(chunks, microbatches, **kw):
             return forward_backward_pipeline(
                 chunks,
@@ -179,6 +198,9 @@ class Trainer:
                 timeline=self.timeline,
                 timers=self.timers,
                 comm=self.p2p(self.topo.pp_group),
+                schedule=self.pipeline_schedule,
+                weight_grads=self.weight_grads,
+                op_times=op_times,
                 **kw,
             )
 
@@ -336,6 +358,7 @@ class Trainer:
                     shape=self.pipeline_shape(),
                     param_hooks=self.zero,
                     comm=self.p2p(self.topo.pp_group),
+                    schedule=self.pipeline_schedule,
                 )
                 continue
             for inputs, targets in batches:

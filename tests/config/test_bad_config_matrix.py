@@ -59,6 +59,10 @@ CASES = [
         "needs microbatches per step (3) divisible by parallel.pp=2",
     ),
     (["parallel.vpp=2"], "vpp=2 needs parallel.pp > 1"),
+    (
+        ["parallel.pp=2", "parallel.vpp=3", "parallel.pipeline_schedule=zbv", "model.num_layers=6"],
+        "pipeline_schedule=zbv runs two chunks per stage in a V: set parallel.vpp=2, not 3",
+    ),
     (["parallel.zero_stage=4"], "zero_stage=4 must be 0, 1, 2 or 3"),
     (["model.num_layers=0"], "model.num_layers=0 must be >= 1"),
     (["model.hidden_size=-128"], "model.hidden_size=-128 must be >= 1"),

@@ -166,8 +166,10 @@ def test_model_attention_gives_sdpa_the_kv_layout_of_the_cuda_rule(monkeypatch, 
     monkeypatch.undo()  # the CPU rule: SDPA's own grouped-query attention
     heads, ref, ref_grad = _run(attn, x)
     assert heads == [(spec.num_heads, spec.num_kv_heads, spec.num_kv_heads)]
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)  # bf16: the same computation
-    torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-6)
+    # fp32: two kernels summing in their own orders (grads reach 1e3 here, so an element may
+    # differ by 1e-4): equal to round-off of the whole tensor. bf16: the same computation.
+    for got, want in ((out, ref), (grad, ref_grad)):
+        assert ((got - want).float().norm() <= 1e-6 * want.float().norm()).item()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -9,7 +9,8 @@ from megatronish.model.parallel_context import ParallelContext
 from megatronish.pipeline.engine import PipelineShape
 from megatronish.pipeline.grouping import forward_only_steps, training_steps, transfers_around
 from megatronish.pipeline.nccl_sim import P2P, DeadlockError, MismatchError, run_groups
-from megatronish.pipeline.schedule import analytic_bubble, compute_order, message_order
+from megatronish.pipeline.schedule import compute_order, message_order
+from megatronish.pipeline.simulate import analytic_bubble
 from megatronish.spec import ModelSpec
 from megatronish.testing.p2p_sequences import as_p2p, one_op_at_a_time, planned_groups
 from megatronish.testing.recording_p2p import record_engine, stub_chunks

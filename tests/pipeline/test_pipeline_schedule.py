@@ -4,19 +4,9 @@ from collections import Counter
 
 import pytest
 
-from megatronish.pipeline.schedule import (
-    DeadlockError,
-    DependencyError,
-    Op,
-    analytic_bubble,
-    bubble_fraction,
-    compute_order,
-    message,
-    message_order,
-    num_warmup,
-    schedule_ops,
-    simulate,
-)
+from megatronish.pipeline.ops import DeadlockError, DependencyError, Op, message
+from megatronish.pipeline.schedule import compute_order, message_order, num_warmup, schedule_ops
+from megatronish.pipeline.simulate import analytic_bubble, bubble_fraction, simulate
 
 # Plain 1F1B takes any m >= 1, including m < pp and m not a multiple of pp.
 ONE_F_ONE_B = [(pp, 1, m) for pp in range(1, 5) for m in sorted({1, 2, 3, pp, 2 * pp + 1, 4 * pp})]
@@ -229,7 +219,7 @@ def test_single_stage_has_no_messages_and_no_bubble():
         (2, 0, 4, 0, "vpp=0"),
         (2, 1, 0, 0, "num_microbatches=0"),
         (1, 2, 4, 0, "needs pp > 1"),
-        (4, 2, 6, 0, "divisible by pp"),
+        (4, 2, 6, 0, "divisible by parallel.pp=4"),
         (2, 1, 4, 2, "rank=2"),
     ],
 )

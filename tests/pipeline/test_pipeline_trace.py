@@ -3,16 +3,25 @@
 import json
 from collections import Counter
 
+import matplotlib.axes
+import matplotlib.colors
 import pytest
 
 from megatronish.pipeline.grouping import run_order, training_steps
 from megatronish.pipeline.schedule import schedule_ops
+from megatronish.pipeline.simulate import bubble_fraction, simulate
 from megatronish.pipeline.trace import (
+    PHASE_STYLE,
+    busy_time,
     chrome_trace,
     gantt_png,
     measured_bubble,
+    op_label,
     parse_op,
     phase_of,
+    phases_in,
+    simulated_timelines,
+    step_span,
     write_chrome_trace,
 )
 from megatronish.testing.multiproc import run_world
@@ -43,6 +52,16 @@ def test_parse_and_phase_of_op_names():
         "comm",
     ]
     assert phase_of("optimizer step") == "other"
+    assert [phase_of(n) for n in ("bwd_input mb1 c0", "bwd_weight mb0 c3")] == [
+        "bwd_input",
+        "bwd_weight",
+    ]
+    assert [op_label(n) for n in ("fwd mb3 c1", "bwd mb3 c1", "bwd_input mb3 c1")] == [
+        "F3",
+        "BW3",
+        "B3",
+    ]
+    assert op_label("bwd_weight mb12 c0") == "W12" and op_label("send_act mb0 c0") is None
 
 
 def test_chrome_trace_events_are_microseconds_with_one_thread_per_rank():
@@ -84,11 +103,56 @@ def test_gantt_png_writes_a_png(tmp_path):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 5000
 
 
-def _record_step(rank, world):
+class _Drawn:
+    """What the chart draws: bar colours and texts (``Axes.barh`` and ``Axes.text`` recorded)."""
+
+    def __init__(self, monkeypatch):
+        self.colors, self.texts = [], []
+        barh, text = matplotlib.axes.Axes.barh, matplotlib.axes.Axes.text
+
+        def record_barh(ax, y, width, *args, **kwargs):
+            self.colors.append(matplotlib.colors.to_rgba(kwargs["color"]))
+            return barh(ax, y, width, *args, **kwargs)
+
+        def record_text(ax, x, y, s, *args, **kwargs):
+            self.texts.append(s)
+            return text(ax, x, y, s, *args, **kwargs)
+
+        monkeypatch.setattr(matplotlib.axes.Axes, "barh", record_barh)
+        monkeypatch.setattr(matplotlib.axes.Axes, "text", record_text)
+
+
+def test_a_zb_h1_chart_draws_b_and_w_apart_from_f_and_whole_backwards(tmp_path, monkeypatch):
+    sim = simulate(4, 1, 8, 1.0, 2.0, schedule="zb-h1", weight_time=0.8)
+    timelines = simulated_timelines(sim)
+    assert phases_in(timelines) == ["fwd", "bwd_input", "bwd_weight"]
+    assert [n for n, _, _ in timelines[3][:3]] == ["fwd mb0 c3", "bwd_input mb0 c3", "fwd mb1 c3"]
+    span = step_span(timelines)  # the simulation's bubble, from its timelines
+    assert measured_bubble(timelines[0], span) == pytest.approx(bubble_fraction(sim, 0))
+    assert busy_time(timelines[0]) == pytest.approx(sim.busy_time[0] * 1e-3)
+    styles = [PHASE_STYLE[k][:2] for k in ("fwd", "bwd", "bwd_input", "bwd_weight")]
+    assert len({letter for letter, _ in styles}) == len({cmap for _, cmap in styles}) == 4
+    drawn = _Drawn(monkeypatch)
+    assert gantt_png(tmp_path / "zb.png", timelines, "zb-h1").stat().st_size > 5000
+    for mb in range(8):
+        assert {f"F{mb}", f"B{mb}", f"W{mb}"} <= set(drawn.texts)
+    assert not any(t.startswith("BW") for t in drawn.texts)
+    zb_colors = set(drawn.colors)
+
+    drawn = _Drawn(monkeypatch)
+    plain = simulated_timelines(simulate(4, 1, 8, 1.0, 2.0))
+    assert phases_in(plain) == ["fwd", "bwd"]
+    gantt_png(tmp_path / "1f1b.png", plain, "1f1b")
+    assert "BW0" in drawn.texts and "B0" not in drawn.texts and "W0" not in drawn.texts
+    f_colors = {c for c in drawn.colors if c in zb_colors}  # the forwards (and grey p2p)
+    assert len(zb_colors - f_colors) == 2 and len(set(drawn.colors) - f_colors) == 1
+
+
+def _record_step(rank, world, extra=("parallel.vpp=2",)):
     from megatronish.pipeline.engine import Timeline
     from megatronish.testing.runs import build_trainer
 
-    trainer = build_trainer(rank, world, ["parallel.pp=2", "parallel.vpp=2"], steps=1)
+    trainer = build_trainer(rank, world, ["parallel.pp=2", *extra], steps=1)
     trainer.timeline = timeline = Timeline()
     trainer.train_step()
     return [(n, s + timeline.origin, e + timeline.origin) for n, s, e in timeline.events]
@@ -107,3 +171,25 @@ def test_real_pp2_vpp2_step_records_every_schedule_op(tmp_path):
     trace = chrome_trace(timelines)
     assert {e["tid"] for e in trace["traceEvents"] if e["ph"] == "X"} == {0, 1}
     assert gantt_png(tmp_path / "real.png", timelines, "pp=2 vpp=2").stat().st_size > 5000
+
+
+def test_real_zb_h1_step_records_b_and_w_and_draws_them(tmp_path, monkeypatch):
+    extra = ["parallel.vpp=1", "parallel.pipeline_schedule=zb-h1"]
+    timelines = dict(enumerate(run_world(_record_step, 2, extra)))
+    for rank, events in timelines.items():
+        ops = [
+            f"{op.kind} mb{op.microbatch} c{op.chunk}"
+            for op in schedule_ops(2, 1, 4, rank, "zb-h1")
+        ]
+        names = [n for n, _, _ in events]
+        assert Counter(names) == Counter(ops)  # W runs while a group is in flight: its place
+        computes = [n for n in names if phase_of(n) != "comm"]  # among transfers may differ
+        assert computes == [n for n in ops if phase_of(n) != "comm"]
+        assert busy_time(events) > sum(e - s for n, s, e in events if phase_of(n) == "fwd")
+        assert measured_bubble(events, step_span(timelines)) >= 0
+    trace = chrome_trace(timelines)
+    cats = {e["cat"] for e in trace["traceEvents"] if e["ph"] == "X"}
+    assert cats == {"fwd", "bwd_input", "bwd_weight", "comm"}
+    drawn = _Drawn(monkeypatch)
+    assert gantt_png(tmp_path / "zb.png", timelines, "zb-h1").stat().st_size > 5000
+    assert {"F0", "B0", "W0"} <= set(drawn.texts)

@@ -3,7 +3,7 @@
 import pytest
 
 from megatronish.config.compose import load_config
-from megatronish.pipeline.schedule import analytic_bubble
+from megatronish.pipeline.simulate import analytic_bubble
 from megatronish.plan.cli import OptionError, split_options
 from megatronish.plan.cli import main as plan_main
 from megatronish.plan.estimate import make_plan

@@ -216,7 +216,6 @@ def forward_backward_pipeline(
                 forward(op.microbatch, op.chunk)
             else:
                 backward(op.microbatch, op.chunk, deferred=op.kind == "bwd_input")
-    poster.finish()
     return losses
 
 
@@ -270,5 +269,4 @@ def forward_only_pipeline(
             losses.append(out.detach())
         else:
             outputs[(op.microbatch, op.chunk)] = out
-    poster.finish()
     return losses

@@ -68,45 +68,15 @@ def describe(transfers: Sequence[Transfer], group: ParallelGroup) -> str:
 
 class GroupWork:
     """The works of one posted group. It keeps the sent tensors alive until ``wait`` returns,
-    so a sender may release its own reference (an output's data) right after posting.
+    so a sender may release its own reference (an output's data) right after posting."""
 
-    ``receives`` marks which works are receives (one work per transfer, as gloo returns them):
-    :meth:`wait_receives` then waits for those alone and leaves the sends in flight.
-    """
-
-    def __init__(
-        self,
-        works: Sequence,
-        tensors: Sequence[torch.Tensor],
-        receives: Sequence[bool] | None = None,
-    ):
+    def __init__(self, works: Sequence, tensors: Sequence[torch.Tensor]):
         self.works, self.tensors = list(works), list(tensors)
-        self.receives = list(receives) if receives is not None else None
-        if self.receives is not None and len(self.receives) != len(self.works):
-            self.receives = None  # one work for the whole group (coalesced): wait for all
-
-    def wait_receives(self) -> None:
-        """Wait for the group's receives; its sends may still be in flight (all if unknown)."""
-        if self.receives is None:
-            self.wait()
-            return
-        for work, is_recv in zip(self.works, self.receives, strict=True):
-            if is_recv:
-                work.wait()
-        self.works = [w for w, r in zip(self.works, self.receives, strict=True) if not r]
-        self.receives = [False] * len(self.works)
-
-    def release_if_completed(self) -> bool:
-        """If every transfer has completed, wait (which releases them) and say so."""
-        if not all(work.is_completed() for work in self.works):
-            return False
-        self.wait()
-        return True
 
     def wait(self) -> None:
         for work in self.works:
             work.wait()
-        self.works, self.tensors, self.receives = [], [], []
+        self.works, self.tensors = [], []
 
 
 class BatchedP2P:
@@ -136,5 +106,4 @@ class BatchedP2P:
             self.group.record(t.kind, tensor)  # CommStats and the log of posted ops
         with named_failures(self.group, name):
             works = dist.batch_isend_irecv(ops)
-        receives = [t.kind == "recv" for t in transfers]
-        return GroupWork([NamedWork(w, self.group, name) for w in works], tensors, receives)
+        return GroupWork([NamedWork(w, self.group, name) for w in works], tensors)

@@ -7,13 +7,6 @@ kind. Each send and receive keeps its own timeline event (``send_act mb0 c0``): 
 the posting, the receives the wait (a group of one kind shares both), one after the other in
 the group's order, so events never overlap. Profiler ranges are named after the ops
 (``send act mb0 chunk0``).
-
-Before a compute only a group's receives are waited for when the communicator returns one work
-per transfer (:class:`~megatronish.pipeline.p2p.GroupWork` on gloo, where waiting for a send
-blocks the host until the peer has received it); its sends complete in the background and are
-released once done, at the latest by :meth:`GroupPoster.finish` at the end of the step. Where
-the group completes as a unit (NCCL's coalesced group, or a communicator with NCCL's ordering)
-it is waited for whole.
 """
 
 from __future__ import annotations
@@ -26,7 +19,7 @@ import torch
 
 from megatronish.distributed.timers import Timers
 from megatronish.pipeline.ops import Op, message
-from megatronish.pipeline.p2p import GroupWork, P2PCommunicator, P2PWork, Transfer
+from megatronish.pipeline.p2p import P2PCommunicator, P2PWork, Transfer
 
 Record = Callable[[str, float, float], None]  # (event name, start, end) in perf_counter seconds
 
@@ -62,7 +55,6 @@ class GroupPoster:
     ):
         self.comm, self.record = comm, record
         self.region = (timers or Timers.off()).region
-        self.in_flight: list[GroupWork] = []  # waited-for groups whose sends may still run
 
     def post(self, ops: Sequence[Op], tensors: Sequence[torch.Tensor]) -> Posted | None:
         """Post ``ops`` (send_*/recv_* ops) with their data or buffers; None for no ops."""
@@ -91,12 +83,7 @@ class GroupPoster:
         with self.region(
             "pp_recv_wait" if recvs else "pp_send_wait", "{}", _Labels(recvs or sends)
         ):
-            if sends and isinstance(posted.work, GroupWork):
-                posted.work.wait_receives()
-                self.in_flight.append(posted.work)
-            else:
-                posted.work.wait()
-        self.in_flight = [w for w in self.in_flight if not w.release_if_completed()]
+            posted.work.wait()
         if self.record is None:
             return
         end = time.perf_counter()
@@ -111,13 +98,6 @@ class GroupPoster:
             else:
                 _share(self.record, sends, since, end)
         _share(self.record, recvs, recv_start, end)
-
-    def finish(self) -> None:
-        """Wait for every send still in flight (the end of a step)."""
-        with self.region("pp_send_wait", "finish sends"):
-            for work in self.in_flight:
-                work.wait()
-        self.in_flight = []
 
 
 def _share(record: Record, ops: list[Op], start: float, end: float) -> None:

@@ -30,11 +30,12 @@ from megatronish.testing.runs import build_trainer
 
 STEPS = 5
 # fp32 round-off between two implementations. Measured: loss <= 2e-7; norm <= 2e-7 at step 1
-# and <= 1e-5 later; grads <= 4e-7 per tensor at step 1 and <= 3.2e-5 model-wide later (Adam
-# turns round-off of near-zero grads, e.g. gpt2's key bias, into lr-sized differences); weights
+# and <= 1e-5 later; grads <= 4e-7 per tensor at step 1 and <= 3.2e-5 model-wide later on an
+# Intel Xeon, 1.1e-4 on an AMD EPYC with the baseline kernels of `make test-kernels` (Adam turns
+# round-off of near-zero grads, e.g. gpt2's key bias, into lr-sized differences); weights
 # <= 1e-5. A wrong loss scale, decay group, clip or schedule is >= 1e-2. Later-step norm
 # tolerance as in the layout parity tests.
-LOSS_RTOL, GRAD_RTOL, PARAM_RTOL = 1e-5, 1e-4, 1e-4
+LOSS_RTOL, GRAD_RTOL, PARAM_RTOL = 1e-5, 1e-3, 1e-4
 FIRST_NORM_RTOL, NORM_RTOL = 1e-6, 1e-4
 FIRST_STEP_GRAD_RTOL = 1e-5  # every tensor, before any update
 

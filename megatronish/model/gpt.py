@@ -112,8 +112,9 @@ class Embedding(nn.Module):
             rows = slice(start, start + s_local)
             if self.cp.size > 1:  # this cp rank's two chunks of positions
                 rows = self.cp.positions(x.device)[rows]
-            if torch.is_grad_enabled() and self.position.requires_grad:
-                x = _AddPositions.apply(x, self.position, rows, self.weight_grad_store)
+            store = self.weight_grad_store
+            if store is not None and torch.is_grad_enabled() and self.position.requires_grad:
+                x = _AddPositions.apply(x, self.position, rows, store)
             else:
                 x = x + self.position[rows].unsqueeze(1)
         p = self.spec.hidden_dropout

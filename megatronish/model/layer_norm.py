@@ -74,8 +74,9 @@ def layer_norm(
     eps: float,
     store: WeightGradStore | None = None,
 ) -> torch.Tensor:
-    """``F.layer_norm`` over the last dim whose weight and bias grads go through ``store``."""
+    """``F.layer_norm`` over the last dim whose weight and bias grads go through ``store``
+    (None: ``F.layer_norm`` itself)."""
     wanted = x.requires_grad or weight.requires_grad or bias.requires_grad
-    if not (torch.is_grad_enabled() and wanted):
+    if store is None or not (torch.is_grad_enabled() and wanted):
         return torch.nn.functional.layer_norm(x, (x.shape[-1],), weight, bias, eps)
     return _LayerNorm.apply(x, weight, bias, eps, store)

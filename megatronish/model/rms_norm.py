@@ -24,10 +24,12 @@ in fp32 is kept from B to W.
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 
 from megatronish.tensor_parallel.weight_grad import (
     GradPairs,
@@ -59,8 +61,11 @@ def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, store: WeightGradStore | None = None
 ) -> torch.Tensor:
     """``x / rms(x) * weight`` over the last dim, with the kernel :func:`rms_norm_kernel`
-    picks; returned in ``x``'s dtype. ``store``: where the weight's grad goes."""
+    picks; returned in ``x``'s dtype. ``store``: where the weight's grad goes (None: "torch"
+    is ``F.rms_norm`` itself)."""
     if rms_norm_kernel(x.device.type, x.dtype, TORCH_VERSION) == "torch":
+        if store is None:
+            return F.rms_norm(x, (x.shape[-1],), weight, eps=eps)
         return _TorchRMSNorm.apply(x, x, weight, eps, store)
     return low_precision_rms_norm(x, weight, eps, store)
 
@@ -69,9 +74,14 @@ def fused_backward_on(device: torch.device, x_dtype: torch.dtype, w_dtype: torch
     """Whether ``F.rms_norm`` runs ``aten::_fused_rms_norm`` with its fused backward here: torch
     has that backward's kernel for the device (CUDA from 2.9) and weight and input share a
     dtype (else ``F.rms_norm`` falls back to its composite)."""
-    if x_dtype != w_dtype or not hasattr(torch.ops.aten, "_fused_rms_norm_backward"):
+    return x_dtype == w_dtype and _has_fused_backward(device.type)
+
+
+@functools.cache  # asked at every forward; the answer is fixed for a process
+def _has_fused_backward(device_type: str) -> bool:
+    if not hasattr(torch.ops.aten, "_fused_rms_norm_backward"):
         return False
-    key = {"cuda": "CUDA", "cpu": "CPU", "xpu": "XPU"}.get(device.type)
+    key = {"cuda": "CUDA", "cpu": "CPU", "xpu": "XPU"}.get(device_type)
     op = "aten::_fused_rms_norm_backward"
     return key is not None and torch._C._dispatch_has_kernel_for_dispatch_key(op, key)
 

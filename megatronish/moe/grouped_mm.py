@@ -221,6 +221,9 @@ def grouped_linear(
         return ExpertLoop.apply(x, weight, tuple(counts), store)
     if offsets is None:
         offsets = expert_offsets(counts, x.device)
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+    if store is not None and torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return _GroupedMM.apply(x, weight, offsets, store)
-    return torch._grouped_mm(_contiguous_aligned(x), weight.transpose(1, 2), offs=offsets)
+    out = torch._grouped_mm(_contiguous_aligned(x), weight.transpose(1, 2), offs=offsets)
+    if out.requires_grad:  # torch's backward for it; its fp32 kernel rejects an expanded grad
+        out.register_hook(_contiguous_aligned)
+    return out

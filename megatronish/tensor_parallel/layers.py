@@ -215,8 +215,9 @@ class VocabParallelEmbedding(nn.Module):
             local = ids - self.start
             outside = (local < 0) | (local >= self.per_rank)
             local = local.masked_fill(outside, 0)
-        if torch.is_grad_enabled() and self.weight.requires_grad:
-            out = _Lookup.apply(local, self.weight, outside, self.weight_grad_store)
+        store = self.weight_grad_store
+        if store is not None and torch.is_grad_enabled() and self.weight.requires_grad:
+            out = _Lookup.apply(local, self.weight, outside, store)
         else:
             out = F.embedding(local, self.weight)
             if outside is not None:

@@ -95,9 +95,10 @@ def linear(
     bias: torch.Tensor | None = None,
     store: WeightGradStore | None = None,
 ) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` whose weight and bias grads go through ``store``."""
+    """``F.linear(x, weight, bias)`` whose weight and bias grads go through ``store`` (None:
+    ``F.linear`` itself, autograd's own backward)."""
     wanted = x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
-    if not (torch.is_grad_enabled() and wanted):
+    if store is None or not (torch.is_grad_enabled() and wanted):
         return F.linear(x, weight, bias)
     return _Linear.apply(x, weight, bias, store)
 
@@ -125,7 +126,8 @@ class _AddBias(torch.autograd.Function):
 def add_bias(
     y: torch.Tensor, bias: torch.Tensor, store: WeightGradStore | None = None
 ) -> torch.Tensor:
-    """``y + bias`` (broadcast over the leading dims) whose bias grad goes through ``store``."""
-    if not (torch.is_grad_enabled() and (y.requires_grad or bias.requires_grad)):
+    """``y + bias`` (broadcast over the leading dims) whose bias grad goes through ``store``
+    (None: the plain add)."""
+    if store is None or not (torch.is_grad_enabled() and (y.requires_grad or bias.requires_grad)):
         return y + bias
     return _AddBias.apply(y, bias, store)

@@ -5,7 +5,10 @@ respect to the chunk's input (the previous stage waits for it), and W, the gradi
 weights (nobody waits for them), and run W later to fill the pipeline's bubble. Every layer with
 weights computes its input gradient in its own backward and hands the weight gradient to a
 :class:`WeightGradStore` as a *job*: a function that computes it from what the backward saw (the
-layer's saved input and the gradient of its output) and returns ``(param, grad)`` pairs.
+layer's saved input and the gradient of its output) and returns ``(param, grad)`` pairs. A layer
+without a store (``weight_grad_store = None``: every schedule but the zero-bubble ones) runs
+torch's own ops and autograd formulas instead; the split functions are Python autograd nodes,
+tens of microseconds of host time each, that only a split backward needs.
 
 Outside :meth:`WeightGradStore.deferring` a job runs inside the backward and its grads go back to
 autograd as the op's weight grads, exactly as a plain backward would produce them. Inside, the

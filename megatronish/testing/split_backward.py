@@ -1,6 +1,8 @@
 """The split-backward check: B (a backward inside :meth:`WeightGradStore.deferring`) leaves every
 parameter's grad None and gives the plain backward's input grad; W (:meth:`WeightGradStore.run`)
-gives the plain backward's parameter grads, bit for bit, microbatch after microbatch.
+gives the plain backward's parameter grads, bit for bit, microbatch after microbatch. The plain
+backward runs without a store, i.e. autograd's own formulas of ``F.linear``, ``F.rms_norm``,
+``F.embedding``... (a layer without a store takes torch's ops, not its split functions).
 
 A layer that computes a weight grad outside its store shows up by name: its parameter has a grad
 after B.
@@ -39,7 +41,7 @@ def assert_split_backward(module: nn.Module, forwards: list[Forward]) -> None:
     keys run in order; assert B and W against the plain backwards (see the module docstring)."""
     params = dict(module.named_parameters())
     store = WeightGradStore()
-    attach_weight_grad_store(module, store)
+    attach_weight_grad_store(module, None)
     try:
         module.zero_grad(set_to_none=True)
         plain_inputs, plain_grads = [], []
@@ -50,6 +52,7 @@ def assert_split_backward(module: nn.Module, forwards: list[Forward]) -> None:
         assert not missing, f"no grad even in a plain backward: {missing}"
 
         module.zero_grad(set_to_none=True)
+        attach_weight_grad_store(module, store)
         for i, forward in enumerate(forwards):
             with store.deferring(i):
                 input_grad = _backward(forward, i)

@@ -19,7 +19,7 @@ from megatronish.model.recompute import apply_recompute
 from megatronish.spec import ModelSpec
 from megatronish.tensor_parallel.context import TPContext
 from megatronish.tensor_parallel.random import RNGTracker
-from megatronish.tensor_parallel.weight_grad import WeightGradStore
+from megatronish.tensor_parallel.weight_grad import WeightGradStore, attach_weight_grad_store
 from megatronish.testing.multiproc import run_world
 from megatronish.testing.split_backward import assert_split_backward
 
@@ -269,3 +269,48 @@ def test_tp2_sequence_parallel_chunk_backward_splits():
     every rank's B and W match its plain backward."""
     assert all(run_world(_tp_chunk, 2, "whole"))
     assert all(run_world(_tp_chunk, 2, "tail"))
+
+
+def _node_names(out: torch.Tensor) -> set[str]:
+    """The names of every autograd node behind ``out``."""
+    seen, names, todo = set(), set(), [out.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.add(type(node).__name__)
+        todo += [next_fn for next_fn, _ in node.next_functions]
+    return names
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_layers_without_a_store_run_torchs_own_autograd(arch):
+    """The split functions are Python autograd nodes (tens of microseconds each on the host);
+    1F1B, interleaved and unpipelined training attach no store and must not pay for them."""
+    split = {
+        "_LinearBackward",
+        "_AddBiasBackward",
+        "_LookupBackward",
+        "_AddPositionsBackward",
+        "_TorchRMSNormBackward",
+        "_LayerNormBackward",
+    }
+    spec = spec_of(arch)
+    rng = RNGTracker(torch.device("cpu"))
+    chunk = build_chunk(spec, ParallelContext(TPContext(rng=rng)), "whole", "none", rng)
+    (forward,) = chunk_forwards(chunk, spec, rng, microbatches=1)
+    _, loss = forward()
+    assert not _node_names(loss) & split
+    store = WeightGradStore()
+    attach_weight_grad_store(chunk, store)
+    _, loss = forward()
+    present = {"_LinearBackward", "_LookupBackward", "_TorchRMSNormBackward", "_LayerNormBackward"}
+    if arch == "gpt2":
+        present = (present - {"_TorchRMSNormBackward"}) | {
+            "_AddBiasBackward",
+            "_AddPositionsBackward",
+        }
+    else:
+        present -= {"_LayerNormBackward"}
+    assert present <= _node_names(loss)

@@ -427,8 +427,14 @@ MUTANTS = [
         "grouped-mm-strided-grad",
         "grouped matmul's backward given an expanded (stride-0) incoming gradient",
         "megatronish/moe/grouped_mm.py",
-        (("        grad = _contiguous_aligned(grad)", "        pass"),),
-        ("tests/moe/test_moe_experts.py::test_experts_equal_a_per_expert_loop",),
+        (
+            ("        grad = _contiguous_aligned(grad)", "        pass"),  # split backward's
+            ("        out.register_hook(_contiguous_aligned)", "        pass"),  # torch's
+        ),
+        (
+            "tests/moe/test_moe_experts.py::test_experts_equal_a_per_expert_loop",
+            "tests/moe/test_moe_split_backward.py::test_grouped_mm_grads_are_torchs_autograd_bitwise",
+        ),
     ),
     Mutant(
         "head-padding-in-softmax",

@@ -18,6 +18,7 @@ from megatronish.moe.grouped_mm import (
 from megatronish.spec import ModelSpec, MoESpec
 from megatronish.tensor_parallel.context import TPContext
 from megatronish.tensor_parallel.random import RNGTracker
+from megatronish.tensor_parallel.weight_grad import WeightGradStore
 from megatronish.testing.split_backward import assert_split_backward
 
 S, B = 8, 2
@@ -85,17 +86,28 @@ def test_experts_split(grouped, arch):
 
 
 @pytest.mark.skipif(not HAS_GROUPED_MM, reason="torch < 2.9 has no CPU grouped_mm")
-def test_grouped_mm_grads_are_torchs_autograd_bitwise():
-    """Ours runs the two grouped matmuls torch's backward of ``torch._grouped_mm`` runs."""
+@pytest.mark.parametrize("expanded", [False, True], ids=["dense_grad", "expanded_grad"])
+def test_grouped_mm_grads_are_torchs_autograd_bitwise(expanded):
+    """Ours (with a store, not deferring) runs the two grouped matmuls torch's backward of
+    ``torch._grouped_mm`` runs (a layer without a store runs torch's); an expanded output grad
+    (a ``sum``'s) is made contiguous first on both paths."""
     counts = [5, 0, 7, 4]
     x = torch.randn(16, 16, generator=torch.Generator().manual_seed(1))
     w = torch.randn(4, 24, 16, generator=torch.Generator().manual_seed(2))
     dy = torch.randn(16, 24, generator=torch.Generator().manual_seed(3))
     offs = expert_offsets(counts, x.device)
+
+    def backward(out):
+        (out.sum() if expanded else (out * dy).sum()).backward()
+
     xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
-    torch._grouped_mm(xr, wr.transpose(1, 2), offs=offs).backward(dy)
+    reference = grouped_linear(xr, wr, counts, offs, grouped=True)  # no store: torch's autograd
+    assert type(reference.grad_fn).__name__ == "GroupedMmBackward0"
+    backward(reference)
     xo, wo = x.clone().requires_grad_(), w.clone().requires_grad_()
-    grouped_linear(xo, wo, counts, offs, grouped=True).backward(dy)
+    out = grouped_linear(xo, wo, counts, offs, grouped=True, store=WeightGradStore())
+    assert type(out.grad_fn).__name__ == "_GroupedMMBackward"
+    backward(out)
     assert torch.equal(xo.grad, xr.grad) and torch.equal(wo.grad, wr.grad)
 
 

@@ -248,21 +248,27 @@ def training_steps(
     groups (:func:`_joint_steps`); every rank must pass the same numbers (the trainer derives
     them from the model spec, :func:`~megatronish.model.flops.split_backward_times`)."""
     schedule = resolve_pipeline_schedule(schedule, vpp)
+    return list(_training_steps(pp, vpp, num_microbatches, rank, schedule, tuple(op_times)))
+
+
+@functools.cache  # the same for every step of a run; planning them anew cost ~0.2 ms a step
+def _training_steps(
+    pp: int, vpp: int, num_microbatches: int, rank: int, schedule: str, op_times: OpTimes
+) -> tuple[Step, ...]:
     order = compute_order(pp, vpp, num_microbatches, rank, schedule)
     pairs = message_order(pp, vpp, num_microbatches, schedule)
     if v_shape(schedule):
-        plan = _joint_steps(pp, vpp, num_microbatches, schedule, False, tuple(op_times))
-        return list(plan[rank])
+        return _joint_steps(pp, vpp, num_microbatches, schedule, False, op_times)[rank]
     if schedule != "interleaved":  # one segment per forward and per backward (or B)
         computes, weights_before = _split_weights(order)
         segments = [[op] for op in computes]
-        return _steps(pp, vpp, segments, schedule, pairs, rank, weights_before)
+        return tuple(_steps(pp, vpp, segments, schedule, pairs, rank, weights_before))
     warmup = num_warmup(pp, vpp, num_microbatches, rank)
     cooldown_from = len(order) - warmup
     segments = [[op] for op in order[:warmup]]
     segments += [order[i : i + 2] for i in range(warmup, cooldown_from, 2)]
     segments += [[op] for op in order[cooldown_from:]]
-    return _steps(pp, vpp, segments, schedule, pairs, rank)
+    return tuple(_steps(pp, vpp, segments, schedule, pairs, rank))
 
 
 def forward_only_steps(

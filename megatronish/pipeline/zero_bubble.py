@@ -55,49 +55,40 @@ def zbv_order(pp: int, num_microbatches: int, rank: int) -> list[Op]:
     m = num_microbatches
     n = max(2 * pp - 1, m)  # the pattern for enough microbatches; the ones past m are dropped
     first, second = rank, 2 * pp - 1 - rank
-    f0 = f1 = b0 = b1 = 0
+    taken: dict[tuple[str, int], int] = {}  # ops of each (kind, chunk) so far
     order: list[Op] = []
 
-    def add(kind: str, microbatch: int, chunk: int) -> None:
-        order.append(Op(kind, microbatch, chunk))
+    def count(kind: str, chunk: int) -> int:
+        return taken.get((kind, chunk), 0)
+
+    def add(kind: str, chunk: int) -> None:  # the next microbatch of that kind and chunk
+        order.append(Op(kind, count(kind, chunk), chunk))
+        taken[(kind, chunk)] = count(kind, chunk) + 1
+
+    def backward_then_weights(chunk: int) -> None:
+        add("bwd_input", chunk)
+        add("bwd_weight", chunk)
 
     for _ in range(2 * (pp - rank) - 1):
-        add("fwd", f0, first)
-        f0 += 1
+        add("fwd", first)
     for _ in range(rank):
-        add("fwd", f1, second)
-        f1 += 1
-        add("fwd", f0, first)
-        f0 += 1
+        add("fwd", second)
+        add("fwd", first)
     for _ in range(pp - rank):
-        add("fwd", f1, second)
-        f1 += 1
-        add("bwd_input", b1, second)
-        add("bwd_weight", b1, second)
-        b1 += 1
-    while f1 < f0 or f0 < n:
-        if f0 < n:
-            add("fwd", f0, first)
-            f0 += 1
-        add("bwd_input", b0, first)
-        add("bwd_weight", b0, first)
-        b0 += 1
-        add("fwd", f1, second)
-        f1 += 1
-        add("bwd_input", b1, second)
-        add("bwd_weight", b1, second)
-        b1 += 1
-    w0, w1 = b0, b1
-    for _ in range(rank):
-        add("bwd_input", b0, first)
-        b0 += 1
-        add("bwd_input", b1, second)
-        b1 += 1
+        add("fwd", second)
+        backward_then_weights(second)
+    while count("fwd", second) < count("fwd", first) or count("fwd", first) < n:
+        if count("fwd", first) < n:
+            add("fwd", first)
+        backward_then_weights(first)
+        add("fwd", second)
+        backward_then_weights(second)
+    for _ in range(rank):  # cool-down: B alone, their W last
+        add("bwd_input", first)
+        add("bwd_input", second)
     for _ in range(pp - rank):
-        add("bwd_input", b0, first)
-        b0 += 1
-        add("bwd_weight", w0, first)
-        w0 += 1
-    order += [Op("bwd_weight", k, second) for k in range(w1, b1)]
-    order += [Op("bwd_weight", k, first) for k in range(w0, b0)]
+        backward_then_weights(first)
+    for chunk in (second, first):
+        while count("bwd_weight", chunk) < count("bwd_input", chunk):
+            add("bwd_weight", chunk)
     return [op for op in order if op.microbatch < m]

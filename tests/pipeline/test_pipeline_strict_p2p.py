@@ -7,21 +7,19 @@ import pytest
 import torch
 
 from megatronish.distributed.topology import Topology
-from megatronish.model.build import build_chunks
-from megatronish.model.parallel_context import ParallelContext
 from megatronish.pipeline.engine import (
-    PipelineShape,
     forward_backward_pipeline,
     forward_only_pipeline,
 )
 from megatronish.pipeline.grouping import training_steps
 from megatronish.pipeline.nccl_sim import P2P
 from megatronish.pipeline.p2p import BatchedP2P, Transfer
-from megatronish.spec import ModelSpec
 from megatronish.testing.multiproc import WorldError, run_world
 from megatronish.testing.p2p_sequences import one_op_at_a_time, planned_groups
 from megatronish.testing.runs import build_trainer
 from megatronish.testing.strict_p2p import StrictP2P
+from megatronish.testing.tiny_pipeline import SHAPE as ENGINE_SHAPE
+from megatronish.testing.tiny_pipeline import tiny_batches, tiny_chunks
 
 SHAPE = (4, 2, 8)
 TIMEOUT_S = 3.0  # the pipeline group's collective timeout where a test expects a hang
@@ -124,23 +122,8 @@ def test_strict_mode_catches_a_swapped_pair():
 
 def _engine_step(rank, world, vpp, strict, layers=4, m=4):
     topo = Topology.build(tp=1, dp=1, pp=world, rank=rank, timeout_s=30)
-    spec = ModelSpec(
-        arch="llama",
-        num_layers=layers,
-        hidden_size=32,
-        num_heads=4,
-        num_kv_heads=4,
-        ffn_hidden_size=64,
-        seq_length=8,
-        vocab_size=64,
-        padded_vocab_size=128,
-        max_position_embeddings=8,
-    )
-    split = [layers // (world * vpp)] * (world * vpp)
-    chunks = build_chunks(spec, ParallelContext(), split, rank, world, vpp)
-    gen = torch.Generator().manual_seed(0)
-    batches = [(torch.randint(0, 64, (2, 8), generator=gen),) * 2 for _ in range(m)]
-    shape = PipelineShape((8, 2, 32))
+    chunks = tiny_chunks(rank, world, vpp, layers)
+    batches, shape = tiny_batches(m), ENGINE_SHAPE
     comm = (StrictP2P if strict else BatchedP2P)(topo.pp_group)
     losses = forward_backward_pipeline(
         chunks, batches, loss_scale=1 / m, topo=topo, vpp=vpp, shape=shape, comm=comm

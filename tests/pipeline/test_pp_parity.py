@@ -3,16 +3,11 @@
 from collections import Counter
 
 import pytest
-import torch
 
-from megatronish.distributed.topology import Topology
-from megatronish.model.build import build_chunks
-from megatronish.model.parallel_context import ParallelContext
-from megatronish.pipeline.engine import PipelineShape, Timeline, forward_backward_pipeline
-from megatronish.spec import ModelSpec
 from megatronish.testing.compare import assert_parity
 from megatronish.testing.multiproc import run_world
 from megatronish.testing.runs import build_trainer, train_layout
+from megatronish.testing.tiny_pipeline import tiny_pipeline_step
 
 REFERENCE: dict[tuple, list] = {}
 
@@ -55,35 +50,7 @@ def test_pipeline_matches_serial(arch, world, layout, layers):
 
 
 def _one_step(rank, world, vpp):
-    topo = Topology.build(tp=1, dp=1, pp=world, rank=rank)
-    spec = ModelSpec(
-        arch="llama",
-        num_layers=4,
-        hidden_size=32,
-        num_heads=4,
-        num_kv_heads=4,
-        ffn_hidden_size=64,
-        seq_length=8,
-        vocab_size=64,
-        padded_vocab_size=128,
-        max_position_embeddings=8,
-    )
-    chunks = build_chunks(
-        spec, ParallelContext(), [4 // (world * vpp)] * (world * vpp), rank, world, vpp
-    )
-    gen = torch.Generator().manual_seed(0)
-    batches = [(torch.randint(0, 64, (2, 8), generator=gen),) * 2 for _ in range(4)]
-    timeline = Timeline()
-    forward_backward_pipeline(
-        chunks,
-        batches,
-        loss_scale=0.25,
-        topo=topo,
-        vpp=vpp,
-        shape=PipelineShape((8, 2, 32)),
-        timeline=timeline,
-    )
-    return [name for name, _, _ in timeline.events]
+    return [name for name, _, _ in tiny_pipeline_step(rank, world, vpp)]
 
 
 def test_timeline_records_every_op_in_posting_order():

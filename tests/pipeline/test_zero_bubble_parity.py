@@ -6,6 +6,7 @@ import pytest
 from megatronish.testing.compare import assert_parity
 from megatronish.testing.multiproc import run_world
 from megatronish.testing.runs import build_trainer, losses_of, merge_params, train_layout
+from megatronish.testing.tiny_pipeline import tiny_pipeline_step
 
 REFERENCE: dict[tuple, list] = {}
 MOE = ["model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.ffn_hidden_size=32"]
@@ -120,55 +121,6 @@ def test_zero_reduces_a_bucket_when_its_last_w_is_done():
         assert seen and set(seen) == {"W"}, seen
 
 
-def _timeline(rank: int, world: int, schedule: str) -> list[tuple[str, float, float]]:
-    """One step of ``schedule`` on a tiny llama (2 chunks per rank for zbv), its timeline."""
-    import torch
-
-    from megatronish.distributed.topology import Topology
-    from megatronish.model.build import build_chunks
-    from megatronish.model.parallel_context import ParallelContext
-    from megatronish.pipeline.engine import PipelineShape, Timeline, forward_backward_pipeline
-    from megatronish.spec import ModelSpec
-    from megatronish.tensor_parallel.weight_grad import WeightGradStore, attach_weight_grad_store
-
-    vpp = 2 if schedule == "zbv" else 1
-    topo = Topology.build(tp=1, dp=1, pp=world, rank=rank)
-    spec = ModelSpec(
-        arch="llama",
-        num_layers=4,
-        hidden_size=32,
-        num_heads=4,
-        num_kv_heads=4,
-        ffn_hidden_size=64,
-        seq_length=8,
-        vocab_size=64,
-        padded_vocab_size=128,
-        max_position_embeddings=8,
-    )
-    layers = [4 // (world * vpp)] * (world * vpp)
-    v = schedule == "zbv"
-    chunks = build_chunks(spec, ParallelContext(), layers, rank, world, vpp, v_shape=v)
-    store = WeightGradStore()
-    for chunk in chunks:
-        attach_weight_grad_store(chunk, store)
-    gen = torch.Generator().manual_seed(0)
-    batches = [(torch.randint(0, 64, (2, 8), generator=gen),) * 2 for _ in range(4)]
-    timeline = Timeline()
-    forward_backward_pipeline(
-        chunks,
-        batches,
-        loss_scale=0.25,
-        topo=topo,
-        vpp=vpp,
-        shape=PipelineShape((8, 2, 32)),
-        timeline=timeline,
-        schedule=schedule,
-        weight_grads=store,
-    )
-    assert store.pending == []  # every W ran
-    return timeline.events
-
-
 @pytest.mark.parametrize("schedule", ["zb-h1", "zbv"])
 def test_timeline_records_b_and_w_in_order_without_overlap(schedule):
     from collections import Counter
@@ -178,7 +130,7 @@ def test_timeline_records_b_and_w_in_order_without_overlap(schedule):
 
     vpp = 2 if schedule == "zbv" else 1
     name = lambda op: f"{op.kind} mb{op.microbatch} c{op.chunk}"
-    for rank, events in enumerate(run_world(_timeline, 2, schedule)):
+    for rank, events in enumerate(run_world(tiny_pipeline_step, 2, vpp, schedule)):
         events = sorted(events, key=lambda e: e[1])
         ops = run_order(training_steps(2, vpp, 4, rank, schedule))
         assert Counter(n for n, _, _ in events) == Counter(map(name, ops))  # every op, once

@@ -574,8 +574,8 @@ MUTANTS = [
         "megatronish/pipeline/engine.py",
         (
             (
-                'backward(op.microbatch, op.chunk, deferred=op.kind == "bwd_input")',
-                "backward(op.microbatch, op.chunk, deferred=False)",
+                'deferred = op.kind == "bwd_input" and op.chunk > 0',
+                "deferred = False",
             ),
         ),
         (f"{ZB_PARITY}::test_zero_reduces_a_bucket_when_its_last_w_is_done",),

@@ -13,7 +13,11 @@ Zero-bubble schedules split each backward: B (``bwd_input``) runs the chunk's ba
 weight grads deferred into a :class:`~megatronish.tensor_parallel.weight_grad.WeightGradStore`
 under (microbatch, chunk), and W (``bwd_weight``) runs them later, after the step's group is
 posted and before it is waited for. Two neighbouring chunks on one rank (the turn of the V)
-hand the activation and its gradient over in memory.
+hand the activation and its gradient over in memory. The first chunk's input (token ids) takes
+no gradient, so its B feeds no other stage: it runs the chunk's whole backward, with no
+weight-grad store (torch's own autograd, :func:`attach_split_backward`), and its W is empty. Both
+schedules run that W right after its B, so nothing is moved (as torch pipelining, which runs the
+first stage's whole backward in its W).
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ from megatronish.pipeline.no_pipeline import NO_PARAM_HOOKS, ParamHooks
 from megatronish.pipeline.p2p import BatchedP2P, P2PCommunicator
 from megatronish.pipeline.posting import GroupPoster, Posted
 from megatronish.pipeline.schedule import splits_backward, v_shape
-from megatronish.tensor_parallel.weight_grad import WeightGradStore
+from megatronish.tensor_parallel.weight_grad import WeightGradStore, attach_weight_grad_store
 
 
 @dataclass
@@ -61,6 +65,14 @@ class Timeline:
     def add(self, name: str, start: float, end: float) -> None:
         """Record an event whose ``time.perf_counter()`` start and end were taken elsewhere."""
         self.events.append((name, start - self.origin, end - self.origin))
+
+
+def attach_split_backward(chunks: list[nn.Module], store: WeightGradStore | None) -> None:
+    """Give the layers of every chunk but the model's first (whose whole backward runs in its B)
+    ``store`` for a zero-bubble schedule's split backward; None detaches it everywhere."""
+    for chunk in chunks:
+        first = getattr(chunk, "first", False)
+        attach_weight_grad_store(chunk, None if first else store)
 
 
 def _free_data(t: torch.Tensor) -> None:
@@ -144,7 +156,7 @@ def forward_backward_pipeline(
     ``timers`` sums forward, backward and the p2p waits (see :mod:`~.posting`). ``comm`` posts
     the p2p groups (default: :class:`~megatronish.pipeline.p2p.BatchedP2P` on the pipeline
     group). A zero-bubble schedule needs ``weight_grads``, the store the chunks' layers were
-    given (:func:`~megatronish.tensor_parallel.weight_grad.attach_weight_grad_store`);
+    given (:func:`attach_split_backward`);
     ``op_times`` plans its groups (:func:`~megatronish.pipeline.grouping.training_steps`).
     """
     pp, rank, m = topo.pp, topo.coords.pp, len(microbatches)
@@ -197,8 +209,9 @@ def forward_backward_pipeline(
 
     def weight(mb: int, c: int) -> None:
         with span(f"bwd_weight mb{mb} c{c}"):
-            with region("backward", "weight grads mb{} chunk{}", mb, c):
-                weight_grads.run((mb, c))
+            if c > 0:  # the first chunk's B ran its whole backward
+                with region("backward", "weight grads mb{} chunk{}", mb, c):
+                    weight_grads.run((mb, c))
             hooks.after_compute(virtual[c], "bwd")
 
     for step in training_steps(pp, vpp, m, rank, schedule, op_times):
@@ -215,7 +228,8 @@ def forward_backward_pipeline(
             if op.kind == "fwd":
                 forward(op.microbatch, op.chunk)
             else:
-                backward(op.microbatch, op.chunk, deferred=op.kind == "bwd_input")
+                deferred = op.kind == "bwd_input" and op.chunk > 0
+                backward(op.microbatch, op.chunk, deferred=deferred)
     return losses
 
 

@@ -18,12 +18,13 @@ from megatronish.distributed.topology import Topology
 from megatronish.model.build import chunk_ids_of_stage
 from megatronish.pipeline.engine import (
     PipelineShape,
+    attach_split_backward,
     forward_backward_pipeline,
     forward_only_pipeline,
 )
 from megatronish.pipeline.nccl_sim import P2P
 from megatronish.pipeline.p2p import Transfer
-from megatronish.tensor_parallel.weight_grad import WeightGradStore, attach_weight_grad_store
+from megatronish.tensor_parallel.weight_grad import WeightGradStore
 
 Groups = dict[int, list[list[P2P]]]  # pipeline rank -> the groups it posted, in order
 
@@ -121,8 +122,7 @@ def record_engine(
             )
         else:
             store = WeightGradStore()
-            for chunk in chunks:
-                attach_weight_grad_store(chunk, store)
+            attach_split_backward(chunks, store)
             forward_backward_pipeline(
                 chunks,
                 microbatches,

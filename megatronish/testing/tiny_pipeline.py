@@ -10,10 +10,15 @@ from megatronish.config.pipeline_rules import resolve_pipeline_schedule
 from megatronish.distributed.topology import Topology
 from megatronish.model.build import build_chunks
 from megatronish.model.parallel_context import ParallelContext
-from megatronish.pipeline.engine import PipelineShape, Timeline, forward_backward_pipeline
+from megatronish.pipeline.engine import (
+    PipelineShape,
+    Timeline,
+    attach_split_backward,
+    forward_backward_pipeline,
+)
 from megatronish.pipeline.schedule import splits_backward, v_shape
 from megatronish.spec import ModelSpec
-from megatronish.tensor_parallel.weight_grad import WeightGradStore, attach_weight_grad_store
+from megatronish.tensor_parallel.weight_grad import WeightGradStore
 
 SHAPE = PipelineShape((8, 2, 32))  # [seq, micro batch, hidden] of every stage's activation
 
@@ -52,8 +57,7 @@ def tiny_pipeline_step(
     topo = Topology.build(tp=1, dp=1, pp=world, rank=rank)
     chunks = tiny_chunks(rank, world, vpp, v=v_shape(schedule))
     store = WeightGradStore() if splits_backward(schedule) else None
-    for chunk in chunks:
-        attach_weight_grad_store(chunk, store)
+    attach_split_backward(chunks, store)
     batches = tiny_batches()
     timeline = Timeline()
     forward_backward_pipeline(

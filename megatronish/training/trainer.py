@@ -36,6 +36,7 @@ from megatronish.optim.sharded_adamw import ShardedAdamW
 from megatronish.pipeline.engine import (
     PipelineShape,
     Timeline,
+    attach_split_backward,
     forward_backward_pipeline,
     forward_only_pipeline,
 )
@@ -43,7 +44,7 @@ from megatronish.pipeline.no_pipeline import forward_backward_no_pipeline
 from megatronish.pipeline.p2p import BatchedP2P
 from megatronish.spec import ModelSpec
 from megatronish.tensor_parallel.random import RNGTracker
-from megatronish.tensor_parallel.weight_grad import WeightGradStore, attach_weight_grad_store
+from megatronish.tensor_parallel.weight_grad import WeightGradStore
 from megatronish.training.numerics import (
     StepResult,
     TooManySkippedSteps,
@@ -165,8 +166,7 @@ class Trainer:
         self.weight_grads: WeightGradStore | None = None
         if topo.pp > 1 and schedule in SPLIT_BACKWARD_SCHEDULES:
             self.weight_grads = WeightGradStore()
-            for chunk in chunks:
-                attach_weight_grad_store(chunk, self.weight_grads)
+            attach_split_backward(chunks, self.weight_grads)
         self.prefetcher = BatchPrefetcher(
             lambda first: self._host_microbatches(self.train_data, first),
             cfg.trainer.global_batch_size,

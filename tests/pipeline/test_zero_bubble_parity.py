@@ -94,31 +94,33 @@ def test_split_backward_is_bit_identical_to_the_whole_backward(split, plain):
 
 
 def _reductions_during(rank: int, world: int) -> list[str]:
-    """Where each data-parallel reduction of one zb-h1 step started: in a W, or elsewhere."""
+    """The timeline op during which each data-parallel reduction of one zb-h1 step started."""
+    import time
+
+    from megatronish.pipeline.engine import Timeline
+
     trainer = build_trainer(rank, world, [*ZB_H1, "parallel.zero_stage=2"], 1)
-    store, zero = trainer.weight_grads, trainer.zero
-    phase = ["other"]
-    run, launch = store.run, zero.launch_reduction
-
-    def traced_run(key):
-        phase[0] = "W"
-        try:
-            run(key)
-        finally:
-            phase[0] = "other"
-
-    seen = []
-    store.run = traced_run
-    zero.launch_reduction = lambda b: (seen.append(phase[0]), launch(b))[1]
+    zero, starts = trainer.zero, []
+    launch = zero.launch_reduction
+    zero.launch_reduction = lambda b: (starts.append(time.perf_counter()), launch(b))[1]
+    trainer.timeline = timeline = Timeline()
     trainer.train_step()
-    return seen
+    spans = [(name, start, end) for name, start, end in timeline.events]
+    return [
+        next(name for name, start, end in spans if start <= t - timeline.origin <= end)
+        for t in starts
+    ]
 
 
 def test_zero_reduces_a_bucket_when_its_last_w_is_done():
     # ZeRO 2 reduces every bucket once per microbatch: with B deferring the weight grads, the
-    # last grad of a bucket arrives in a W, never in a B.
-    for seen in run_world(_reductions_during, 2):
-        assert seen and set(seen) == {"W"}, seen
+    # last grad of a bucket arrives in a W, never in a B; the first chunk (rank 0 here) runs its
+    # whole backward in its B (its W is empty), so its buckets are reduced there.
+    for rank, seen in enumerate(run_world(_reductions_during, 2)):
+        kinds = {name.split(" ")[0] for name in seen}
+        assert seen and kinds == ({"bwd_input"} if rank == 0 else {"bwd_weight"}), seen
+        if rank == 0:
+            assert all(name.endswith(" c0") for name in seen), seen
 
 
 @pytest.mark.parametrize("schedule", ["zb-h1", "zbv"])

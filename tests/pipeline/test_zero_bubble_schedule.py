@@ -12,6 +12,7 @@ from megatronish.model.build import chunk_ids_of_stage, holds_last_chunk, stage_
 from megatronish.pipeline.engine import PipelineShape
 from megatronish.pipeline.grouping import forward_only_steps, training_steps
 from megatronish.pipeline.nccl_sim import run_groups
+from megatronish.pipeline.ops import Op
 from megatronish.pipeline.schedule import compute_order, message_order
 from megatronish.pipeline.simulate import analytic_bubble, bubble_fraction, simulate
 from megatronish.testing.p2p_sequences import as_p2p, planned_groups
@@ -45,6 +46,16 @@ def test_every_chunk_runs_forward_b_and_w_once_on_its_rank(schedule, pp, m):
             assert all(stage_of_chunk(op.chunk, pp, schedule == "zbv") == rank for op in ops)
             seen.update((op.microbatch, op.chunk) for op in ops if op.kind == kind)
         assert seen == expected
+
+
+@config
+def test_the_first_chunks_w_follows_its_b(schedule, pp, m):
+    """The engine runs the first chunk's whole backward in its B and leaves its W empty (the
+    token ids take no grad): that moves no work only while the W comes right after the B."""
+    ops = compute_order(pp, VPP[schedule], m, 0, schedule)
+    for i, op in enumerate(ops):
+        if op.kind == "bwd_input" and op.chunk == 0:
+            assert ops[i + 1] == Op("bwd_weight", op.microbatch, 0), (i, ops)
 
 
 @config

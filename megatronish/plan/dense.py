@@ -185,13 +185,6 @@ def head_weight_grad_bytes(spec: ModelSpec, layout: Layout) -> int:
     return norm + x.s * x.b * (spec.padded_vocab_size // x.t) * e
 
 
-def embedding_weight_grad_bytes(spec: ModelSpec, layout: Layout) -> int:
-    """What the embedding's W keeps from B: the grad of its output (``s_r b h``; learned
-    positions add theirs)."""
-    x, e = layer_shape(spec, layout), layout.activation_bytes
-    return x.s_r * x.b * x.h * e * (1 if spec.is_llama else 2)
-
-
 def embedding_numel(spec: ModelSpec, layout: Layout) -> int:
     """Elements of a tp rank's shard of the (vocabulary-parallel) word embedding."""
     return spec.padded_vocab_size // layout.tp * spec.hidden_size

@@ -66,11 +66,13 @@ def activation_plan(spec: ModelSpec, layout: Layout, pp_rank: int) -> Activation
         + head(c)
         for c in range(n_chunks)
     }
-    # What a split backward's W keeps from its B (zero-bubble schedules; others never ask).
+    # What a split backward's W keeps from its B (zero-bubble schedules; others never ask). The
+    # first chunk's B runs its whole backward (its input takes no grad): its W keeps nothing.
     kept = {
         c: moe.blocks_weight_grad_bytes(spec, layout, flags[c] or (False,) * layers[c])
-        + (dense.embedding_weight_grad_bytes(spec, layout) if c == 0 else 0)
         + (dense.head_weight_grad_bytes(spec, layout) if c == n_chunks - 1 else 0)
+        if c > 0
+        else 0
         for c in range(n_chunks)
     }
     mine = layout.stage_chunks(pp_rank)

@@ -9,7 +9,8 @@ bubble, and the messages between stages.
   schedule_ops`: a forward adds its chunk's activations, the matching backward frees them)
   gives Megatron's interleaving factor ``1 + (p - 1) / (p v)`` on the first stage for free.
   The zero-bubble schedules split the backward: B frees the chunk's activations but what its W
-  needs (each layer's saved input and its output's grad), which W frees. The peak stops
+  needs (each layer's saved input and its output's grad), which W frees; the first chunk's B
+  is its whole backward (its input takes no grad), so it keeps nothing for W. The peak stops
   changing after ``pp`` microbatches (``2 pp`` with two or more chunks per stage), so the
   planner walks at most that many (:func:`capped_microbatches`).
 - **Bubble** (:func:`bubble`): 1F1B idles ``(p - 1) / (v m)`` of the busiest stage's work

@@ -56,6 +56,14 @@ class ModelSpec:
     bias: bool = False
     tie_embeddings: bool = False
     moe: MoESpec | None = None  # None: every block is dense
+    # Model FLOPs only: the keys a token's attention is counted over (None: seq_length; with
+    # document masks the mean length of a token's document within its window)
+    attended_keys: float | None = None
+
+    @property
+    def attention_span(self) -> float:
+        """Keys per token in the attention FLOPs: ``attended_keys``, else ``seq_length``."""
+        return float(self.seq_length if self.attended_keys is None else self.attended_keys)
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.moe is not None and self.moe.is_moe_layer(layer)

@@ -218,6 +218,7 @@ def _fit_and_save(
         saving=saving,
         stop=stop,
         rng=job.rng,
+        eod_id=None if job.tokenizer is None else job.tokenizer.eod_id,
     )
     load_with_fallback(trainer.checkpoint_parts, plan, log=logger.info)
     log_startup(cfg, job, trainer, logger)

@@ -7,7 +7,7 @@ is restored. The table says which test failed first, or SURVIVED. The exit code 
 mutant survived or no longer applies (its source line changed: update the mutant).
 
 Examples:
-    python tools/mutants.py                 # all 60, about 5 minutes on 2 cores
+    python tools/mutants.py                 # all 67, about 6 minutes on 2 cores
     python tools/mutants.py --only loss-scale rng-restore
     python tools/mutants.py --list
     python tools/mutants.py --check         # edits apply, named tests exist; no test runs (CI)
@@ -46,6 +46,8 @@ GENERATE = "tests/generate/test_generate.py"
 MOE = "tests/moe/test_moe.py"
 SYNCS = "tests/training/test_host_syncs.py"
 ZB_PARITY = "tests/pipeline/test_zero_bubble_parity.py"
+PACKED_MODEL = "tests/model/test_packed_documents.py"
+PACKED_TRAINING = "tests/training/test_packed_documents_training.py"
 MUTANTS = [
     Mutant(
         "tp-all-reduce",
@@ -212,7 +214,7 @@ MUTANTS = [
         "dp-same-samples",
         "every dp rank reads the same samples",
         "megatronish/training/trainer.py",
-        (("start = first_sample + self.topo.coords.dp * per_rank", "start = first_sample"),),
+        (("start = first_sample + topo.coords.dp * per_rank", "start = first_sample"),),
         ("tests/training/test_training.py::test_data_parallel_matches_one_process",),
     ),
     Mutant(
@@ -586,6 +588,89 @@ MUTANTS = [
         "megatronish/data_parallel/grad_hooks.py",
         (('        if not getattr(p, "grad_arrived", True):', "        if False:"),),
         (f"{ZB_PARITY}::test_zero_bubble_matches_one_process[zbv-dp2-zero1]",),
+    ),
+    Mutant(
+        "document-positions-run-on",
+        "reset_position_ids keeps counting across documents",
+        "megatronish/data/documents.py",
+        (
+            (
+                "positions = torch.from_numpy(np.arange(s + 1) - starts)[:, :s]",
+                "positions = torch.from_numpy(np.arange(s + 1) + 0 * starts)[:, :s]",
+            ),
+        ),
+        (f"{PACKED_MODEL}::test_every_document_gets_the_logits_and_losses_it_gets_alone",),
+    ),
+    Mutant(
+        "document-mask-sees-other-documents",
+        "the document mask is only causal: queries see earlier documents",
+        "megatronish/context_parallel/document_attention.py",
+        (
+            (
+                "visible = (query_ids[:, :, None] == key_ids[:, None, :]) & (",
+                "visible = (query_ids[:, :, None] >= key_ids[:, None, :]) & (",
+            ),
+        ),
+        (f"{PACKED_MODEL}::test_every_document_gets_the_logits_and_losses_it_gets_alone",),
+    ),
+    Mutant(
+        "cp-document-keys-local",
+        "under cp a chunk's keys are matched against the query chunk's own documents",
+        "megatronish/context_parallel/document_attention.py",
+        (
+            (
+                "return document_mask(ids[:, j * c : keys], ids[:, :keys], rows, dtype)",
+                "return document_mask(ids[:, j * c : keys], ids[:, :keys].flip(1), rows, dtype)",
+            ),
+        ),
+        (f"{PACKED_MODEL}::test_each_cp_rank_attends_to_exactly_its_documents_keys",),
+    ),
+    Mutant(
+        "segments-batch-unequal-samples",
+        "the CPU path batches neighbouring samples whatever their segments",
+        "megatronish/context_parallel/document_attention.py",
+        (
+            (
+                "while end < len(segments) and segments[end] == segments[row]:",
+                "while end < len(segments):",
+            ),
+        ),
+        (f"{PACKED_MODEL}::test_segments_of_whole_documents_attend_like_each_document_alone",),
+    ),
+    Mutant(
+        "eod-loss-own-tokens",
+        "eod_mask_loss divides each microbatch by the wrong share of the kept tokens",
+        "megatronish/data/documents.py",
+        (
+            (
+                "    return max(kept, 1) / (dp_cp * microbatches)",
+                "    return max(kept, 1) / (dp_cp * microbatches * microbatches)",
+            ),
+        ),
+        (f"{PACKED_TRAINING}::test_eod_mask_loss_is_the_mean_over_the_global_batchs_kept_tokens",),
+    ),
+    Mutant(
+        "eod-loss-count-own-batch",
+        "every rank counts kept tokens of its own samples only",
+        "megatronish/training/trainer.py",
+        (
+            (
+                "            s, end = self.spec.seq_length, first_sample + t.global_batch_size",
+                "            s, end = self.spec.seq_length, start + per_rank",
+            ),
+            (
+                "            whole = [samples[i][1] for i in range(first_sample, end)]",
+                "            whole = [samples[i][1] for i in range(start, end)] * topo.dp",
+            ),
+        ),
+        (f"{PACKED_TRAINING}::test_packed_documents_train_like_one_process[dp2-zero3]",),
+    ),
+    Mutant(
+        "document-flops-window",
+        "MFU counts the window's s^2 attention under document masks",
+        "megatronish/training/trainer.py",
+        (("        spec = replace(self.spec, attended_keys=span)", "        spec = self.spec"),),
+        (f"{PACKED_TRAINING}::test_step_flops_count_each_documents_squared_length",),
     ),
 ]
 

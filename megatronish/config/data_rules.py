@@ -117,4 +117,10 @@ def data_errors(cfg: TrainConfig, present: bool = True) -> list[str]:
         errors += _stdlib_errors(d)
     if not 0.0 < d.valid_fraction < 1.0:
         errors.append(f"data.valid_fraction={d.valid_fraction} must be in (0, 1)")
+    boundary = str(d.document_boundaries).strip()
+    if boundary != "eod" and not boundary.isdigit():
+        errors.append(
+            f"data.document_boundaries={d.document_boundaries!r}: expected eod (the "
+            "tokenizer's end-of-document id) or a token id >= 0"
+        )
     return errors

@@ -89,6 +89,13 @@ class DataConfig:
     vocab_size: int = 4096
     max_corpus_mb: float = 8.0  # text of the stdlib corpus at most
     valid_fraction: float = 0.02  # of the documents, held out for validation
+    # Packed documents (Megatron-LM's semantics, docs/data.md); off: attention and positions
+    # run across the documents of a window, as before.
+    reset_attention_mask: bool = False  # tokens attend only to their own document
+    reset_position_ids: bool = False  # positions (RoPE, learned) restart at each document
+    eod_mask_loss: bool = False  # no loss where the input is a document's last token (EOD)
+    # what ends a document: eod (the tokenizer's end-of-document id) or a token id
+    document_boundaries: str = "eod"
 
 
 @dataclass

@@ -22,6 +22,8 @@ from megatronish.context_parallel.attention import (
     gather_sequence,
 )
 from megatronish.context_parallel.attention_kernel import sdpa
+from megatronish.context_parallel.document_attention import document_attention
+from megatronish.context_parallel.documents import Documents
 from megatronish.model.layer_norm import layer_norm
 from megatronish.model.parallel_context import ParallelContext
 from megatronish.model.rms_norm import rms_norm
@@ -153,16 +155,32 @@ class Attention(nn.Module):
         )
         self.core_runner = None  # selective recompute wraps the attention core
 
-    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def core(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        documents: Documents | None = None,
+    ) -> torch.Tensor:
         """Causal softmax(q k^T / sqrt(d)) v with attention dropout, ``[b, heads, s, d]``; K and
-        V keep their grouped heads unless the kernel needs them expanded (attention_kernel)."""
+        V keep their grouped heads unless the kernel needs them expanded (attention_kernel).
+        With ``documents`` whose ``ids`` are set, queries see only their own document."""
         p = self.spec.attention_dropout if self.training else 0.0
         if p > 0 and self.tp.rng is not None and self.tp.size > 1:
             with self.tp.rng.fork("tp"):  # each rank drops its own heads' probabilities
-                return self._attend(q, k, v, p)
-        return self._attend(q, k, v, p)
+                return self._attend(q, k, v, p, documents)
+        return self._attend(q, k, v, p, documents)
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float) -> torch.Tensor:
+    def _attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        p: float,
+        documents: Documents | None,
+    ) -> torch.Tensor:
+        if documents is not None and documents.ids is not None:
+            return document_attention(q, k, v, documents, self.cp, p)
         if self.cp.size > 1:  # local queries, the whole sequence's keys and values
             return cp_causal_attention(q, k, v, self.cp, p)
         return sdpa(q, k, v, "causal", dropout_p=p, is_causal=True)
@@ -182,7 +200,10 @@ class Attention(nn.Module):
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor] | None,
         cache: KVCache | None = None,
+        documents: Documents | None = None,
     ) -> torch.Tensor:
+        """``rope``: cos and signed sin tables, ``[s, 1, 1, d]`` or, with per-document
+        positions, ``[s, b, 1, d]``."""
         d, heads = self.spec.head_dim, self.q_heads + self.kv_heads
         qkv = self.qkv(x)
         s, b = qkv.shape[:2]
@@ -199,9 +220,9 @@ class Attention(nn.Module):
         if cache is not None:  # decoding: these queries see every token the cache holds
             out = self._attend_cached(q, *cache.extend(k, v))
         elif self.core_runner is not None:
-            out = self.core_runner(self.core, q, k, v)
+            out = self.core_runner(self.core, q, k, v, documents)
         else:
-            out = self.core(q, k, v)
+            out = self.core(q, k, v, documents)
         out = out.permute(2, 0, 1, 3).reshape(s, b, self.q_heads * d)
         return self.proj(out)
 
@@ -280,7 +301,9 @@ class TransformerBlock(nn.Module):
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor] | None = None,
         cache: KVCache | None = None,
+        documents: Documents | None = None,
     ) -> torch.Tensor:
         p, split = self.spec.hidden_dropout, self.tp.sequence_parallel
-        x = x + self.tp.dropout(self.attn(self.attn_norm(x), rope, cache), p, self.training, split)
+        attn = self.attn(self.attn_norm(x), rope, cache, documents)
+        x = x + self.tp.dropout(attn, p, self.training, split)
         return x + self.tp.dropout(self.mlp(self.mlp_norm(x)), p, self.training, split)

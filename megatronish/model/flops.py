@@ -7,7 +7,10 @@ Model FLOPs per token (the PaLM / Chinchilla convention, used by Megatron and to
 ``N`` counts the weights of every matmul (attention, MLP and output head; not the embedding
 lookup, positions or norms), the factor 6 is forward (2) plus backward (4), and ``12 L s h`` is
 the attention score and value products (causal masking is not discounted). Recompute is not
-counted (model FLOPs, not hardware FLOPs).
+counted (model FLOPs, not hardware FLOPs). With document masks (packed documents) a token
+attends within its document only: ``s`` becomes ``ModelSpec.attention_span``, the mean over
+tokens of their document's length in the window (``sum l^2 / s`` per window, the documents'
+``l^2`` in place of the window's ``s^2``).
 
 Mixture of experts: ``N`` counts the *active* weights a token meets, so a mixture-of-experts
 block contributes its router (``E h``), ``top_k`` of its experts and its shared experts;
@@ -62,7 +65,9 @@ def _layer_matmul_dense(spec: ModelSpec) -> int:
 
 def flops_per_token(spec: ModelSpec) -> float:
     """Model FLOPs per trained token (see module docstring)."""
-    return 6.0 * matmul_params(spec) + 12.0 * spec.num_layers * spec.seq_length * spec.hidden_size
+    return (
+        6.0 * matmul_params(spec) + 12.0 * spec.num_layers * spec.attention_span * spec.hidden_size
+    )
 
 
 def split_backward_times(spec: ModelSpec) -> tuple[float, float, float]:
@@ -70,7 +75,7 @@ def split_backward_times(spec: ModelSpec) -> tuple[float, float, float]:
     backward (W) per token: ``2N + 4Lsh``, ``2N + 8Lsh`` and ``2N`` (the attention core has no
     weights: its whole backward is B)."""
     matmul = 2.0 * matmul_params(spec)
-    attention = 4.0 * spec.num_layers * spec.seq_length * spec.hidden_size
+    attention = 4.0 * spec.num_layers * spec.attention_span * spec.hidden_size
     return matmul + attention, matmul + 2 * attention, matmul
 
 

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from megatronish.context_parallel.attention import CPContext
+from megatronish.context_parallel.documents import Documents
 from megatronish.model.blocks import KVCache, Norm, TransformerBlock, rope_tables
 from megatronish.model.linear_cross_entropy import linear_cross_entropy
 from megatronish.model.parallel_context import ParallelContext
@@ -37,8 +38,9 @@ if TYPE_CHECKING:
 
 class _AddPositions(torch.autograd.Function):
     """``x + table[rows].unsqueeze(1)``: the rows of a learned position table added to
-    ``[s, b, h]`` activations; the table's grad (the ops of the add's, the unsqueeze's and the
-    index's or slice's backward) goes through the store."""
+    ``[s, b, h]`` activations (``rows`` ``[s, b]``: ``x + table[rows]``, each sample its own
+    positions); the table's grad (the ops of the add's, the unsqueeze's and the index's or
+    slice's backward) goes through the store."""
 
     @staticmethod
     def forward(
@@ -49,7 +51,7 @@ class _AddPositions(torch.autograd.Function):
         store: WeightGradStore | None,
     ) -> torch.Tensor:
         ctx.table, ctx.rows, ctx.store = table, rows, store
-        return x + table[rows].unsqueeze(1)
+        return x + _position_rows(table, rows)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -61,7 +63,8 @@ class _AddPositions(torch.autograd.Function):
             return grad, None, None, None
 
         def job() -> GradPairs:
-            g = grad.sum_to_size(grad.shape[0], 1, grad.shape[2]).squeeze(1)
+            per_sample = isinstance(rows, torch.Tensor) and rows.dim() == 2
+            g = grad if per_sample else grad.sum_to_size(grad.shape[0], 1, grad.shape[2])[:, 0]
             full = g.new_zeros(table.shape)
             if isinstance(rows, slice):
                 full[rows] = g
@@ -70,6 +73,13 @@ class _AddPositions(torch.autograd.Function):
             return [(table, full)]
 
         return grad, grad_of(weight_grads(ctx.store, job), table), None, None
+
+
+def _position_rows(table: torch.Tensor, rows: torch.Tensor | slice) -> torch.Tensor:
+    """The rows of a position table to add to ``[s, b, h]`` activations: ``[s, 1, h]`` for
+    positions shared by the batch, ``[s, b, h]`` for per-sample ones (``rows`` ``[s, b]``)."""
+    picked = table[rows]
+    return picked if picked.dim() == 3 else picked.unsqueeze(1)
 
 
 class Embedding(nn.Module):
@@ -103,20 +113,25 @@ class Embedding(nn.Module):
             )
         self.weight_grad_store: WeightGradStore | None = None
 
-    def forward(self, ids: torch.Tensor, offset: int = 0) -> torch.Tensor:
-        """``offset``: the position of the first token (decoding after cached tokens)."""
+    def forward(
+        self, ids: torch.Tensor, offset: int = 0, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``offset``: the position of the first token (decoding after cached tokens);
+        ``positions``: ``[b, s]`` each token's own position (positions reset per document)."""
         x = self.word(ids.t())  # [b, s] -> [s, b, h]
         if self.position is not None:
             s_local = x.shape[0]
             start = self.tp.group.rank * s_local if self.tp.sequence_parallel else offset
             rows = slice(start, start + s_local)
-            if self.cp.size > 1:  # this cp rank's two chunks of positions
+            if positions is not None:  # this cp rank's tokens' own positions, [s, b]
+                rows = positions.t()[rows] if self.tp.sequence_parallel else positions.t()
+            elif self.cp.size > 1:  # this cp rank's two chunks of positions
                 rows = self.cp.positions(x.device)[rows]
             store = self.weight_grad_store
             if store is not None and torch.is_grad_enabled() and self.position.requires_grad:
                 x = _AddPositions.apply(x, self.position, rows, store)
             else:
-                x = x + self.position[rows].unsqueeze(1)
+                x = x + _position_rows(self.position, rows)
         p = self.spec.hidden_dropout
         return self.tp.dropout(x, p, self.training, self.tp.sequence_parallel)
 
@@ -170,8 +185,16 @@ class Head(nn.Module):
             x = copy_to_tp(x, self.tp.group)
         return linear(x, self.output_weight, store=self.weight_grad_store)
 
-    def forward(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean next-token loss over the microbatch; ``targets`` is ``[b, s]``."""
+    def forward(
+        self, x: torch.Tensor, targets: torch.Tensor, documents: Documents | None = None
+    ) -> torch.Tensor:
+        """Mean next-token loss over the microbatch; ``targets`` is ``[b, s]``. With
+        ``documents`` holding loss weights: the weighted sum over the tokens divided by its
+        ``loss_divisor`` (None: the token count), tokens whose target starts the next
+        document weighing 0."""
+        weights, divisor = None, None
+        if documents is not None and documents.loss_weights is not None:
+            weights, divisor = documents.loss_weights.t(), documents.loss_divisor
         if self.tp.size == 1:  # the whole vocabulary here: no [tokens, V] logits at all
             x = self.norm(x).reshape(-1, self.spec.hidden_size)
             target = targets.t().reshape(-1)
@@ -183,12 +206,16 @@ class Head(nn.Module):
                 self.spec.vocab_size,
                 weight_shared=shared,
                 store=self.weight_grad_store,
+                token_weights=None if weights is None else weights.reshape(-1),
+                divisor=divisor,
             )
         logits = self.logits(x)
         losses = vocab_parallel_cross_entropy(
             logits, targets.t(), self.tp.group, self.spec.vocab_size
         )
-        return losses.mean()
+        if weights is None:
+            return losses.mean()
+        return (losses * weights).sum() / (losses.numel() if divisor is None else divisor)
 
 
 class GPTChunk(nn.Module):
@@ -222,9 +249,23 @@ class GPTChunk(nn.Module):
         self.recompute_rng = None
         self._rope = None
 
-    def rope(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def rope(
+        self, device: torch.device, documents: Documents | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """cos and signed sin tables of this cp rank's positions, ``[s, 1, 1, d]``; with
+        per-document positions ``[s, b, 1, d]``, built once per microbatch."""
         if not self.spec.is_llama:
             return None
+        if documents is not None and documents.positions is not None:
+            spec = self.spec
+
+            def per_token() -> tuple[torch.Tensor, torch.Tensor]:
+                tables = rope_tables(spec.seq_length, spec.head_dim, spec.rope_theta, device)
+                rows = documents.positions.t()  # [s, b]
+                return tuple(t[:, 0, 0][rows].unsqueeze(2) for t in tables)
+
+            key = ("rope", self.spec.head_dim, self.spec.rope_theta, str(device))
+            return documents.derived(key, per_token)
         if self._rope is None or self._rope[0].device != device:
             cos, sin = rope_tables(
                 self.spec.seq_length, self.spec.head_dim, self.spec.rope_theta, device
@@ -235,21 +276,29 @@ class GPTChunk(nn.Module):
             self._rope = (cos, sin)
         return self._rope
 
-    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        documents: Documents | None = None,
+    ) -> torch.Tensor:
+        """``documents``: the microbatch's packed-document layout (None: one causal sequence,
+        positions from 0)."""
+        positions = None if documents is None else documents.positions
         if self.first:
-            x = self.embedding(x)
-        rope = self.rope(x.device)
+            x = self.embedding(x, positions=positions)
+        rope = self.rope(x.device, documents)
         blocks = list(self.layers.values())
         for start, end, recompute in self.segments:
 
             def run(h: torch.Tensor, group: list[nn.Module] = blocks[start:end]) -> torch.Tensor:
                 for block in group:
-                    h = block(h, rope)
+                    h = block(h, rope, documents=documents)
                 return h
 
             x = checkpointed(run, x, rng=self.recompute_rng) if recompute else run(x)
         if self.last and targets is not None:
-            return self.head(x, targets)
+            return self.head(x, targets, documents)
         return x
 
     def decode(self, ids: torch.Tensor, cache: list[KVCache]) -> torch.Tensor:

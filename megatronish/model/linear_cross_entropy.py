@@ -110,6 +110,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         vocab_size: int,
         weight_shared: bool,
         store: WeightGradStore | None,
+        token_weights: torch.Tensor | None,
+        divisor: float | None,
     ) -> torch.Tensor:
         n, dtype = x.shape[0], _compute_dtype(x)
         step = chunk_tokens(n, x.shape[1], weight.shape[0])
@@ -123,9 +125,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 xc = x[start : start + step].to(dtype)
                 idx = target[start : start + step].unsqueeze(-1)
                 log_probs = _log_probs(xc @ w.t(), vocab_size)
-                total -= log_probs.gather(-1, idx).sum()
+                wc = None if token_weights is None else token_weights[start : start + step, None]
+                total -= _picked_sum(log_probs, idx, wc)
                 grad = log_probs.exp_()  # d(sum of chunk losses)/d(logits) = softmax - one_hot
                 grad.scatter_add_(-1, idx, grad.new_full(idx.shape, -1.0))
+                if wc is not None:
+                    grad.mul_(wc)
                 grad = grad.to(dtype)
                 if same:  # straight into the output
                     torch.mm(grad, w, out=grad_x[start : start + step])
@@ -135,15 +140,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if grad_w is None:  # no tokens
                 grad_w = torch.zeros_like(weight, dtype=torch.float32)
         ctx.save_for_backward(grad_x, grad_w)
-        ctx.tokens = n
+        ctx.tokens = n if divisor is None else divisor
         ctx.weight, ctx.weight_shared, ctx.store = weight, weight_shared, store
-        return total / n
+        return total / ctx.tokens
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(
-        ctx: FunctionCtx, grad_loss: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor | None, None, None, None, None]:
+    def backward(ctx: FunctionCtx, grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         grad_x, grad_w = ctx.saved_tensors
         weight, shared = ctx.weight, ctx.weight_shared
         scale = grad_loss.float() / ctx.tokens  # e.g. 1/3 for 3 microbatches: not in bf16
@@ -151,14 +154,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
             grad_x.mul_(scale)
         else:  # the 16-bit product scaled in fp32, then rounded (its second rounding)
             grad_x.copy_(grad_x.float().mul_(scale))
+        none = (None,) * 6  # target, vocab_size, weight_shared, store, token_weights, divisor
         if not ctx.needs_input_grad[1]:
-            return grad_x, None, None, None, None, None
+            return grad_x, None, *none
 
         def job() -> GradPairs:
             return [(weight, _weight_grad(weight, grad_w.mul_(scale), shared))]
 
         grads = weight_grads(ctx.store, job)
-        return grad_x, None if grads is None else grads[id(weight)], None, None, None, None
+        return grad_x, None if grads is None else grads[id(weight)], *none
 
 
 def _weight_grad(weight: torch.Tensor, grad_w: torch.Tensor, weight_shared: bool) -> torch.Tensor:
@@ -174,8 +178,21 @@ def _weight_grad(weight: torch.Tensor, grad_w: torch.Tensor, weight_shared: bool
     return make(weight.shape, dtype=weight.dtype, device=weight.device)
 
 
+def _picked_sum(
+    log_probs: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor | None
+) -> torch.Tensor:
+    """The (weighted) sum of the targets' log-probabilities ``[tokens, 1]`` of a chunk."""
+    picked = log_probs.gather(-1, idx)
+    return picked.sum() if weights is None else (picked * weights).sum()
+
+
 def _loss_only(
-    x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, vocab_size: int
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    vocab_size: int,
+    token_weights: torch.Tensor | None,
+    divisor: float | None,
 ) -> torch.Tensor:
     n, dtype = x.shape[0], _compute_dtype(x)
     step = chunk_tokens(n, x.shape[1], weight.shape[0])
@@ -185,8 +202,9 @@ def _loss_only(
         for start in range(0, n, step):
             log_probs = _log_probs(x[start : start + step].to(dtype) @ w.t(), vocab_size)
             idx = target[start : start + step].unsqueeze(-1)
-            total -= log_probs.gather(-1, idx).sum()
-    return total / n
+            wc = None if token_weights is None else token_weights[start : start + step, None]
+            total -= _picked_sum(log_probs, idx, wc)
+    return total / (n if divisor is None else divisor)
 
 
 def linear_cross_entropy(
@@ -196,6 +214,8 @@ def linear_cross_entropy(
     vocab_size: int,
     weight_shared: bool = False,
     store: WeightGradStore | None = None,
+    token_weights: torch.Tensor | None = None,
+    divisor: float | None = None,
 ) -> torch.Tensor:
     """Mean cross entropy of the logits ``x @ weight.T`` over ids below ``vocab_size``.
 
@@ -206,7 +226,11 @@ def linear_cross_entropy(
     inf (the module docstring says where ids are checked). ``weight_shared``: the weight also
     feeds other ops of the same backward (the tied embedding on the same chunk). ``store``:
     where the weight's grad goes (:mod:`megatronish.tensor_parallel.weight_grad`).
+    ``token_weights`` (``[tokens]`` fp32) weighs each token's loss (0 leaves it out) and
+    ``divisor`` replaces the token count: the result is ``sum(w_i loss_i) / divisor``.
     """
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
-        return _LinearCrossEntropy.apply(x, weight, target, vocab_size, weight_shared, store)
-    return _loss_only(x, weight, target, vocab_size)
+        return _LinearCrossEntropy.apply(
+            x, weight, target, vocab_size, weight_shared, store, token_weights, divisor
+        )
+    return _loss_only(x, weight, target, vocab_size, token_weights, divisor)

@@ -40,6 +40,7 @@ from megatronish.pipeline.grouping import (
     forward_only_steps,
     training_steps,
 )
+from megatronish.pipeline.microbatch import Microbatch, microbatch_parts, run_chunk
 from megatronish.pipeline.no_pipeline import NO_PARAM_HOOKS, ParamHooks
 from megatronish.pipeline.p2p import BatchedP2P, P2PCommunicator
 from megatronish.pipeline.posting import GroupPoster, Posted
@@ -136,7 +137,7 @@ def _post(
 
 def forward_backward_pipeline(
     chunks: list[nn.Module],
-    microbatches: list[tuple[torch.Tensor, torch.Tensor]],
+    microbatches: list[Microbatch],
     *,
     loss_scale: float,
     topo: Topology,
@@ -180,7 +181,7 @@ def forward_backward_pipeline(
     here = lambda chunk: 0 <= chunk <= last_chunk and stage_of_chunk(chunk, pp, v) == rank
 
     def forward(mb: int, c: int) -> None:
-        tokens, targets = microbatches[mb]
+        tokens, targets, documents = microbatch_parts(microbatches[mb])
         if c == 0:
             x = tokens
         elif here(c - 1):  # the turn of the V: the previous chunk's output, in memory
@@ -188,7 +189,7 @@ def forward_backward_pipeline(
         else:
             x = inputs[(mb, c)].requires_grad_(True)
         with region("forward", "forward mb{} chunk{}", mb, c):
-            out = local[c](x, targets if c == last_chunk else None)
+            out = run_chunk(local[c], x, targets if c == last_chunk else None, documents)
         hooks.after_compute(virtual[c], "fwd")
         if c == last_chunk:
             losses.append(out.detach())
@@ -236,7 +237,7 @@ def forward_backward_pipeline(
 @torch.no_grad()
 def forward_only_pipeline(
     chunks: list[nn.Module],
-    microbatches: list[tuple[torch.Tensor, torch.Tensor]],
+    microbatches: list[Microbatch],
     *,
     topo: Topology,
     vpp: int,
@@ -270,14 +271,14 @@ def forward_only_pipeline(
         op = step.compute
         if op is None:
             continue
-        tokens, targets = microbatches[op.microbatch]
+        tokens, targets, documents = microbatch_parts(microbatches[op.microbatch])
         if op.chunk == 0:
             x = tokens
         elif stage_of_chunk(op.chunk - 1, pp, v) == rank:  # the turn of the V
             x = outputs.pop((op.microbatch, op.chunk - 1))
         else:
             x = inputs.pop((op.microbatch, op.chunk))
-        out = local[op.chunk](x, targets if op.chunk == last_chunk else None)
+        out = run_chunk(local[op.chunk], x, targets if op.chunk == last_chunk else None, documents)
         hooks.after_compute(virtual[op.chunk], "fwd")
         if op.chunk == last_chunk:
             losses.append(out.detach())

@@ -8,11 +8,12 @@ import torch
 from torch import nn
 
 from megatronish.distributed.timers import Timers
+from megatronish.pipeline.microbatch import Microbatch, microbatch_parts, run_chunk
 
 
 def forward_backward_no_pipeline(
     chunks: list[nn.Module],
-    microbatches: list[tuple[torch.Tensor, torch.Tensor]],
+    microbatches: list[Microbatch],
     *,
     loss_scale: float,
     param_hooks: ParamHooks | None = None,
@@ -28,10 +29,11 @@ def forward_backward_no_pipeline(
     hooks = param_hooks or NO_PARAM_HOOKS
     timers = timers or Timers.off()
     losses = []
-    for m, (inputs, targets) in enumerate(microbatches):
+    for m, microbatch in enumerate(microbatches):
+        inputs, targets, documents = microbatch_parts(microbatch)
         hooks.prefetch(0, "fwd")
         with timers.region("forward", "forward mb{} chunk0", m):
-            loss = model(inputs, targets)
+            loss = run_chunk(model, inputs, targets, documents)
         hooks.after_compute(0, "fwd")
         with timers.region("backward", "backward mb{} chunk0", m):
             (loss * loss_scale).backward()

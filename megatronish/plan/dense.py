@@ -296,7 +296,7 @@ def _sequence_parallel_numel(chunks: list) -> int:
 def stage_flops_per_token(spec: ModelSpec, layers: list[int], head: bool) -> float:
     """Model FLOPs per token of the pipeline's tokens that the blocks ``layers`` (and the head)
     do, every block alike (``6 N + 12 s h`` per token, :mod:`megatronish.model.flops`)."""
-    L, s, h = spec.num_layers, spec.seq_length, spec.hidden_size
+    L, s, h = spec.num_layers, spec.attention_span, spec.hidden_size
     vocab = spec.padded_vocab_size * h
     per_layer = 6.0 * (matmul_params(spec) - vocab) / L + 12.0 * s * h
     return len(layers) * per_layer + (6.0 * vocab if head else 0.0)

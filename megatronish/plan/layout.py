@@ -10,6 +10,7 @@ from megatronish.config.pipeline_rules import V_SHAPE_SCHEDULES, resolve_pipelin
 from megatronish.config.schema import TrainConfig
 from megatronish.distributed.parallel_grid import ParallelGrid
 from megatronish.model.build import chunk_ids_of_stage
+from megatronish.plan.documents import planned_attention_span
 from megatronish.spec import ModelSpec
 
 
@@ -187,6 +188,9 @@ def layout_from_config(cfg: TrainConfig, world_size: int) -> Layout:
 
 
 def spec_of(cfg: TrainConfig, vocab_size: int | None = None) -> ModelSpec:
-    """The model shape of ``cfg`` (``vocab_size`` when the config leaves it to the tokenizer)."""
+    """The model shape of ``cfg`` (``vocab_size`` when the config leaves it to the tokenizer);
+    with document masks, the attention span its data's documents give
+    (:mod:`megatronish.plan.documents`)."""
     vocab = cfg.model.vocab_size or vocab_size or cfg.data.vocab_size
-    return ModelSpec.from_config(cfg.model, vocab)
+    spec = ModelSpec.from_config(cfg.model, vocab)
+    return replace(spec, attended_keys=planned_attention_span(cfg))

@@ -187,7 +187,7 @@ def stage_flops_per_token(spec: ModelSpec, layers: list[int], head: bool) -> flo
     are :func:`~megatronish.plan.dense.stage_flops_per_token`."""
     if spec.moe is None:
         return dense.stage_flops_per_token(spec, layers, head)
-    s, h = spec.seq_length, spec.hidden_size
+    s, h = spec.attention_span, spec.hidden_size
     own = sum(6.0 * layer_matmul_params(spec, i) + 12.0 * s * h for i in layers)
     return own + (6.0 * (spec.padded_vocab_size * h) if head else 0.0)
 

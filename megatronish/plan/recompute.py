@@ -107,7 +107,7 @@ def reruns(spec: ModelSpec, layout: Layout, pp_rank: int) -> tuple[int, int]:
 
 def recompute_flops_per_token(spec: ModelSpec, layout: Layout) -> float:
     """Extra forward FLOPs per token that recompute adds (hardware, not model, FLOPs)."""
-    L, s, h = spec.num_layers, spec.seq_length, spec.hidden_size
+    L, s, h = spec.num_layers, spec.attention_span, spec.hidden_size
     if layout.recompute == "selective":
         return 4.0 * L * s * h  # the attention scores and the weighted sum, forward only
     if layout.recompute == "full":

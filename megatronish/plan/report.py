@@ -59,7 +59,7 @@ def plan_report(
         f"of {lay.micro_batch_size} per step, {lay.precision}",
         f"tokens per step: {plan.tokens_per_step:,}",
         f"model FLOPs per step: {plan.model_flops_per_step:.3e} "
-        f"(with recompute: {plan.hardware_flops_per_step:.3e})",
+        f"(with recompute: {plan.hardware_flops_per_step:.3e}){_documents_note(spec)}",
         f"pipeline bubble: {plan.bubble:.1%} of compute{_schedule_note(lay)}",
         "",
         "per rank (GiB)  | params | grads | optimizer | states | activations (in flight) | peak",
@@ -99,6 +99,16 @@ def plan_report(
                 f"  at {mfu:.0%} MFU: {t:.2f} s per step, {plan.tokens_per_step / t:,.0f} tokens/s"
             )
     return "\n".join(lines)
+
+
+def _documents_note(spec: ModelSpec) -> str:
+    """What attention is counted over when document masks shorten it."""
+    if spec.attended_keys is None:
+        return ""
+    return (
+        f"; attention within documents: {spec.attended_keys:.0f} keys per token on average "
+        f"(of seq {spec.seq_length})"
+    )
 
 
 def _schedule_note(layout: Layout) -> str:

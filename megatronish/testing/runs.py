@@ -10,10 +10,13 @@ from megatronish.config.compose import load_config
 from megatronish.config.derived import derive
 from megatronish.config.schema import TrainConfig
 from megatronish.config.validate import ConfigError, config_errors
+from megatronish.data.documents import OPTIONS as PACKING_OPTIONS
 from megatronish.distributed.topology import Topology
 from megatronish.spec import ModelSpec
 from megatronish.tensor_parallel.random import RNGTracker
-from megatronish.testing.synthetic import PatternTokens
+from megatronish.testing.synthetic import PackedPatternTokens, PatternTokens
+
+SYNTHETIC_EOD = 2  # the end-of-document id of the synthetic packed documents
 
 # A model small enough for many multi-rank runs on 2 cores, with every divisibility tp=4 needs.
 TINY_TEST_MODEL = [
@@ -108,7 +111,9 @@ def trainer_for(
 ):
     """``(Trainer, its RNG tracker)`` for the composed ``cfg`` in the current world, on
     ``device`` (default CPU), with :class:`PatternTokens` data. Collective when ``world > 1``.
-    ``kw`` goes to the Trainer; ``saving=True`` saves to ``checkpoint.dir``. With
+    With a packed-document option on (``data.reset_attention_mask``, ...) the data is
+    :class:`PackedPatternTokens` ending documents at ``SYNTHETIC_EOD``. ``kw`` goes to the
+    Trainer; ``saving=True`` saves to ``checkpoint.dir``. With
     ``checkpoint_rng`` (implied by ``saving=True``) the trainer's checkpoints hold this RNG's
     streams and its loads restore them."""
     from megatronish.checkpoint.save import Saving
@@ -118,6 +123,11 @@ def trainer_for(
     topo, d, spec, rng = layout_parts(cfg, rank, world, device)
     chunks = build_model(cfg, topo, d, spec, rng)
     data = PatternTokens(spec.vocab_size, spec.seq_length, seed=cfg.trainer.seed)
+    if any(getattr(cfg.data, key) for key in PACKING_OPTIONS):  # windows of packed documents
+        data = PackedPatternTokens(
+            spec.vocab_size, spec.seq_length, SYNTHETIC_EOD, cfg.trainer.seed
+        )
+        kw.setdefault("eod_id", SYNTHETIC_EOD)
     if kw.get("saving") is True:
         kw["saving"], checkpoint_rng = Saving(), True
     kw["rng"] = rng if checkpoint_rng else None

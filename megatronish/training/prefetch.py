@@ -11,9 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
-import torch
-
-HostBatches = list[tuple[torch.Tensor, torch.Tensor]]
+HostBatches = list[tuple]  # per microbatch: (inputs, targets) or (inputs, targets, Documents)
 
 
 class BatchPrefetcher:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -24,6 +24,12 @@ from megatronish.config.pipeline_rules import (
 )
 from megatronish.config.schema import TrainConfig
 from megatronish.context_parallel.split import split_sequence
+from megatronish.data.documents import (
+    DocumentPacking,
+    attention_pairs,
+    kept_targets,
+    loss_divisor,
+)
 from megatronish.data_parallel.zero import ZeroDataParallel
 from megatronish.distributed.comm import all_reduce
 from megatronish.distributed.timers import Timers, device_sync, max_min_over_ranks, timer_metrics
@@ -40,6 +46,7 @@ from megatronish.pipeline.engine import (
     forward_backward_pipeline,
     forward_only_pipeline,
 )
+from megatronish.pipeline.microbatch import Microbatch, microbatch_parts, run_chunk
 from megatronish.pipeline.no_pipeline import forward_backward_no_pipeline
 from megatronish.pipeline.p2p import BatchedP2P
 from megatronish.spec import ModelSpec
@@ -91,14 +98,17 @@ class Trainer:
         saving: Saving | None = None,
         stop: StopRequest | None = None,
         rng: RNGTracker | None = None,
+        eod_id: int | None = None,
     ):
         """``saving``: checkpoints go to ``checkpoint.dir`` (periodic, final and asynchronous
         saves from :meth:`fit`); ``stop``: a :class:`StopRequest` asked at every step boundary;
         ``rng``: the model's RNG streams, which checkpoints save and a load restores (None:
-        neither)."""
+        neither); ``eod_id``: the tokenizer's end-of-document id (packed-document options)."""
         self.cfg, self.topo, self.spec, self.derived = cfg, topo, spec, derived
         self.chunks = chunks
         self.train_data, self.valid_data = train_data, valid_data
+        # data.reset_attention_mask / reset_position_ids / eod_mask_loss (None: all off)
+        self.packing = DocumentPacking.from_config(cfg.data, eod_id)
         self.logger = logger or ProgressLogger(cfg, enabled=False, run_dir=".")
         # The start-up's peak, then each progress line's steps (measured where they are printed).
         self.memory = PeakMemory(topo.device, sample=self.logger.enabled)
@@ -173,6 +183,10 @@ class Trainer:
             enabled=cfg.data.prefetch,
         )
         self.flops_per_step = flops_per_token(spec) * derived.tokens_per_step
+        # With document masks each step's attention FLOPs follow its documents: the mean
+        # document length per token of each step's batch, by its first sample (data thread).
+        self._attention_spans: dict[int, float] = {}
+        self._flops_since_log = 0.0
         self.moe_layers = moe.moe_layers(chunks)  # found once, not walked every step
 
     def pipeline_shape(self) -> PipelineShape:
@@ -207,33 +221,49 @@ class Trainer:
         return run
 
     # -- data -------------------------------------------------------------------------------
-    def microbatches(self, data, first_sample: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def microbatches(self, data, first_sample: int) -> list[Microbatch]:
         """This dp rank's microbatches of the global batch that starts at ``first_sample``,
-        cut to this cp rank's chunks of every sequence, on the device."""
+        cut to this cp rank's chunks of every sequence, on the device: ``(inputs, targets)``,
+        and their :class:`Documents` third with packed-document options on."""
         return self._to_device(self._host_microbatches(data, first_sample))
 
     def _host_microbatches(self, data, first_sample: int) -> HostBatches:
         """:meth:`microbatches` in host memory (pinned when training on a GPU)."""
-        t = self.cfg.trainer
-        per_rank = t.global_batch_size // self.topo.dp
-        start = first_sample + self.topo.coords.dp * per_rank
+        t, topo, packing = self.cfg.trainer, self.topo, self.packing
+        per_rank = t.global_batch_size // topo.dp
+        start = first_sample + topo.coords.dp * per_rank
+        samples = data if packing is None else packing.samples(data)
+        divisor = None
+        if packing is not None and (packing.eod_mask_loss or packing.reset_attention_mask):
+            # every rank reads the whole batch's documents: the loss's token count, the FLOPs
+            s, end = self.spec.seq_length, first_sample + t.global_batch_size
+            whole = [samples[i][1] for i in range(first_sample, end)]
+            if packing.eod_mask_loss:
+                kept = sum(kept_targets(n, s) for n in whole)
+                divisor = loss_divisor(kept, topo.dp_cp, self.derived.num_microbatches)
+            if packing.reset_attention_mask and data is self.train_data:
+                pairs = sum(attention_pairs(n, s) for n in whole)
+                self._attention_spans[first_sample] = pairs / (len(whole) * s)
         out = []
         for m in range(self.derived.num_microbatches):
             first = start + m * t.micro_batch_size
-            batch = torch.stack([data[i] for i in range(first, first + t.micro_batch_size)])
+            rows = [samples[i] for i in range(first, first + t.micro_batch_size)]
+            batch = torch.stack(rows if packing is None else [tokens for tokens, _ in rows])
             inputs, targets = batch[:, :-1], batch[:, 1:]
-            pair = tuple(
-                split_sequence(x, 1, self.topo.cp, self.topo.coords.cp).contiguous()
+            parts = [
+                split_sequence(x, 1, topo.cp, topo.coords.cp).contiguous()
                 for x in (inputs, targets)
-            )
-            if self.topo.device.type == "cuda":
-                pair = tuple(x.pin_memory() for x in pair)
-            out.append(pair)
+            ]
+            if packing is not None:
+                parts.append(packing.microbatch(rows, topo.cp, topo.coords.cp, divisor))
+            if topo.device.type == "cuda":
+                parts = [x.pin_memory() for x in parts]
+            out.append(tuple(parts))
         return out
 
     def _to_device(self, batches):
         device = self.topo.device
-        return [tuple(x.to(device, non_blocking=True) for x in pair) for pair in batches]
+        return [tuple(x.to(device, non_blocking=True) for x in parts) for parts in batches]
 
     # -- one step ---------------------------------------------------------------------------
     def train_step(self) -> StepResult:
@@ -250,6 +280,7 @@ class Trainer:
         with self.timers.region("data", "data"):  # prefetched during the previous step
             more = self.state.step + 1 < self.cfg.trainer.max_steps
             batches = self._to_device(self.prefetcher.get(self.state.consumed_samples, more))
+        self._flops_since_log += self._step_flops(self.state.consumed_samples)
         self.zero.start_step(len(batches))
         moe.start_step(self.moe_layers, loss_scale=1.0 / len(batches))
         losses = self.forward_backward(
@@ -281,6 +312,14 @@ class Trainer:
         result = StepResult(step + 1, lr, pair, self.settle, copied)
         self._unsettled.append(result)
         return result
+
+    def _step_flops(self, first_sample: int) -> float:
+        """Model FLOPs of the step whose batch starts at ``first_sample``."""
+        span = self._attention_spans.pop(first_sample, None)
+        if span is None:
+            return self.flops_per_step
+        spec = replace(self.spec, attended_keys=span)
+        return flops_per_token(spec) * self.derived.tokens_per_step
 
     def settle(self) -> None:
         """Learn the unsettled steps' loss and grad norm on the host (:func:`read_on_host`), in
@@ -361,9 +400,10 @@ class Trainer:
                     schedule=self.pipeline_schedule,
                 )
                 continue
-            for inputs, targets in batches:
+            for microbatch in batches:
+                inputs, targets, documents = microbatch_parts(microbatch)
                 self.zero.prefetch(0, "fwd")
-                losses.append(self.chunks[0](inputs, targets).detach())
+                losses.append(run_chunk(self.chunks[0], inputs, targets, documents).detach())
                 self.zero.after_compute(0, "fwd")
         self.zero.release_all()  # zero 3 with keep_gathered
         loss = self._mean_loss(losses)
@@ -395,12 +435,15 @@ class Trainer:
             if step % log_every == 0 or step == t.max_steps or step == 1:
                 self.settle()
                 elapsed = time.perf_counter() - window_start
-                self._log(result, elapsed / window_steps)
+                self._log(result, elapsed / window_steps, self._flops_since_log / window_steps)
+                self._flops_since_log = 0.0
                 window_start, window_steps = time.perf_counter(), 0
             if t.eval_interval and (step % t.eval_interval == 0 or step == t.max_steps):
                 with self.timers.paused():
                     self.logger.log_eval(step, self.evaluate(), self.evaluate_datasets())
-                window_start = time.perf_counter()
+                # the next line's step time leaves the evaluation and the steps before it out
+                window_start, window_steps = time.perf_counter(), 0
+                self._flops_since_log = 0.0
             interval = self.cfg.checkpoint.interval
             if self.saver is not None and interval and step % interval == 0:
                 self.settle()  # a step in a skip streak is not saved
@@ -475,12 +518,13 @@ class Trainer:
             self.topo.device,
         )
 
-    def _log(self, r: StepResult, step_time: float) -> None:
+    def _log(self, r: StepResult, step_time: float, flops_per_step: float) -> None:
+        """``step_time`` and ``flops_per_step``: means over the steps since the last line."""
         timers = self._timer_metrics()
         tokens_per_s = self.derived.tokens_per_step / step_time
         mfu = None
         if self.peak_flops:
-            mfu = self.flops_per_step / step_time / (self.peak_flops * self.topo.world_size)
+            mfu = flops_per_step / step_time / (self.peak_flops * self.topo.world_size)
         self.logger.log_step(
             {
                 "step": r.step,

@@ -81,13 +81,17 @@ def test_zero_bubble_matches_one_process(case):
 )
 def test_split_backward_is_bit_identical_to_the_whole_backward(split, plain):
     # Each weight's grads are the same products, accumulated over the microbatches in the same
-    # order (W runs in microbatch order per chunk); only when they are computed moves.
-    overrides = ["model.arch=gpt2", "model.num_layers=4"]
+    # order (W runs in microbatch order per chunk); only when they are computed moves. Without
+    # clipping the updates follow the grads alone, so equal params after the steps mean equal
+    # grads. The global norm sums each rank's squares and zbv places other chunks on each rank
+    # than interleaved 1F1B, so it is equal to round-off (its bits depend on the CPU's vector
+    # width); clipping would carry that round-off into the params.
+    overrides = ["model.arch=gpt2", "model.num_layers=4", "optimizer.grad_clip=0"]
     zero_bubble = run_world(train_layout, 2, [*overrides, *split])
     whole = run_world(train_layout, 2, [*overrides, *plain])
     assert losses_of(zero_bubble) == losses_of(whole)  # the loss sits on another rank in a V
     for a, b in zip(zero_bubble, whole, strict=True):
-        assert a.grad_norms == b.grad_norms
+        assert a.grad_norms == pytest.approx(b.grad_norms, rel=1e-6)
     left, right = merge_params(zero_bubble), merge_params(whole)
     assert left.keys() == right.keys()
     assert all(left[k].equal(right[k]) for k in left)

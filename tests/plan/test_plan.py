@@ -79,6 +79,8 @@ COMM_LAYOUTS = [
     (2, ["trainer.precision=bf16", "parallel.zero_stage=0", "parallel.grad_reduce_dtype=bf16"]),
     (4, ["parallel.cp=2", "parallel.tp=2", "parallel.sp=true", "trainer.recompute=full"]),
     (4, ["parallel.cp=2", "parallel.pp=2", "parallel.zero_stage=3", "model.arch=gpt2"]),
+    # packed documents: the same K/V all-gather, no collective for the masks or the loss count
+    (2, ["parallel.cp=2", "data.reset_attention_mask=true", "data.eod_mask_loss=true"]),
     (
         4,
         [

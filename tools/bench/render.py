@@ -10,7 +10,19 @@ import json
 
 from common import DOCS, machine_info
 
-ORDER = ("single", "tp", "pp", "zero", "checkpoint", "memory", "advisor", "cp", "data", "moe")
+ORDER = (
+    "single",
+    "tp",
+    "pp",
+    "zero",
+    "checkpoint",
+    "memory",
+    "advisor",
+    "cp",
+    "data",
+    "moe",
+    "packed",
+)
 PAGE = DOCS / "benchmarks.md"
 COMBINED = DOCS / "benchmarks.json"
 

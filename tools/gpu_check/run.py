@@ -5,11 +5,31 @@ from __future__ import annotations
 import time
 import traceback
 
-from gpu_check import async_save, flash, memory, moe_experts, recompute, resume, syncs, throughput
+from gpu_check import (
+    async_save,
+    documents,
+    flash,
+    memory,
+    moe_experts,
+    recompute,
+    resume,
+    syncs,
+    throughput,
+)
 from gpu_check.context import CheckContext
 from gpu_check.report import SKIPPED, SectionResult
 
-SECTIONS = (throughput, flash, memory, resume, recompute, syncs, moe_experts, async_save)
+SECTIONS = (
+    throughput,
+    flash,
+    memory,
+    resume,
+    recompute,
+    syncs,
+    moe_experts,
+    async_save,
+    documents,
+)
 
 
 def run_section(module, ctx: CheckContext) -> SectionResult:

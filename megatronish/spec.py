@@ -27,6 +27,10 @@ class MoESpec:
     renormalize: bool = True
     aux_loss_coef: float = 0.0
     z_loss_coef: float = 0.0
+    score: str = "softmax"  # softmax | sigmoid
+    bias_update_rate: float | None = None  # None: no expert bias (aux-loss-free balancing off)
+    num_groups: int | None = None  # group-limited routing: None for none
+    max_groups: int | None = None
 
     def is_moe_layer(self, layer: int) -> bool:
         """Megatron's rule: every ``layer_freq``-th block, starting with block 0."""
@@ -120,4 +124,8 @@ def moe_spec(model_cfg: ModelConfig, ffn_hidden_size: int) -> MoESpec | None:
         renormalize=moe.router.renormalize,
         aux_loss_coef=moe.router.aux_loss_coef,
         z_loss_coef=moe.router.z_loss_coef,
+        score=moe.router.score,
+        bias_update_rate=moe.router.bias_update_rate,
+        num_groups=moe.router.num_groups,
+        max_groups=moe.router.max_groups,
     )

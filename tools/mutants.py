@@ -7,7 +7,7 @@ is restored. The table says which test failed first, or SURVIVED. The exit code 
 mutant survived or no longer applies (its source line changed: update the mutant).
 
 Examples:
-    python tools/mutants.py                 # all 67, about 6 minutes on 2 cores
+    python tools/mutants.py                 # all 72, about 6 minutes on 2 cores
     python tools/mutants.py --only loss-scale rng-restore
     python tools/mutants.py --list
     python tools/mutants.py --check         # edits apply, named tests exist; no test runs (CI)
@@ -48,6 +48,8 @@ SYNCS = "tests/training/test_host_syncs.py"
 ZB_PARITY = "tests/pipeline/test_zero_bubble_parity.py"
 PACKED_MODEL = "tests/model/test_packed_documents.py"
 PACKED_TRAINING = "tests/training/test_packed_documents_training.py"
+BALANCING = "tests/moe/test_moe_balancing.py"
+MOE_CKPT = "tests/checkpoint/test_moe_checkpoint.py"
 MUTANTS = [
     Mutant(
         "tp-all-reduce",
@@ -671,6 +673,56 @@ MUTANTS = [
         "megatronish/training/trainer.py",
         (("        spec = replace(self.spec, attended_keys=span)", "        spec = self.spec"),),
         (f"{PACKED_TRAINING}::test_step_flops_count_each_documents_squared_length",),
+    ),
+    Mutant(
+        "expert-bias-local-loads",
+        "each rank moves its expert biases by its own tokens' loads, not the global batch's",
+        "megatronish/moe/balancing.py",
+        (("    return all_reduce(rows, world)", "    return rows"),),
+        (f"{BALANCING}::test_balanced_sigmoid_group_routing_matches_one_process[ep2-tp2-sp]",),
+    ),
+    Mutant(
+        "expert-bias-weighs",
+        "the expert bias enters the experts' weights, not only their choice",
+        "megatronish/moe/routing.py",
+        (
+            (
+                "    weights = scores.gather(-1, experts)",
+                "    weights = (scores if bias is None else scores + bias).gather(-1, experts)",
+            ),
+        ),
+        (f"{BALANCING}::test_the_expert_bias_picks_experts_and_weighs_nothing",),
+    ),
+    Mutant(
+        "expert-bias-sign",
+        "the bias moves away from balance (the load minus the mean)",
+        "megatronish/moe/balancing.py",
+        (
+            (
+                "        offset = torch.sign(load.mean() - load).to(torch.float32)",
+                "        offset = torch.sign(load - load.mean()).to(torch.float32)",
+            ),
+        ),
+        (f"{BALANCING}::test_the_expert_bias_balances_the_load_without_the_balancing_loss",),
+    ),
+    Mutant(
+        "expert-bias-not-saved",
+        "a checkpoint leaves the model's buffers out: a resume routes with zero biases",
+        "megatronish/checkpoint/snapshot.py",
+        (("    for name, buf in parts.buffers.items():", "    for name, buf in {}.items():"),),
+        (f"{MOE_CKPT}::test_same_layout_resume_with_expert_biases_is_bit_identical",),
+    ),
+    Mutant(
+        "group-score-top1",
+        "a group is scored by its best expert alone, not its top_k / max_groups best",
+        "megatronish/moe/routing.py",
+        (
+            (
+                "    group_scores = best_in_group[..., : top_k // max_groups].sum(dim=-1)",
+                "    group_scores = best_in_group[..., 0]",
+            ),
+        ),
+        (f"{BALANCING}::test_group_limited_routing_keeps_each_token_in_its_best_groups",),
     ),
 ]
 

@@ -9,6 +9,8 @@ published one. A step directory holds:
   dim) stored under ``key`` in ``file``, with a CRC32 of its bytes. ``crc32`` covers the rest
   of the file, so an edit or a flipped bit in it is refused.
 - ``model-rankNNNNN.safetensors``: parameter shards (``model/<global name>``).
+  The model's buffers (an expert bias of aux-loss-free balancing) are ``buffer/<global name>``,
+  whole, in the model file of the stage's first tp, cp and dp rank.
 - ``optim-rankNNNNN.safetensors``: Adam moments (``exp_avg/<name>``, ``exp_avg_sq/<name>``) in
   the same rectangles as the params, whatever the ZeRO stage that wrote them.
 - ``rng-rankNNNNN.safetensors``: that rank's RNG states (restored when the layout is unchanged).
@@ -32,6 +34,7 @@ METADATA = "metadata.json"
 LATEST = "latest"
 STEP_PREFIX = "step_"
 TMP_PREFIX = ".tmp_"
+BUFFER = "buffer/"  # the prefix of the model's buffers (not parameters) in ``tensors``
 
 
 class CheckpointError(RuntimeError):

@@ -16,12 +16,13 @@ import torch
 from safetensors.torch import load_file
 
 from megatronish.checkpoint.format import (
+    BUFFER,
     CheckpointError,
     Metadata,
     read_metadata,
     resolve_step_dir,
 )
-from megatronish.checkpoint.parts import CheckpointParts
+from megatronish.checkpoint.parts import CheckpointParts, model_buffers
 from megatronish.checkpoint.pieces import copy_threads, range_requests, saved_name
 from megatronish.checkpoint.shard_reader import READ_THREADS, ShardReader
 from megatronish.config.schema import FUNCTION_KEYS
@@ -59,7 +60,12 @@ def _saved_model_values(saved: dict) -> dict:
     moe = saved.get("moe") or {}  # absent in checkpoints older than mixtures of experts
     for key in ("num_experts", "layer_freq", "shared_experts", "top_k"):
         values[f"moe.{key}"] = moe.get(key)
-    values["moe.router.renormalize"] = (moe.get("router") or {}).get("renormalize")
+    router = moe.get("router") or {}
+    values["moe.router.renormalize"] = router.get("renormalize")
+    # Absent in checkpoints from before these keys: those routed by softmax, without groups.
+    values["moe.router.score"] = router.get("score", "softmax")
+    for key in ("num_groups", "max_groups"):
+        values[f"moe.router.{key}"] = str(router.get(key))
     if moe.get("num_experts") == 0:  # a dense model: the other moe values mean nothing
         values.update({k: None for k in values if k.startswith("moe.") and k != "moe.num_experts"})
     return values
@@ -94,6 +100,9 @@ def check_compatible(
                 "moe.shared_experts": m.shared_experts,
                 "moe.top_k": m.top_k,
                 "moe.router.renormalize": m.renormalize,
+                "moe.router.score": m.score,
+                "moe.router.num_groups": str(m.num_groups),
+                "moe.router.max_groups": str(m.max_groups),
             }
         )
     keys = [*SHAPE_KEYS, *(k for k in FUNCTION_KEYS if k not in allowed)]
@@ -129,22 +138,35 @@ def check_tensor_shapes(meta: Metadata, spec: ModelSpec, where: str) -> None:
 
     full = build_chunks(spec, ParallelContext(), [spec.num_layers], device="meta")[0]
     wanted = {f"model/{n}": list(p.shape) for n, p in full.named_parameters()}
-    stored = {n: e.shape for n, e in meta.tensors.items() if n.startswith("model/")}
+    wanted.update({f"{BUFFER}{n}": list(b.shape) for n, b in model_buffers([full]).items()})
+    stored = {n: e.shape for n, e in meta.tensors.items() if n.startswith(("model/", BUFFER))}
     wrong = [
-        f"{n[6:]}: checkpoint {stored[n]}, model {shape}"
+        f"{_short(n)}: checkpoint {stored[n]}, model {shape}"
         for n, shape in wanted.items()
         if n in stored and stored[n] != shape
     ]
-    missing = sorted(n[6:] for n in wanted if n not in stored)
-    extra = sorted(n[6:] for n in stored if n not in wanted)
+    # A buffer the checkpoint lacks starts from zero (an expert bias turned on at a resume).
+    missing = sorted(_short(n) for n in wanted if n not in stored and not n.startswith(BUFFER))
+    extra = sorted(_short(n) for n in stored if n not in wanted)
     if wrong or missing or extra:
         parts = wrong + [f"missing in checkpoint: {', '.join(missing)}"] * bool(missing)
         parts += [f"not in this model: {', '.join(extra)}"] * bool(extra)
+        hint = ""
+        if any(n.endswith("expert_bias") for n in extra):
+            hint = (
+                " The checkpoint routes with expert biases (aux-loss-free balancing): set "
+                "model.moe.router.bias_update_rate (0 keeps them fixed)."
+            )
         raise CheckpointError(
             f"checkpoint {where} does not fit this model: "
             + "; ".join(parts)
-            + ". Use the checkpoint's model config or set checkpoint.resume=never."
+            + f". Use the checkpoint's model config or set checkpoint.resume=never.{hint}"
         )
+
+
+def _short(name: str) -> str:
+    """A checkpoint tensor's name without its ``model/`` prefix (buffers keep theirs)."""
+    return name.removeprefix("model/")
 
 
 @torch.no_grad()
@@ -174,6 +196,7 @@ def load_into(
                 ranges.append((bucket, "exp_avg", opt.exp_avg[i], lo, hi))
                 ranges.append((bucket, "exp_avg_sq", opt.exp_avg_sq[i], lo, hi))
         _fill(reader, ranges, topo)
+        _read_buffers(reader, parts, meta, step_dir)
     zero.params_from_main()
     opt.step_count = int(meta.trainer.get("optimizer_steps", 0))
     parts.progress.step = meta.step
@@ -207,6 +230,22 @@ def _fill(reader: ShardReader, ranges: list[tuple], topo: Topology) -> None:
             pairs = range_requests(p, a - offset, b - offset, flat, topo.coords.tp, topo.tp)
             requests += [(gname, offsets, view) for offsets, view in pairs]
     reader.read_many(requests)
+
+
+def _read_buffers(reader: ShardReader, parts: CheckpointParts, meta: Metadata, where: str) -> None:
+    """This rank's model buffers from the checkpoint (whole, whatever layout saved them); one the
+    checkpoint lacks is zeroed, with a line in the log."""
+    requests, missing = [], []
+    for name, buf in parts.buffers.items():
+        if f"{BUFFER}{name}" in meta.tensors:
+            requests.append((f"{BUFFER}{name}", None, buf))
+        else:
+            buf.zero_()
+            missing.append(name)
+    if requests:
+        reader.read_many(requests)
+    if missing:
+        parts.log(f"{where} holds no {', '.join(missing)}: starting from zero")
 
 
 def _restore_rng(

@@ -7,9 +7,11 @@ the model spec, the config schema), never on the trainer that owns the parts.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Protocol
+
+import torch
 
 from megatronish.config.schema import TrainConfig
 from megatronish.data_parallel.zero import ZeroDataParallel
@@ -46,3 +48,15 @@ class CheckpointParts:
     settle: Callable[[], None]  # learns the pending steps' skips (a save first calls it)
     drop_unsettled: Callable[[], None]  # forgets the pending steps a load replaced
     log: Callable[[str], None]  # one line to the run's log
+    # The model's state that is not a parameter (the expert biases of aux-loss-free balancing),
+    # by global name: the same on every rank holding it, saved once, restored in any layout.
+    buffers: Mapping[str, torch.Tensor] = field(default_factory=dict)
+
+
+def model_buffers(chunks: list[torch.nn.Module]) -> dict[str, torch.Tensor]:
+    """Every persistent buffer of ``chunks`` by global name (their state_dict minus params)."""
+    out: dict[str, torch.Tensor] = {}
+    for chunk in chunks:
+        params = {n for n, _ in chunk.named_parameters()}
+        out.update({n: t for n, t in chunk.state_dict(keep_vars=True).items() if n not in params})
+    return out

@@ -47,6 +47,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megatronish.checkpoint.format import BUFFER
 from megatronish.checkpoint.host_copies import (
     CopyEvent,
     HostCopies,
@@ -93,6 +94,7 @@ def start_snapshot(parts: CheckpointParts, copies: HostCopies) -> Snapshot:
     steps = copies.to_host(parts.optimizer.steps_on_device, "optimizer_steps")
     with copy_threads():
         buffers = _snapshot_buckets(parts.zero, parts.optimizer, parts.topo, copies, tensors, index)
+    buffers += _snapshot_model_buffers(parts, copies, tensors, index)
     event = copies.record()
     parts.optimizer.before_next_update(functools.partial(copies.training_waits, event))
     if parts.rng is not None:
@@ -106,6 +108,38 @@ def snapshot(parts: CheckpointParts) -> tuple[dict[str, dict[str, torch.Tensor]]
     shot = start_snapshot(parts, host_copies_for(parts.topo.device, async_save=False))
     shot.copied.wait()
     return shot.tensors, shot.index
+
+
+def _snapshot_model_buffers(
+    parts: CheckpointParts,
+    copies: HostCopies,
+    tensors: dict[str, dict[str, torch.Tensor]],
+    index: list[dict],
+) -> list[torch.Tensor]:
+    """Queue the copies of the model's buffers (``parts.buffers``), written by tp, cp and dp
+    rank 0 of each stage (every rank holds the same values). Each is first cloned on the
+    training stream, so the next step's in-place update cannot race the copy; returns the
+    clones, kept until the copies are done."""
+    coords = parts.topo.coords
+    if (coords.tp, coords.cp, coords.dp) != (0, 0, 0):
+        return []
+    clones = []
+    for name, buf in parts.buffers.items():
+        clone = buf.detach().clone()
+        key = f"{BUFFER}{name}@0"
+        tensors["model"][key] = copies.to_host(clone, key)
+        index.append(
+            {
+                "name": f"{BUFFER}{name}",
+                "key": key,
+                "offsets": [[0, n] for n in buf.shape],
+                "shape": list(buf.shape),
+                "dtype": str(buf.dtype).removeprefix("torch."),
+                "file": "model",
+            }
+        )
+        clones.append(clone)
+    return clones
 
 
 class GatherRing:

@@ -66,6 +66,12 @@ SYNONYMS = {
     "moe_aux_loss_coeff": "aux_loss_coef",
     "moe_z_loss_coeff": "z_loss_coef",
     "moe_expert_capacity_factor": "capacity_factor",
+    "moe_router_score_function": "score",
+    "score_function": "score",
+    "moe_router_bias_update_rate": "bias_update_rate",
+    "moe_router_enable_expert_bias": "bias_update_rate",
+    "moe_router_num_groups": "num_groups",
+    "moe_router_group_topk": "max_groups",
     "bf16": "precision",
     "fp16": "precision",
 }

@@ -5,7 +5,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from megatronish.config.schema import TrainConfig
+    from megatronish.config.schema import RouterConfig, TrainConfig
+
+SCORES = ("softmax", "sigmoid")  # model.moe.router.score
 
 
 def moe_errors(cfg: TrainConfig, dp: int) -> list[str]:
@@ -45,6 +47,7 @@ def moe_errors(cfg: TrainConfig, dp: int) -> list[str]:
     for key in ("aux_loss_coef", "z_loss_coef"):
         if getattr(moe.router, key) < 0:
             errors.append(f"model.moe.router.{key}={getattr(moe.router, key)} must be >= 0")
+    errors += router_errors(moe.router, e, k)
     if e % p.ep:
         errors.append(
             f"model.moe.num_experts={e} is not divisible by parallel.ep={p.ep}; every ep rank "
@@ -61,4 +64,41 @@ def moe_errors(cfg: TrainConfig, dp: int) -> list[str]:
             f"mixture-of-experts blocks with parallel.tp={p.tp} need parallel.sp=true (each tp "
             "rank routes its own sequence shard, as in Megatron-LM)"
         )
+    return errors
+
+
+def router_errors(router: RouterConfig, num_experts: int, top_k: int) -> list[str]:
+    """The rules of ``model.moe.router``'s score, expert bias and expert groups."""
+    errors = []
+    if router.score not in SCORES:
+        errors.append(
+            f"model.moe.router.score={router.score} is not one of {', '.join(SCORES)} "
+            "(softmax: Mixtral, Megatron's default; sigmoid: DeepSeek-V3)"
+        )
+    rate = router.bias_update_rate
+    if rate is not None and not rate >= 0:
+        errors.append(
+            f"model.moe.router.bias_update_rate={rate} must be >= 0 (0 keeps the expert bias "
+            "fixed), or null for no expert bias"
+        )
+    groups, best = router.num_groups, router.max_groups
+    if (groups is None) != (best is None):
+        errors.append(
+            "model.moe.router.num_groups and max_groups go together (group-limited routing): "
+            f"got num_groups={groups}, max_groups={best}; set both or neither"
+        )
+    elif groups is not None:
+        if groups < 1 or num_experts % groups:
+            errors.append(
+                f"model.moe.router.num_groups={groups} must divide model.moe.num_experts="
+                f"{num_experts} (each group holds the same number of experts)"
+            )
+        elif not 1 <= best <= groups:
+            errors.append(f"model.moe.router.max_groups={best} must be in [1, num_groups={groups}]")
+        elif top_k % best or top_k // best > num_experts // groups:
+            errors.append(
+                f"model.moe.router.max_groups={best} must divide model.moe.top_k={top_k} with "
+                f"top_k / max_groups <= {num_experts // groups} experts per group (each group "
+                "is scored by its top_k / max_groups best experts)"
+            )
     return errors

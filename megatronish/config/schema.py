@@ -14,9 +14,18 @@ from hydra.core.config_store import ConfigStore
 
 @dataclass
 class RouterConfig:
-    renormalize: bool = True  # softmax over all experts, top-k probabilities rescaled to sum 1
+    score: str = "softmax"  # softmax | sigmoid (DeepSeek-V3): the router's scores per expert
+    renormalize: bool = True  # the top-k scores rescaled to sum 1 (the experts' weights)
     aux_loss_coef: float = 0.01  # load-balancing loss (Switch / Megatron); 0 disables
     z_loss_coef: float = 0.0  # router z-loss (ST-MoE), e.g. 1e-3; 0 disables
+    # Aux-loss-free balancing (DeepSeek-V3): a per-expert bias added to the scores for the top-k
+    # choice only, moved by this much each step towards the mean load (e.g. 1e-3); 0 keeps the
+    # bias fixed (a checkpoint's), null: no bias
+    bias_update_rate: float | None = None
+    # Group-limited routing (DeepSeek-V3; Megatron's --moe-router-num-groups, --moe-router-group-
+    # topk): each token's top-k from its max_groups best of num_groups contiguous expert groups
+    num_groups: int | None = None  # expert groups, e.g. the ep degree or nodes; null: none
+    max_groups: int | None = None  # groups one token may use (device-limited routing)
 
 
 @dataclass
@@ -152,7 +161,16 @@ class TrainerConfig:
 
 # Model keys that change what a checkpoint's tensors compute without changing which tensors
 # there are (bias and tie_embeddings do change them).
-FUNCTION_KEYS = ("rope_theta", "norm_eps", "vocab_size", "moe.top_k", "moe.router.renormalize")
+FUNCTION_KEYS = (
+    "rope_theta",
+    "norm_eps",
+    "vocab_size",
+    "moe.top_k",
+    "moe.router.renormalize",
+    "moe.router.score",
+    "moe.router.num_groups",
+    "moe.router.max_groups",
+)
 
 
 @dataclass

@@ -12,11 +12,13 @@ from dataclasses import dataclass
 import torch
 
 from megatronish.checkpoint.format import (
+    BUFFER,
     CheckpointError,
     Metadata,
     read_metadata,
     resolve_step_dir,
 )
+from megatronish.checkpoint.parts import model_buffers
 from megatronish.checkpoint.shard_reader import ShardReader
 from megatronish.hf.common import model_spec
 from megatronish.model.gpt import GPTChunk
@@ -61,7 +63,9 @@ def spec_of(meta: Metadata, where: str) -> ModelSpec:
 def _check_tensors(model: GPTChunk, meta: Metadata, where: str) -> None:
     """Every parameter is in the checkpoint with its shape, and no model tensor is left over."""
     stored = {n[6:]: e.shape for n, e in meta.tensors.items() if n.startswith("model/")}
+    stored.update({n: e.shape for n, e in meta.tensors.items() if n.startswith(BUFFER)})
     wanted = {n: list(p.shape) for n, p in model.named_parameters()}
+    wanted.update({f"{BUFFER}{n}": list(b.shape) for n, b in model_buffers([model]).items()})
     wrong = [
         f"{n}: checkpoint {stored[n]}, model {s}"
         for n, s in wanted.items()
@@ -88,5 +92,7 @@ def load_model(path: str, device: torch.device | str = "cpu", verify: bool = Tru
     )
     _check_tensors(model, meta, step_dir)
     with ShardReader(step_dir, meta, verify=verify) as reader:
-        reader.read_many([(f"model/{n}", None, p.data) for n, p in model.named_parameters()])
+        requests = [(f"model/{n}", None, p.data) for n, p in model.named_parameters()]
+        requests += [(f"{BUFFER}{n}", None, b) for n, b in model_buffers([model]).items()]
+        reader.read_many(requests)
     return Loaded(model.eval(), spec, meta, step_dir)

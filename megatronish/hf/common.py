@@ -53,7 +53,7 @@ MOE_KEYS = (
     "shared_experts",
     "capacity_factor",
 )
-ROUTER_KEYS = ("renormalize", "aux_loss_coef", "z_loss_coef")
+ROUTER_KEYS = ("score", "renormalize", "aux_loss_coef", "z_loss_coef")
 
 
 def _known(cls, values: dict, nested: str | None = None) -> dict:

@@ -57,6 +57,17 @@ def mixtral_config(spec: ModelSpec, llama: dict) -> dict:
             "model.moe.router.renormalize=false: Mixtral always rescales the top-k router "
             "weights to sum to 1"
         )
+    if moe.score != "softmax":
+        problems.append(f"model.moe.router.score={moe.score}: Mixtral's router is a softmax")
+    if moe.bias_update_rate is not None:
+        problems.append(
+            f"model.moe.router.bias_update_rate={moe.bias_update_rate}: Mixtral's router has "
+            "no expert bias"
+        )
+    if moe.num_groups is not None:
+        problems.append(
+            f"model.moe.router.num_groups={moe.num_groups}: Mixtral routes without expert groups"
+        )
     if spec.bias:
         problems.append("model.bias=true: Mixtral's linear layers have no biases")
     if problems:
@@ -108,9 +119,13 @@ def moe_config(hf: dict, seq_length: int) -> dict:
         # megatronish's (Megatron-LM's) is per layer, divided by k and summed (the number of
         # MoE layers at balance).
         "router": {
+            "score": "softmax",
             "renormalize": True,
             "aux_loss_coef": float(hf.get("router_aux_loss_coef", 0.001)),
             "z_loss_coef": 0.0,
+            "bias_update_rate": None,  # no expert bias
+            "num_groups": None,
+            "max_groups": None,
         },
     }
 

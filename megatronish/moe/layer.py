@@ -95,13 +95,23 @@ class MoELayer(nn.Module):
         # Since the last reset: assignments per expert, balancing loss, z-loss, dropped slots
         # (this rank's parts; summed over ranks they are the step's totals).
         self.stats = torch.zeros(moe.num_experts + 3, dtype=torch.float64, device=device)
+        # Aux-loss-free balancing's bias (fp32, the same on every rank: moved only by
+        # :func:`~megatronish.moe.balancing.update_expert_bias` from the global counts).
+        bias = None
+        if moe.bias_update_rate is not None:
+            bias = torch.zeros(moe.num_experts, dtype=torch.float32, device=device)
+        self.expert_bias: torch.Tensor | None
+        self.register_buffer("expert_bias", bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         moe, tp, ep = self.moe, self.tp, self.ep.group
         s, b, h = x.shape
         store = self.weight_grad_store
         logits = linear(x.reshape(-1, h).float(), self.router.float(), store=store)
-        probs, weights, experts = route(logits, moe.top_k, moe.renormalize)
+        groups = None if moe.num_groups is None else (moe.num_groups, moe.max_groups)
+        probs, weights, experts = route(
+            logits, moe.top_k, moe.renormalize, moe.score, self.expert_bias, groups
+        )
         tokens = x.reshape(-1, h)
         all_weights, all_experts = weights, experts
         if tp.sequence_parallel:  # the microbatch's tokens (of this cp rank) on every tp rank

@@ -1,6 +1,6 @@
 """What the trainer does with the mixture-of-experts blocks of its chunks (found once, by
-:func:`moe_layers`): the auxiliary losses' gradient scale, and the routing statistics of a step
-(tokens per expert, losses, drops)."""
+:func:`moe_layers`): the auxiliary losses' gradient scale, the expert biases' update after the
+backward, and the routing statistics of a step (tokens per expert, losses, drops)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ import torch
 from torch import nn
 
 from megatronish.distributed.comm import ParallelGroup, all_reduce
+from megatronish.moe.balancing import global_loads, update_expert_bias
 from megatronish.moe.layer import AUX, DROPPED, MoELayer, Z
+from megatronish.spec import ModelSpec
 
 
 def moe_layers(chunks: list[nn.Module]) -> list[MoELayer]:
@@ -22,6 +24,18 @@ def start_step(layers: list[MoELayer], loss_scale: float) -> None:
     for layer in layers:
         layer.loss_scale = loss_scale
         layer.stats.zero_()
+
+
+def after_backward(
+    layers: list[MoELayer], spec: ModelSpec, world: ParallelGroup, device: torch.device
+) -> None:
+    """After a step's forward and backward, before the next forward: aux-loss-free balancing
+    moves the expert biases (:mod:`~megatronish.moe.balancing`; collective over ``world`` when
+    ``model.moe.router.bias_update_rate`` > 0, nothing otherwise)."""
+    rate = spec.moe.bias_update_rate if spec.moe is not None else None
+    if rate:
+        loads = global_loads(layers, spec.num_layers, spec.moe.num_experts, world, device)
+        update_expert_bias(layers, loads, rate)
 
 
 def step_metrics(

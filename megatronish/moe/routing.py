@@ -12,20 +12,52 @@ import torch
 
 
 def route(
-    logits: torch.Tensor, top_k: int, renormalize: bool = True
+    logits: torch.Tensor,
+    top_k: int,
+    renormalize: bool = True,
+    score: str = "softmax",
+    bias: torch.Tensor | None = None,
+    groups: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(probs [T, E], weights [T, k], experts [T, k])`` of router ``logits`` ``[T, E]``.
 
-    ``probs`` is the softmax over every expert (fp32); ``experts`` the ``top_k`` most probable,
-    in descending order, and ``weights`` their probabilities, rescaled to sum to 1 when
-    ``renormalize`` (Mixtral's router).
+    The scores are the softmax over every expert or each expert's sigmoid (``score``, fp32).
+    ``experts`` are the ``top_k`` highest of ``scores + bias`` in descending order (``bias``:
+    the aux-loss-free balancing bias, DeepSeek-V3's, which picks experts and weighs nothing);
+    with ``groups = (num_groups, max_groups)`` only from each token's ``max_groups`` best groups
+    of contiguous experts, a group scored by the sum of its ``top_k / max_groups`` highest.
+    ``weights`` are the chosen experts' scores, rescaled to sum to 1 when ``renormalize``.
+    ``probs`` is what the balancing loss weighs: the softmax, or the sigmoids normalised to sum
+    to 1 per token (Megatron-LM's rule for the sigmoid).
     """
-    probs = torch.softmax(logits.float(), dim=-1)
-    ordered, order = torch.sort(probs, dim=-1, descending=True, stable=True)
-    weights, experts = ordered[:, :top_k], order[:, :top_k]
+    if score == "sigmoid":
+        scores = torch.sigmoid(logits.float())
+        probs = scores / scores.sum(dim=-1, keepdim=True)
+    else:
+        scores = probs = torch.softmax(logits.float(), dim=-1)
+    choice = scores.detach() if bias is None else scores.detach() + bias
+    if groups is not None:
+        choice = _best_groups_only(choice, top_k, *groups)
+    order = torch.sort(choice, dim=-1, descending=True, stable=True)[1]
+    experts = order[:, :top_k]
+    weights = scores.gather(-1, experts)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return probs, weights, experts
+
+
+def _best_groups_only(
+    choice: torch.Tensor, top_k: int, num_groups: int, max_groups: int
+) -> torch.Tensor:
+    """``choice`` with every expert outside each token's ``max_groups`` best groups at -inf
+    (Megatron-LM's group-limited top-k; ties between groups go to the lower group)."""
+    tokens, experts = choice.shape
+    per_group = choice.view(tokens, num_groups, experts // num_groups)
+    best_in_group = torch.sort(per_group, dim=-1, descending=True, stable=True)[0]
+    group_scores = best_in_group[..., : top_k // max_groups].sum(dim=-1)
+    chosen = torch.sort(group_scores, dim=-1, descending=True, stable=True)[1][:, :max_groups]
+    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, chosen, True)
+    return per_group.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(tokens, experts)
 
 
 def load_balancing_loss(

@@ -80,8 +80,9 @@ def mlp_bytes(spec: ModelSpec, layout: Layout) -> int:
     """Bytes a mixture-of-experts MLP keeps for backward per microbatch, in place of the dense
     MLP's (its input saved by the first linear and its intermediates):
 
-    the router's fp32 input ``T_r h`` (and its weight's fp32 copy under bf16), logits, softmax
-    and sort (values and int64 indices) ``T_r E`` each, the logsumexp of the z-loss; the
+    the router's fp32 input ``T_r h`` (and its weight's fp32 copy under bf16), logits, scores
+    and the sort's int64 indices ``T_r E`` each, the chosen scores ``T_r k``, the logsumexp of
+    the z-loss; the
     dispatch indices (``2 N`` int64, twice more under ep), the rows each expert computes
     ``N h``, SwiGLU's ``4 N f'`` (GELU ``2 N f'``), the rows coming back ``N h`` and the slots
     weighted in combine ``T k h`` with their weights; shared experts as a dense MLP of
@@ -91,9 +92,11 @@ def mlp_bytes(spec: ModelSpec, layout: Layout) -> int:
     own = tokens // t if layout.sequence_parallel else tokens  # T_r
     width = 4 if spec.is_llama else 2
     router = own * spec.hidden_size * FP32 + (moe.num_experts * h * FP32 if e < FP32 else 0)
-    sort_values = moe.renormalize or t == 1
-    routing = own * moe.num_experts * (FP32 + FP32 + INT64 + (FP32 if sort_values else 0))
+    routing = own * moe.num_experts * (FP32 + FP32 + INT64)  # logits, scores, sort indices
+    # the chosen scores: saved by the rescaling, or by combine itself when there is no tp gather
+    routing += own * moe.top_k * FP32 * (int(moe.renormalize) + int(t == 1))
     routing += own * FP32 * (2 if moe.renormalize else 1)  # logsumexp, the top-k sum
+    routing += own * FP32 if moe.score == "sigmoid" else 0  # the sigmoids' sum (balancing loss)
     index = rows * INT64 * (4 if layout.ep > 1 else 2)
     experts = rows * h * e + rows * (moe.ffn_hidden_size // t) * width * e
     combine = rows * h * e + tokens * moe.top_k * (h * e + e)  # returned rows, slots, weights

@@ -73,6 +73,7 @@ class LayoutRun:
     params: dict[str, torch.Tensor] = field(default_factory=dict)  # full tensors (see below)
     stats: dict = field(default_factory=dict)  # CommStats summary of the training steps
     state_bytes: dict = field(default_factory=dict)  # params / grads / optimizer bytes held
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)  # this rank's model buffers
 
 
 def test_config(overrides: list[str], steps: int):
@@ -169,6 +170,7 @@ def train_layout(
     """
     from megatronish.checkpoint.gather import gather_tp_params
     from megatronish.checkpoint.load import load_into
+    from megatronish.checkpoint.parts import model_buffers
     from megatronish.checkpoint.save import CheckpointSaver
 
     extra = [f"checkpoint.dir={save}"] if save else []
@@ -205,6 +207,7 @@ def train_layout(
         params=params if keep else {},
         stats=stats,
         state_bytes=held,
+        buffers={n: b.detach().clone() for n, b in model_buffers(chunks).items()},
     )
 
 

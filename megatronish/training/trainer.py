@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from megatronish.checkpoint.host_copies import HostCopies, StreamCopies
-from megatronish.checkpoint.parts import CheckpointParts
+from megatronish.checkpoint.parts import CheckpointParts, model_buffers
 from megatronish.checkpoint.save import CheckpointSaver, Saving
 from megatronish.config.derived import Derived
 from megatronish.config.pipeline_rules import (
@@ -160,6 +160,7 @@ class Trainer:
             settle=self.settle,
             drop_unsettled=self._drop_unsettled,
             log=lambda line: self.logger.info(line),
+            buffers=model_buffers(chunks),
         )
         self.saver = (
             None
@@ -287,6 +288,7 @@ class Trainer:
             self.chunks, batches, loss_scale=1.0 / len(batches), param_hooks=self.zero
         )
         self.zero.finish_reduction()
+        moe.after_backward(self.moe_layers, self.spec, self.topo.world_group, self.topo.device)
         self.timers.start("optimizer", "optimizer")  # grad norm, clipping and the update
         # The previous step. On CUDA the host waits for that step's copy event, i.e. for its
         # own forward, backward and norm (done, or running with this step's work queued behind

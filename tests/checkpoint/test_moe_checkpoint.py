@@ -1,10 +1,14 @@
 """Mixture-of-experts checkpoints: experts stored by global expert index, saved at one
 ep / tp / pp / ZeRO layout and loaded at any other, continuing the run of one process."""
 
+from dataclasses import replace
+
 import pytest
+import torch
 
 from megatronish.checkpoint.format import CheckpointError, read_metadata, resolve_step_dir
 from megatronish.checkpoint.load import load_into
+from megatronish.generate.session import load_model
 from megatronish.testing.compare import assert_parity
 from megatronish.testing.multiproc import run_world
 from megatronish.testing.runs import build_trainer, losses_of, merge_params, train_layout
@@ -91,7 +95,6 @@ def _check_expert_pieces(ckpt_dir, meta, gathered):
     together from the pieces at their offsets, are the experts gathered over ep by rank."""
     import os
 
-    import torch
     from safetensors.torch import load_file
 
     step_dir = resolve_step_dir(ckpt_dir)
@@ -115,3 +118,59 @@ def _check_expert_pieces(ckpt_dir, meta, gathered):
         assert not whole.isnan().any(), name  # every row of every expert written
         if name.startswith("model/"):
             assert torch.equal(whole, gathered[name.removeprefix("model/")]), name
+
+
+# -- the expert biases of aux-loss-free balancing -------------------------------------------
+BALANCED = [*MOE, "model.moe.router.score=sigmoid", "model.moe.router.bias_update_rate=0.01"]
+
+
+def test_expert_biases_are_saved_once_and_resume_in_another_layout(tmp_path):
+    """Saved whole by one rank per stage, read by every rank of another layout: the resumed run
+    tracks one uninterrupted process and ends with its biases bit for bit."""
+    layout = ["parallel.ep=2", "parallel.tp=2", "parallel.sp=true"]
+    saved = run_world(train_layout, 4, [*BALANCED, *layout], STOP, None, str(tmp_path))
+    meta = read_metadata(resolve_step_dir(str(tmp_path)))
+    biases = sorted(n for n in meta.tensors if n.startswith("buffer/"))
+    assert biases == [f"buffer/layers.{i}.mlp.expert_bias" for i in range(4)]
+    assert all(len(meta.tensors[n].shards) == 1 for n in biases)
+    resumed = train_layout(0, 1, BALANCED, END, load=str(tmp_path))
+    straight = train_layout(0, 1, BALANCED, END)
+    joined = losses_of(saved) + resumed.losses
+    norms = saved[0].grad_norms + resumed.grad_norms
+    got = [type(straight)(losses=joined, grad_norms=norms, params=resumed.params)]
+    assert_parity([straight], got)
+    assert resumed.buffers.keys() == straight.buffers.keys()
+    for name, bias in straight.buffers.items():
+        assert torch.equal(resumed.buffers[name], bias), name
+
+
+def test_same_layout_resume_with_expert_biases_is_bit_identical(tmp_path):
+    saved = train_layout(0, 1, BALANCED, STOP, save=str(tmp_path))
+    resumed = train_layout(0, 1, BALANCED, END, load=str(tmp_path))
+    straight = train_layout(0, 1, BALANCED, END)
+    assert saved.losses + resumed.losses == straight.losses
+    assert all(torch.equal(resumed.params[n], p) for n, p in straight.params.items())
+    assert all(torch.equal(resumed.buffers[n], b) for n, b in straight.buffers.items())
+    model = load_model(str(tmp_path)).model  # generation routes with the saved biases too
+    for name, bias in model.named_buffers():
+        assert torch.equal(bias, saved.buffers[name]), name
+
+
+def test_expert_bias_changes_on_load(tmp_path):
+    """A checkpoint with biases does not load into a model without them (its routing would
+    change unseen); a run that turns the bias on starts it from zero, and says so."""
+    train_layout(0, 1, BALANCED, 2, save=str(tmp_path / "biased"))
+    plain = build_trainer(0, 1, [*MOE, "model.moe.router.score=sigmoid"], 3)
+    with pytest.raises(CheckpointError, match=r"not in this model: buffer/layers.0.mlp.expert_b"):
+        load_into(plain.checkpoint_parts, str(tmp_path / "biased"))
+    with pytest.raises(CheckpointError, match="set model.moe.router.bias_update_rate"):
+        load_into(plain.checkpoint_parts, str(tmp_path / "biased"))
+    train_layout(0, 1, [*MOE, "model.moe.router.score=sigmoid"], 2, save=str(tmp_path / "plain"))
+    biased = build_trainer(0, 1, BALANCED, 3)
+    for layer in biased.moe_layers:
+        layer.expert_bias.fill_(1.0)
+    lines = []
+    load_into(replace(biased.checkpoint_parts, log=lines.append), str(tmp_path / "plain"))
+    assert all(not layer.expert_bias.any() for layer in biased.moe_layers)
+    assert len(lines) == 1 and "holds no layers.0.mlp.expert_bias" in lines[0], lines
+    assert "starting from zero" in lines[0]

@@ -52,8 +52,9 @@ def tool(name: str):
 
 def our_config(arch: str = "llama", bias: bool = False, **moe) -> dict:
     """A tiny mixture-of-experts ``model`` config section as a plain dict."""
+    router_keys = ("renormalize", "score", "bias_update_rate", "num_groups", "max_groups")
     router = RouterConfig(
-        aux_loss_coef=MOE["aux_loss_coef"], renormalize=moe.pop("renormalize", True)
+        aux_loss_coef=MOE["aux_loss_coef"], **{k: moe.pop(k) for k in router_keys if k in moe}
     )
     group = MoEConfig(
         num_experts=MOE["num_experts"],
@@ -219,7 +220,15 @@ def test_import_records_the_moe_group():
         "ffn_hidden_size": 24,
         "shared_experts": 0,
         "capacity_factor": None,
-        "router": {"renormalize": True, "aux_loss_coef": 0.02, "z_loss_coef": 0.0},
+        "router": {
+            "score": "softmax",
+            "renormalize": True,
+            "aux_loss_coef": 0.02,
+            "z_loss_coef": 0.0,
+            "bias_update_rate": None,
+            "num_groups": None,
+            "max_groups": None,
+        },
     }
     assert (cfg["ffn_hidden_size"], cfg["rope_theta"], cfg["norm_eps"]) == (24, 5e5, 1e-6)
 
@@ -252,6 +261,15 @@ REFUSED = {
     "shared": ({"shared_experts": 1}, "model.moe.shared_experts=1: Mixtral has no always-on"),
     "renormalize": ({"renormalize": False}, "model.moe.router.renormalize=false: Mixtral"),
     "bias": ({"bias": True}, "model.bias=true: Mixtral's linear layers have no biases"),
+    "sigmoid": ({"score": "sigmoid"}, "model.moe.router.score=sigmoid: Mixtral's router is a"),
+    "expert-bias": (
+        {"bias_update_rate": 0.0},
+        "model.moe.router.bias_update_rate=0.0: Mixtral's router has no expert bias",
+    ),
+    "groups": (
+        {"num_groups": 2, "max_groups": 1},
+        "model.moe.router.num_groups=2: Mixtral routes without expert groups",
+    ),
 }
 
 

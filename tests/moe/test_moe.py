@@ -419,8 +419,8 @@ def _starved(rank, world):
     zero grads."""
     import megatronish.moe.layer as layer
 
-    def first_two(logits, top_k, renormalize=True):
-        probs, weights, _ = route(logits, top_k, renormalize)
+    def first_two(logits, top_k, *args):
+        probs, weights, _ = route(logits, top_k, *args)
         return probs, weights, torch.tensor([0, 1]).expand(logits.shape[0], 2)
 
     layer.route = first_two  # this process only: the ranks are forked

@@ -210,6 +210,15 @@ MOE_LAYOUTS = {
     "ep2": [*MOE, "parallel.ep=2"],
     "ep2-capacity": [*MOE, "parallel.ep=2", "model.moe.capacity_factor=1.0"],
     "tp2-sp": [*MOE, "parallel.tp=2", "parallel.sp=true"],  # ep = 1: no all-to-all
+    # DeepSeek-V3's router: the bias's update after the backward reads nothing on the host
+    "ep2-balanced": [
+        *MOE,
+        "parallel.ep=2",
+        "model.moe.router.score=sigmoid",
+        "model.moe.router.bias_update_rate=0.001",
+        "model.moe.router.num_groups=2",
+        "model.moe.router.max_groups=1",
+    ],
 }
 
 

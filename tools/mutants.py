@@ -7,7 +7,7 @@ is restored. The table says which test failed first, or SURVIVED. The exit code 
 mutant survived or no longer applies (its source line changed: update the mutant).
 
 Examples:
-    python tools/mutants.py                 # all 72, about 6 minutes on 2 cores
+    python tools/mutants.py                 # all 76, about 6 minutes on 2 cores
     python tools/mutants.py --only loss-scale rng-restore
     python tools/mutants.py --list
     python tools/mutants.py --check         # edits apply, named tests exist; no test runs (CI)
@@ -412,7 +412,7 @@ MUTANTS = [
         "moe-drops-every-tp-rank",
         "dropped slots counted on every tp rank",
         "megatronish/moe/layer.py",
-        (("self.tp.group.rank == 0", "True"),),
+        (("dropped if tp.group.rank == 0 else None", "dropped"),),
         (f"{MOE}::test_routing_metrics_under_tp_and_sp_equal_one_process",),
     ),
     Mutant(
@@ -711,6 +711,55 @@ MUTANTS = [
         "megatronish/checkpoint/snapshot.py",
         (("    for name, buf in parts.buffers.items():", "    for name, buf in {}.items():"),),
         (f"{MOE_CKPT}::test_same_layout_resume_with_expert_biases_is_bit_identical",),
+    ),
+    Mutant(
+        "ep-first-no-tp-sum",
+        "Megatron's order returns each tp rank's partial expert outputs without summing over tp",
+        "megatronish/moe/dispatch.py",
+        (
+            (
+                "        return reduce_scatter_uneven(x.clone(), group, sizes)",
+                "        return x.split(sizes)[group.rank].clone()",
+            ),
+        ),
+        (f"{MOE}::test_expert_parallel_matches_one_process[ep2-tp2-sp-ep-first]",),
+    ),
+    Mutant(
+        "ep-first-own-rows-only",
+        "Megatron's order gathers each tp rank's received rows with its own count for every rank",
+        "megatronish/moe/dispatch.py",
+        (
+            (
+                "    tp_sizes = [sum(got[r * num_experts : (r + 1) * num_experts]) for r in "
+                "range(tp.size)]",
+                "    tp_sizes = [sum(mine)] * tp.size",
+            ),
+        ),
+        (f"{MOE}::test_expert_parallel_matches_one_process[ep2-tp2-sp-ep-first]",),
+    ),
+    Mutant(
+        "ep-first-plan-keeps-mlp-collectives",
+        "the planner still counts a dense MLP's sequence-parallel collectives in Megatron's order",
+        "megatronish/plan/moe.py",
+        (
+            (
+                "    not_gathered = 2 * blocks.moe + blocks.redo  # the dense MLP's input gathers",
+                "    not_gathered = 0",
+            ),
+        ),
+        ("tests/plan/test_plan_moe.py::test_planned_moe_communication_matches_commstats",),
+    ),
+    Mutant(
+        "shared-overlap-waits-first",
+        "the rows' all-to-all is waited before the shared experts run: nothing overlaps",
+        "megatronish/moe/dispatch.py",
+        (
+            (
+                "    result = during()\n    pending[0].wait()\n",
+                "    pending[0].wait()\n    result = during()\n",
+            ),
+        ),
+        ("tests/moe/test_moe_overlap.py::test_the_shared_experts_run_while_the_tokens_travel",),
     ),
     Mutant(
         "group-score-top1",

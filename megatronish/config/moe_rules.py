@@ -8,6 +8,7 @@ if TYPE_CHECKING:
     from megatronish.config.schema import RouterConfig, TrainConfig
 
 SCORES = ("softmax", "sigmoid")  # model.moe.router.score
+DISPATCH_ORDERS = ("tp_first", "ep_first")  # parallel.moe_dispatch_order
 
 
 def moe_errors(cfg: TrainConfig, dp: int) -> list[str]:
@@ -17,6 +18,12 @@ def moe_errors(cfg: TrainConfig, dp: int) -> list[str]:
     errors: list[str] = []
     if p.ep < 1:
         return [f"parallel.ep={p.ep} must be >= 1"]
+    if p.moe_dispatch_order not in DISPATCH_ORDERS:
+        errors.append(
+            f"parallel.moe_dispatch_order={p.moe_dispatch_order} is not one of "
+            f"{', '.join(DISPATCH_ORDERS)} (tp_first: gather over tp, then the all-to-all over "
+            "ep; ep_first: Megatron-LM's, the all-to-all first)"
+        )
     if moe.num_experts < 0:
         return [f"model.moe.num_experts={moe.num_experts} must be >= 0 (0: a dense model)"]
     if moe.num_experts == 0:

@@ -71,6 +71,12 @@ class ParallelConfig:
     # and zbv (vpp=2, chunks in a V) split each backward into B and W to fill the bubble
     pipeline_schedule: str | None = None
     ep: int = 1  # expert parallel: experts split over ep ranks carved out of dp x cp
+    # tp_first | ep_first: with tp > 1, gather the tokens over tp then exchange them over ep, or
+    # (Megatron-LM's order) exchange each tp rank's own tokens, then gather the rows over tp
+    moe_dispatch_order: str = "tp_first"
+    # run the shared experts' forward while the tokens travel to the experts (their all-to-all
+    # posted first, waited after; Megatron-LM's --moe-shared-expert-overlap)
+    moe_shared_expert_overlap: bool = True
     dp: int | None = None  # null: world_size / (tp * cp * pp)
     sp: bool = False  # sequence parallel: norms and dropout on sequence shards over tp
     zero_stage: int = 0  # ZeRO: 1 shards optimizer states over dp, 2 also grads, 3 also params

@@ -266,22 +266,61 @@ def reduce_scatter_into(
     return _named(work, group, "reduce_scatter")
 
 
+def all_gather_uneven(t: torch.Tensor, group: ParallelGroup, sizes: list[int]) -> torch.Tensor:
+    """Every member's ``t`` (``sizes[j]`` rows from member ``j``) concatenated along dim 0, as
+    Megatron-LM's gather with ``output_split_sizes``: one ``all_gather`` of uneven views on
+    NCCL; on gloo, which refuses uneven sizes, one broadcast per member."""
+    if group.size == 1:
+        return t
+    t = t.contiguous()
+    out = t.new_empty((sum(sizes), *t.shape[1:]))
+    group.record("all_gather", out)
+    with named_failures(group, "all_gather"):
+        if dist.get_backend(group.handle()) == "gloo":
+            gather_by_broadcasts(out, t, group, async_op=False, sizes=sizes)
+        else:
+            dist.all_gather(list(out.split(sizes)), t, group=group.handle())
+    return out
+
+
+def reduce_scatter_uneven(t: torch.Tensor, group: ParallelGroup, sizes: list[int]) -> torch.Tensor:
+    """The sum over members of this member's rows of ``t`` (``sizes[j]`` rows for member ``j``,
+    in order along dim 0): one ``reduce_scatter`` of uneven views on NCCL, one reduce per member
+    on gloo. ``t`` itself may be overwritten."""
+    if group.size == 1:
+        return t
+    t = t.contiguous()
+    out = t.new_empty((sizes[group.rank], *t.shape[1:]))
+    group.record("reduce_scatter", t)
+    with named_failures(group, "reduce_scatter"):
+        if dist.get_backend(group.handle()) == "gloo":
+            scatter_by_reduces(out, t, group, async_op=False, sizes=sizes)
+        else:
+            dist.reduce_scatter(out, list(t.split(sizes)), group=group.handle())
+    return out
+
+
 def all_to_all(
     out: torch.Tensor,
     t: torch.Tensor,
     group: ParallelGroup,
     out_splits: list[int],
     in_splits: list[int],
-) -> torch.Tensor:
+    async_op: bool = False,
+):
     """Send rows ``in_splits[j]`` of ``t`` (dim 0, in order) to member ``j`` and receive
-    ``out_splits[j]`` rows from member ``j`` into ``out`` (expert parallelism's token exchange).
+    ``out_splits[j]`` rows from member ``j`` into ``out`` (expert parallelism's token exchange);
+    returns ``out`` (or a work handle when ``async_op``: ``out`` is filled once it is waited).
     The bytes counted are the whole of ``t``, the rows a rank keeps included."""
     if group.size == 1:
-        return out.copy_(t)
+        out.copy_(t)
+        return None if async_op else out
     group.record("all_to_all", t)
     with named_failures(group, "all_to_all"):
-        dist.all_to_all_single(out, t.contiguous(), out_splits, in_splits, group=group.handle())
-    return out
+        work = dist.all_to_all_single(
+            out, t.contiguous(), out_splits, in_splits, group=group.handle(), async_op=async_op
+        )
+    return _named(work, group, "all_to_all") if async_op else out
 
 
 def broadcast(t: torch.Tensor, group: ParallelGroup, src_index: int = 0) -> torch.Tensor:

@@ -48,10 +48,15 @@ def decomposes(group: ParallelGroup) -> bool:
 
 
 def gather_by_broadcasts(
-    out: torch.Tensor, shard: torch.Tensor, group: ParallelGroup, async_op: bool
+    out: torch.Tensor,
+    shard: torch.Tensor,
+    group: ParallelGroup,
+    async_op: bool,
+    sizes: list[int] | None = None,
 ) -> WorkGroup | None:
-    """``out`` = every member's ``shard`` in member order (all-gather into a flat buffer)."""
-    slices = out.chunk(group.size)
+    """``out`` = every member's ``shard`` in member order (all-gather along dim 0); ``sizes``:
+    each member's rows when they differ (else equal slices)."""
+    slices = out.chunk(group.size) if sizes is None else out.split(sizes)
     mine = slices[group.rank]
     if mine.data_ptr() != shard.data_ptr():
         mine.copy_(shard)
@@ -68,10 +73,15 @@ def gather_by_broadcasts(
 
 
 def scatter_by_reduces(
-    out: torch.Tensor, full: torch.Tensor, group: ParallelGroup, async_op: bool
+    out: torch.Tensor,
+    full: torch.Tensor,
+    group: ParallelGroup,
+    async_op: bool,
+    sizes: list[int] | None = None,
 ) -> WorkGroup | None:
-    """``out`` = the sum over members of this member's slice of ``full`` (a reduce-scatter)."""
-    slices = full.chunk(group.size)
+    """``out`` = the sum over members of this member's slice of ``full`` (a reduce-scatter along
+    dim 0); ``sizes``: each member's rows when they differ (else equal slices)."""
+    slices = full.chunk(group.size) if sizes is None else full.split(sizes)
     mine = slices[group.rank]
     pg = group.handle()
     works = [

@@ -16,6 +16,8 @@ needs in one copy); the routing statistics (``stats``) stay on the device until 
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -24,7 +26,7 @@ from torch import nn
 from megatronish.context_parallel.attention import CPContext
 from megatronish.distributed.comm import all_gather_dim0, all_reduce
 from megatronish.moe.context import EPContext
-from megatronish.moe.dispatch import combine, dispatch
+from megatronish.moe.dispatch import combine, dispatch, dispatch_ep_first
 from megatronish.moe.experts import GroupedExperts
 from megatronish.moe.routing import (
     count_per_expert,
@@ -90,6 +92,7 @@ class MoELayer(nn.Module):
         local = moe.num_experts // ep.size
         self.experts = GroupedExperts(spec, tp.size, local, ep.rank * local, device)
         self.shared = shared
+        self.ep_first = ep.dispatch_order == "ep_first"  # Megatron's order (tp > 1 only)
         self.weight_grad_store: WeightGradStore | None = None  # the router's
         self.loss_scale = 1.0  # the language-model loss's scale per microbatch (the trainer's)
         # Since the last reset: assignments per expert, balancing loss, z-loss, dropped slots
@@ -112,6 +115,8 @@ class MoELayer(nn.Module):
         probs, weights, experts = route(
             logits, moe.top_k, moe.renormalize, moe.score, self.expert_bias, groups
         )
+        if tp.sequence_parallel and self.ep_first:
+            return self._forward_ep_first(x, logits, probs, weights, experts)
         tokens = x.reshape(-1, h)
         all_weights, all_experts = weights, experts
         if tp.sequence_parallel:  # the microbatch's tokens (of this cp rank) on every tp rank
@@ -126,15 +131,59 @@ class MoELayer(nn.Module):
         order, counts, dropped = sort_assignments(
             all_experts, all_weights, moe.num_experts, capacity
         )
-        rows, record = dispatch(tokens, order, counts, moe.top_k, ep)  # the one host read
+        during = self._shared_during(x)
+        rows, record = dispatch(tokens, order, counts, moe.top_k, ep, during)  # one host read
         outputs = self.experts(rows, record.local_counts, offsets=record.local_ends)
         out = combine(outputs, record, all_weights, ep).view(-1, b, h)
         if tp.sequence_parallel:
             out = reduce_scatter_to_sp(out, tp.group)
         if self.shared is not None:
-            out = out + self.shared(x)
+            out = out + (record.during_result if during else self.shared(x))
         if self.training and torch.is_grad_enabled():
-            out = self._auxiliary_losses(out, logits, probs, all_experts, experts, dropped)
+            counts = count_per_expert(all_experts, moe.num_experts)
+            dropped = dropped if tp.group.rank == 0 else None  # every tp rank drops alike
+            out = self._auxiliary_losses(out, logits, probs, counts, experts, dropped)
+        return out
+
+    def _shared_during(self, x: torch.Tensor) -> Callable[[], torch.Tensor] | None:
+        """The shared experts' forward, to run while the tokens travel over ep
+        (``parallel.moe_shared_expert_overlap``); None when there are none, nothing travels or
+        the overlap is off."""
+        if self.shared is None or self.ep.size == 1 or not self.ep.overlap_shared:
+            return None
+        return functools.partial(self.shared, x)
+
+    def _forward_ep_first(
+        self,
+        x: torch.Tensor,
+        logits: torch.Tensor,
+        probs: torch.Tensor,
+        weights: torch.Tensor,
+        experts: torch.Tensor,
+    ) -> torch.Tensor:
+        """Megatron-LM's dispatch order (``parallel.moe_dispatch_order=ep_first``): this tp
+        rank's own tokens go over ep, the received rows are gathered over tp, the experts'
+        tp-partial outputs are reduce-scattered back and return over ep to this rank's tokens,
+        so the block's output is the sequence shard with no reduce-scatter of its own."""
+        moe, tp = self.moe, self.tp
+        s, b, h = x.shape
+        tokens = x.reshape(-1, h)
+        capacity = None  # over this rank's own tokens, as each Megatron rank drops its own
+        if moe.capacity_factor is not None:
+            capacity = expert_capacity(
+                tokens.shape[0], moe.num_experts, moe.top_k, moe.capacity_factor
+            )
+        order, counts, dropped = sort_assignments(experts, weights, moe.num_experts, capacity)
+        during = self._shared_during(x)
+        rows, record, tp_counts = dispatch_ep_first(
+            tokens, order, counts, moe.top_k, self.ep.group, tp.group, during
+        )  # the one host read
+        outputs = self.experts(rows, record.local_counts, offsets=record.local_ends)
+        out = combine(outputs, record, weights, self.ep.group).view(s, b, h)
+        if self.shared is not None:
+            out = out + (record.during_result if during else self.shared(x))
+        if self.training and torch.is_grad_enabled():
+            out = self._auxiliary_losses(out, logits, probs, tp_counts, experts, dropped)
         return out
 
     def _auxiliary_losses(
@@ -142,14 +191,15 @@ class MoELayer(nn.Module):
         out: torch.Tensor,
         logits: torch.Tensor,
         probs: torch.Tensor,
-        all_experts: torch.Tensor,
+        counts: torch.Tensor,
         experts: torch.Tensor,
-        dropped: torch.Tensor,
+        dropped: torch.Tensor | None,
     ):
-        """Attach the balancing and z losses to ``out``'s gradient; record the step's stats."""
+        """Attach the balancing and z losses to ``out``'s gradient; record the step's stats.
+        ``counts``: the assignments per expert of this cp rank's tokens of the microbatch (every
+        tp rank's); ``dropped``: the slots this rank counts as dropped (None: another rank)."""
         moe, cp = self.moe, self.cp
-        total = all_experts.shape[0] * cp.size  # the microbatch's tokens, every cp chunk
-        counts = count_per_expert(all_experts, moe.num_experts)
+        total = experts.shape[0] * self.tp.size * cp.size  # the microbatch's tokens
         all_reduce(counts, cp.group)
         aux = load_balancing_loss(probs, counts, total, moe.top_k, moe.aux_loss_coef)
         zl = z_loss(logits, total, moe.z_loss_coef)
@@ -162,6 +212,6 @@ class MoELayer(nn.Module):
                 self.stats[: moe.num_experts] += mine.to(self.stats.dtype)
                 self.stats[AUX] += aux.detach().double()
                 self.stats[Z] += zl.detach().double()
-                if self.tp.group.rank == 0:  # every tp rank drops the same slots
+                if dropped is not None:
                     self.stats[DROPPED] += dropped.to(self.stats.dtype)
         return out

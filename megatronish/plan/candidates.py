@@ -17,6 +17,7 @@ recompute is ``uniform`` with one layer per checkpointed group (Megatron's defau
 from __future__ import annotations
 
 import copy
+import itertools
 from collections.abc import Iterator
 from types import SimpleNamespace
 
@@ -57,6 +58,7 @@ def _with_layout(view: SimpleNamespace, layout: Layout) -> SimpleNamespace:
     p.cp, p.ep = layout.cp, layout.ep
     p.zero_stage, p.pipeline_layer_split = layout.zero_stage, None
     p.pipeline_schedule = layout.pipeline_schedule
+    p.moe_dispatch_order = layout.moe_dispatch_order
     t = SimpleNamespace(**vars(view.trainer))
     t.micro_batch_size, t.recompute = layout.micro_batch_size, layout.recompute
     t.recompute_method, t.recompute_num_layers = layout.recompute_method, 1
@@ -86,6 +88,12 @@ def schedules(pp: int, vpp: int) -> list[str | None]:
     return [None, ZERO_BUBBLE[vpp]]
 
 
+def dispatch_orders(tp: int, sp: bool, num_experts: int) -> tuple[str, ...]:
+    """The mixture-of-experts dispatch orders a candidate may use: both under tp > 1 with sp
+    (the only case where they differ), else the default."""
+    return ("tp_first", "ep_first") if num_experts and tp > 1 and sp else ("tp_first",)
+
+
 def _shapes(
     base: Layout, world_size: int, num_layers: int, num_experts: int = 0
 ) -> Iterator[Layout]:
@@ -100,7 +108,9 @@ def _shapes(
                     for mbs in (b for b in sizes if b * dp <= base.global_batch_size):
                         for sp in (False, True) if tp > 1 else (False,):
                             for ep in expert_parallel_sizes(num_experts, dp * cp):
-                                for schedule in schedules(pp, vpp):
+                                for schedule, order in itertools.product(
+                                    schedules(pp, vpp), dispatch_orders(tp, sp, num_experts)
+                                ):
                                     yield base.with_(
                                         tp=tp,
                                         cp=cp,
@@ -111,6 +121,7 @@ def _shapes(
                                         micro_batch_size=mbs,
                                         ep=ep,
                                         pipeline_schedule=schedule,
+                                        moe_dispatch_order=order,
                                     )
 
 
@@ -153,6 +164,8 @@ def _base_config(cfg: TrainConfig):
     base.parallel.pipeline_layer_split = None
     if "pipeline_schedule" in base.parallel:
         base.parallel.pipeline_schedule = None
+    if "moe_dispatch_order" in base.parallel:
+        base.parallel.moe_dispatch_order = "tp_first"
     return base
 
 

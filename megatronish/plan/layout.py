@@ -41,6 +41,7 @@ class Layout:
     # parallel.pipeline_schedule: None for the default of vpp (1f1b, interleaved), or a
     # zero-bubble one (zb-h1 with vpp = 1, zbv with vpp = 2)
     pipeline_schedule: str | None = None
+    moe_dispatch_order: str = "tp_first"  # parallel.moe_dispatch_order (tp > 1 only)
 
     @property
     def world_size(self) -> int:
@@ -144,6 +145,8 @@ class Layout:
         parts.append(f"zero={self.zero_stage}")
         if self.sequence_parallel:
             parts.append("sp")
+            if self.moe_dispatch_order == "ep_first":
+                parts.append("ep-first")
         if self.recompute != "none":
             rc = self.recompute
             if rc == "full":
@@ -184,6 +187,7 @@ def layout_from_config(cfg: TrainConfig, world_size: int) -> Layout:
         ep=getattr(p, "ep", 1),
         device_type="cpu" if t.device == "cpu" else "cuda",  # auto: plan for the GPU
         pipeline_schedule=schedule,
+        moe_dispatch_order=getattr(p, "moe_dispatch_order", "tp_first"),
     )
 
 

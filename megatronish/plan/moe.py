@@ -63,14 +63,30 @@ def routed_tokens(spec: ModelSpec, layout: Layout) -> int:
 
 
 def dispatched_rows(spec: ModelSpec, layout: Layout) -> int:
-    """``N``: rows a rank sends to the experts per block and microbatch (on average, the rows it
-    receives): ``T k``, or at most every expert's capacity when tokens may be dropped."""
+    """``N``: rows a rank's experts compute per block and microbatch (on average): ``T k``, or
+    at most every expert's capacity when tokens may be dropped (under ``ep_first`` each tp rank
+    drops among its own ``T / tp`` tokens)."""
+    return sent_rows(spec, layout) * (layout.tp if ep_first(layout) else 1)
+
+
+def sent_rows(spec: ModelSpec, layout: Layout) -> int:
+    """Rows a rank sends over ep per block and microbatch (on average, the rows it receives):
+    those of the tokens it dispatches, ``T`` (``tp_first``) or its own ``T / tp``
+    (``ep_first``), times ``k``, or at most every expert's capacity."""
     moe, tokens = spec.moe, routed_tokens(spec, layout)
+    if ep_first(layout):
+        tokens //= layout.tp
     rows = tokens * moe.top_k
     if moe.capacity_factor is None:
         return rows
     capacity = math.ceil(tokens * moe.top_k / moe.num_experts * moe.capacity_factor)
     return min(rows, moe.num_experts * capacity)
+
+
+def ep_first(layout: Layout) -> bool:
+    """Whether blocks dispatch in Megatron-LM's order (the all-to-all first, then the rows
+    gathered over tp): ``parallel.moe_dispatch_order=ep_first`` under sequence parallelism."""
+    return layout.moe_dispatch_order == "ep_first" and layout.sequence_parallel
 
 
 # -- activations ------------------------------------------------------------------------------
@@ -228,7 +244,7 @@ def ep_volume(spec: ModelSpec, layout: Layout, blocks: RankBlocks) -> dict[str, 
     if layout.ep == 1 or not blocks.moe:
         return {}
     m, counts = layout.num_microbatches, spec.moe.num_experts * INT64
-    rows = dispatched_rows(spec, layout) * spec.hidden_size * layout.activation_bytes
+    rows = sent_rows(spec, layout) * spec.hidden_size * layout.activation_bytes
     forwards = blocks.moe + blocks.redo
     calls = m * (3 * forwards + 2 * blocks.moe)
     return {"ep/all_to_all": (calls, m * (forwards * (counts + 2 * rows) + blocks.moe * 2 * rows))}
@@ -252,6 +268,8 @@ def tp_extra_volume(
     reduce-scatter of groups ending in a block that full recompute reruns to its end."""
     if not layout.sequence_parallel or not blocks.moe:
         return {}
+    if ep_first(layout):
+        return _ep_first_tp_volume(spec, layout, blocks)
     moe, m = spec.moe, layout.num_microbatches
     act = routed_tokens(spec, layout) * spec.hidden_size * layout.activation_bytes
     slots = routed_tokens(spec, layout) * moe.top_k
@@ -261,6 +279,34 @@ def tp_extra_volume(
     scatters = m * (blocks.moe + shared + blocks.moe_ending_groups)
     scatter_bytes = m * (blocks.moe * slots * FP32 + (shared + blocks.moe_ending_groups) * act)
     return {"tp/all_gather": gathers, "tp/reduce_scatter": (scatters, scatter_bytes)}
+
+
+def _ep_first_tp_volume(
+    spec: ModelSpec, layout: Layout, blocks: RankBlocks
+) -> dict[str, tuple[int, int]]:
+    """:func:`tp_extra_volume` in Megatron-LM's order. Per block forward: the counts sent and
+    received of every tp rank gathered (``2 E`` int64 each), the received rows gathered and the
+    experts' partial outputs reduce-scattered (``N h`` on average, :func:`dispatched_rows`); per
+    backward the two mirrored. The block has none of a dense MLP's four sequence-parallel
+    collectives (counted by :func:`~megatronish.plan.dense.tp_volume`, so taken off here), nor
+    ``tp_first``'s routing gathers; full recompute reruns its gathers, and its reduce-scatter
+    but where the dense count already skips a group's last one."""
+    moe, m, t = spec.moe, layout.num_microbatches, layout.tp
+    act = routed_tokens(spec, layout) * spec.hidden_size * layout.activation_bytes
+    rows = dispatched_rows(spec, layout) * spec.hidden_size * layout.activation_bytes
+    counts = t * 2 * moe.num_experts * INT64
+    forwards = blocks.moe + blocks.redo
+    shared = (2 * blocks.moe + blocks.redo) if moe.shared_experts else 0
+    not_gathered = 2 * blocks.moe + blocks.redo  # the dense MLP's input gathers
+    not_scattered = 2 * blocks.moe + blocks.redo - blocks.moe_ending_groups
+    gathers = 2 * forwards + blocks.moe + shared - not_gathered
+    gather_bytes = forwards * (counts + rows) + blocks.moe * rows + (shared - not_gathered) * act
+    scatters = forwards + blocks.moe + shared - not_scattered
+    scatter_bytes = (forwards + blocks.moe) * rows + (shared - not_scattered) * act
+    return {
+        "tp/all_gather": (m * gathers, m * gather_bytes),
+        "tp/reduce_scatter": (m * scatters, m * scatter_bytes),
+    }
 
 
 # -- the experts' grads -----------------------------------------------------------------------

@@ -18,7 +18,10 @@ def meta_chunks(spec: ModelSpec, layout: Layout, pp_rank: int) -> list[GPTChunk]
     """Pipeline rank ``pp_rank``'s chunks on the meta device (tp rank 0's shards)."""
     ctx = ParallelContext(
         tp=TPContext(group=ParallelGroup("tp", tuple(range(layout.tp)), 0), sp=layout.sp),
-        ep=EPContext(group=ParallelGroup("ep", tuple(range(layout.ep)), 0)),
+        ep=EPContext(
+            group=ParallelGroup("ep", tuple(range(layout.ep)), 0),
+            dispatch_order=layout.moe_dispatch_order,
+        ),
     )
     ranges = chunk_layer_ranges(layout.chunk_layers(spec.num_layers))
     last = len(ranges) - 1

@@ -250,7 +250,8 @@ LAYOUT_KEYS = ("parallel", "trainer.micro_batch_size", "trainer.recompute", "wor
 
 def parallel_values(layout: Layout, ep: bool = False) -> dict[str, object]:
     """The ``parallel`` keys of ``layout`` (``ep``: also ``ep``, which it has when > 1; and
-    ``pipeline_schedule`` when it runs a zero-bubble one, or with ``ep``, null for the default)."""
+    ``pipeline_schedule`` when it runs a zero-bubble one and ``moe_dispatch_order`` when it
+    dispatches ep first, or with ``ep``, the defaults)."""
     out = {
         "tp": layout.tp,
         "cp": layout.cp,
@@ -262,6 +263,8 @@ def parallel_values(layout: Layout, ep: bool = False) -> dict[str, object]:
     }
     if ep or layout.pipeline_schedule is not None:
         out["pipeline_schedule"] = layout.pipeline_schedule
+    if ep or layout.moe_dispatch_order != "tp_first":
+        out["moe_dispatch_order"] = layout.moe_dispatch_order
     return {**out, "ep": layout.ep} if ep or layout.ep > 1 else out
 
 
@@ -319,7 +322,7 @@ def run_overrides(overrides: list[str], layout: Layout, name: str | None) -> lis
             cfg = compose.load_config(candidate)
         except Exception:  # noqa: BLE001 - e.g. an experiment that overrides the group itself
             cfg = None
-        defaults = {"ep": 1, "pipeline_schedule": None}
+        defaults = {"ep": 1, "pipeline_schedule": None, "moe_dispatch_order": "tp_first"}
         if cfg is not None and all(
             cfg.parallel.get(k, defaults.get(k, 1)) == v
             for k, v in parallel_values(layout, ep=True).items()
@@ -331,6 +334,8 @@ def run_overrides(overrides: list[str], layout: Layout, name: str | None) -> lis
         explicit.append("parallel.ep=1")
     if layout.pipeline_schedule is None and composed.get("pipeline_schedule") is not None:
         explicit.append("parallel.pipeline_schedule=null")
+    if layout.moe_dispatch_order == "tp_first" and composed.get("moe_dispatch_order") == "ep_first":
+        explicit.append("parallel.moe_dispatch_order=tp_first")
     return [*kept, *explicit]
 
 

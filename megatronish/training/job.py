@@ -98,7 +98,11 @@ def build_model(
     ctx = ParallelContext(
         tp=TPContext(group=topo.tp_group, sp=cfg.parallel.sp, rng=rng),
         cp=CPContext(group=topo.cp_group, seq_length=spec.seq_length),
-        ep=EPContext(group=topo.ep_group),
+        ep=EPContext(
+            group=topo.ep_group,
+            dispatch_order=cfg.parallel.moe_dispatch_order,
+            overlap_shared=cfg.parallel.moe_shared_expert_overlap,
+        ),
     )
     chunks = build_chunks(
         spec,

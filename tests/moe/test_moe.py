@@ -266,6 +266,7 @@ def test_ep_is_carved_out_of_dp_times_cp():
 
 
 # -- training: expert parallelism composed, equal to one process ----------------------------
+EP_FIRST = "parallel.moe_dispatch_order=ep_first"
 LAYOUTS = {
     "ep2": (2, 4, ["parallel.ep=2"], ()),
     "ep4": (4, 2, ["parallel.ep=4"], ()),
@@ -275,6 +276,19 @@ LAYOUTS = {
     "ep2-dp4-zero2": (4, 2, ["parallel.ep=2", "parallel.zero_stage=2"], ()),
     "ep2-dp4-zero3": (4, 2, ["parallel.ep=2", "parallel.zero_stage=3"], ()),
     "ep2-tp2-sp": (4, 4, ["parallel.ep=2", "parallel.tp=2", "parallel.sp=true"], ()),
+    # Megatron-LM's order: each tp rank's own tokens over ep, then the rows gathered over tp
+    "ep2-tp2-sp-ep-first": (
+        4,
+        4,
+        ["parallel.ep=2", "parallel.tp=2", "parallel.sp=true", EP_FIRST],
+        (),
+    ),
+    "tp2-pp2-sp-ep-first-recompute-shared": (
+        4,
+        2,
+        ["parallel.tp=2", "parallel.sp=true", "parallel.pp=2", EP_FIRST, "trainer.recompute=full"],
+        ("model.moe.shared_experts=1",),
+    ),
     "ep2-pp2-vpp2": (4, 2, ["parallel.ep=2", "parallel.pp=2", "parallel.vpp=2"], ()),
     "ep2-recompute-full": (2, 4, ["parallel.ep=2", "trainer.recompute=full"], ()),
     "ep2-recompute-selective": (2, 4, ["parallel.ep=2", "trainer.recompute=selective"], ()),
@@ -413,10 +427,10 @@ def test_kv_cache_decoding_equals_a_full_forward():
 
 
 # -- experts that get no tokens, evaluation -------------------------------------------------
-def _starved(rank, world):
-    """ep=2 x dp=2 under ZeRO 2: the ranks holding experts 2-3 get no token (this forked rank's
-    router sends every token to experts 0 and 1); the step completes and experts 2-3 have exactly
-    zero grads."""
+def _starved(rank, world, layout):
+    """ep=2 x dp=2 under ZeRO 2 (or ep=2 x tp=2 in Megatron's order, whose tp gathers then move
+    no rows): the ranks holding experts 2-3 get no token (this forked rank's router sends every
+    token to experts 0 and 1); the step completes and experts 2-3 have exactly zero grads."""
     import megatronish.moe.layer as layer
 
     def first_two(logits, top_k, *args):
@@ -427,7 +441,7 @@ def _starved(rank, world):
     trainer = build_trainer(
         rank,
         world,
-        ["trainer.micro_batch_size=2", *MOE, "parallel.ep=2", "parallel.zero_stage=2"],
+        ["trainer.micro_batch_size=2", *MOE, "parallel.ep=2", *layout],
         1,
     )
     result = trainer.train_step()
@@ -439,8 +453,16 @@ def _starved(rank, world):
     return result.loss, loads, trainer.topo.coords.dp, grads
 
 
-def test_experts_without_tokens_train_without_hanging():
-    results = run_world(_starved, 4, timeout=120)
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ["parallel.zero_stage=2"],
+        ["parallel.zero_stage=2", "parallel.tp=2", "parallel.sp=true", EP_FIRST],
+    ],
+    ids=["dp2-zero2", "tp2-ep-first"],
+)
+def test_experts_without_tokens_train_without_hanging(layout):
+    results = run_world(_starved, 4, layout, timeout=120)
     for loss, loads, dp_rank, grads in results:
         assert loss != loss or math.isfinite(loss)
         assert loads["moe/tokens_per_expert_max"] == 2 * loads["moe/tokens_per_expert_mean"]

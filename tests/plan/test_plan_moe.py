@@ -172,6 +172,31 @@ COMM_LAYOUTS = [
             "trainer.recompute_num_layers=2",
         ],
     ),
+    # Megatron-LM's order: the all-to-all of each tp rank's own tokens, then the rows gathered
+    (
+        4,
+        [
+            "parallel.tp=2",
+            "parallel.sp=true",
+            "parallel.ep=2",
+            "parallel.moe_dispatch_order=ep_first",
+            "model.moe.shared_experts=1",
+            "trainer.recompute=full",
+        ],
+    ),
+    (
+        4,
+        [
+            "parallel.tp=2",
+            "parallel.sp=true",
+            "parallel.pp=2",
+            "parallel.moe_dispatch_order=ep_first",
+            "model.moe.layer_freq=2",
+            "trainer.recompute=full",
+            "trainer.recompute_method=block",
+            "trainer.recompute_num_layers=2",
+        ],
+    ),
 ]
 
 
@@ -179,7 +204,8 @@ COMM_LAYOUTS = [
 def test_planned_moe_communication_matches_commstats(world, extra):
     """Every collective call for call and byte for byte; the all-to-all's bytes follow the
     routing (a rank sends ``T k`` rows, it receives what its experts got), so the plan's mean
-    per rank times the ranks of a stage equals their sum."""
+    per rank times the ranks of a stage equals their sum; so do the tp gathers and
+    reduce-scatters of received rows in Megatron-LM's order (``ep_first``)."""
     overrides = [*MOE, "trainer.global_batch_size=4", *extra]
     results = run_world(train_layout, world, overrides, 1)
     cfg = tiny_config(overrides, 1)
@@ -196,14 +222,17 @@ def test_planned_moe_communication_matches_commstats(world, extra):
             calls, nbytes = measured.pop(f"{group}/all_reduce")
             if calls > 1:
                 measured[f"{group}/all_reduce"] = (calls - 1, nbytes - 4)
-        if lay.ep > 1:
-            calls, nbytes = measured.pop("ep/all_to_all")
-            assert calls == stage.comm["ep/all_to_all"][0], rank
-            sent[stage.pp_rank] = sent.get(stage.pp_rank, 0) + nbytes
-        planned = {k: v for k, v in stage.comm.items() if k != "ep/all_to_all"}
+        routed = ["ep/all_to_all"] * (lay.ep > 1)
+        if lay.moe_dispatch_order == "ep_first":  # every stage has a mixture-of-experts block
+            routed += ["tp/all_gather", "tp/reduce_scatter"]
+        for key in routed:
+            calls, nbytes = measured.pop(key)
+            assert calls == stage.comm[key][0], (rank, key)
+            sent[stage.pp_rank, key] = sent.get((stage.pp_rank, key), 0) + nbytes
+        planned = {k: v for k, v in stage.comm.items() if k not in routed}
         assert measured == planned, rank
-    for pp_rank, nbytes in sent.items():
-        assert nbytes == per_stage * plan.stages[pp_rank].comm["ep/all_to_all"][1]
+    for (pp_rank, key), nbytes in sent.items():
+        assert nbytes == per_stage * plan.stages[pp_rank].comm[key][1], key
 
 
 # seq 64, micro batch 4: activations dominate, as in tests/plan/test_plan.py.
@@ -343,3 +372,46 @@ def test_moe_experiments_are_valid_plan_and_dry_run():
         ["+experiment=moe_1b_7b", "model.vocab_size=32000", "world_size=8", "device=h100"]
     )
     assert code == 0
+
+
+def test_the_advisor_weighs_both_dispatch_orders_by_where_ep_runs():
+    """Both orders are candidates wherever they differ (tp > 1 with sp); Megatron-LM's order
+    (half the all-to-all bytes at tp 2, more tp bytes) wins once the ep group crosses nodes, and
+    the default wins while it stays inside one; the written layout names the order."""
+    from megatronish.plan.report import parallel_values
+    from megatronish.plan.step_time import Hardware, step_time
+
+    cfg = tiny_config([*MOE, "trainer.global_batch_size=8"], 1)
+    orders: dict[tuple, set] = {}
+    for x in valid_layouts(cfg, 4):
+        key = (x.tp, x.cp, x.pp, x.vpp, x.sp, x.ep, x.micro_batch_size, x.zero_stage, x.recompute)
+        orders.setdefault(key, set()).add(x.moe_dispatch_order)
+    for key, got in orders.items():
+        tp, sp = key[0], key[4]
+        assert got == ({"tp_first", "ep_first"} if tp > 1 and sp else {"tp_first"}), key
+
+    big = load_config(
+        [
+            "+experiment=moe_1b_7b",
+            "trainer.micro_batch_size=1",
+            "trainer.global_batch_size=64",
+            "trainer.precision=bf16",
+            "parallel.tp=2",
+            "parallel.sp=true",
+            "parallel.zero_stage=1",
+        ]
+    )
+    spec, h100 = spec_of(big), Hardware(peak_flops=989e12, gpus_per_node=8)
+    for ep, faster in ((8, "ep_first"), (4, "tp_first")):  # tp x ep spans 16 or 8 GPUs
+        base = layout_from_config(big, 32).with_(ep=ep)
+        times = {
+            order: step_time(make_plan(spec, base.with_(moe_dispatch_order=order)), h100)
+            for order in ("tp_first", "ep_first")
+        }
+        assert min(times, key=lambda o: times[o].total) == faster, (ep, times)
+        ep_bytes = {o: make_plan(spec, base.with_(moe_dispatch_order=o)) for o in times}
+        a2a = {o: p.stages[0].comm["ep/all_to_all"][1] for o, p in ep_bytes.items()}
+        assert a2a["ep_first"] * 2 == pytest.approx(a2a["tp_first"], rel=1e-5)  # but the counts
+    chosen = base.with_(moe_dispatch_order="ep_first")
+    assert parallel_values(chosen)["moe_dispatch_order"] == "ep_first"
+    assert "moe_dispatch_order" not in parallel_values(base)

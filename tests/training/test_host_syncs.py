@@ -210,6 +210,14 @@ MOE_LAYOUTS = {
     "ep2": [*MOE, "parallel.ep=2"],
     "ep2-capacity": [*MOE, "parallel.ep=2", "model.moe.capacity_factor=1.0"],
     "tp2-sp": [*MOE, "parallel.tp=2", "parallel.sp=true"],  # ep = 1: no all-to-all
+    # Megatron-LM's order, tokens dropped per tp rank: the counts of both tp ranks in one read
+    "tp2-sp-ep-first-capacity": [
+        *MOE,
+        "parallel.tp=2",
+        "parallel.sp=true",
+        "parallel.moe_dispatch_order=ep_first",
+        "model.moe.capacity_factor=1.0",
+    ],
     # DeepSeek-V3's router: the bias's update after the backward reads nothing on the host
     "ep2-balanced": [
         *MOE,

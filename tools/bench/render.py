@@ -21,6 +21,7 @@ ORDER = (
     "cp",
     "data",
     "moe",
+    "moe_dispatch",
     "packed",
 )
 PAGE = DOCS / "benchmarks.md"

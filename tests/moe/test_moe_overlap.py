@@ -77,9 +77,8 @@ def test_the_shared_experts_run_while_the_tokens_travel(name):
         assert events.count("shared-start") == forwards
 
 
-@pytest.mark.parametrize("name", list(ORDERS))
-def test_the_overlap_changes_nothing_in_the_numbers(name):
-    world, layout = ORDERS[name]
+def test_the_overlap_changes_nothing_in_the_numbers():
+    world, layout = ORDERS["ep2-tp2-ep-first"]
     on = run_world(train_layout, world, [*MOE, *layout], 3)
     off = run_world(
         train_layout, world, [*MOE, *layout, "parallel.moe_shared_expert_overlap=false"], 3

@@ -169,7 +169,7 @@ def _held_group(rank, world):
     held = topo.dp_group.pg  # as torch's profiler holds the groups whose ops it recorded
     topo.close()
     start = time.monotonic()
-    why = shutdown_process_groups(wait_s=5.0)
+    why = shutdown_process_groups(wait_s=30.0)
     del held
     return why, time.monotonic() - start
 
@@ -178,6 +178,6 @@ def test_groups_something_still_holds_are_reported_at_once():
     """A group still referenced (torch 2.13's profiler keeps those whose ops it recorded; whether
     it still does at exit depends on its timing) keeps its threads after destroy_process_group:
     nothing to wait for, the entry point is told at once and ends the process."""
-    for why, seconds in run_world(_held_group, 2, timeout=60):
+    for why, seconds in run_world(_held_group, 2, timeout=90):
         assert why is not None and why.startswith("torch still holds "), why
-        assert seconds < 3, seconds
+        assert seconds < 10, seconds  # not the 30 s a wait for the threads would take

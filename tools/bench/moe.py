@@ -1,5 +1,6 @@
 """Mixture of experts on CPU: a tiny llama MoE with megatronish at ep=1 and ep=2 against a plain
-PyTorch MoE of the same shape and routing; tokens/s and the all-to-all share of the ep=2 step;
+PyTorch MoE of the same shape and routing (8 experts top-2, and 64 experts top-8); tokens/s and
+the all-to-all share of the ep=2 step;
 the experts' backward alone at 4, 16 and 64 local experts (time and bytes allocated).
 Run alone: ``.venv/bin/python tools/bench/moe.py [--quick]``.
 """
@@ -27,6 +28,15 @@ MOE = [
     "model.moe.num_experts=8",
     "model.moe.top_k=2",
     "model.moe.ffn_hidden_size=256",
+    "trainer.micro_batch_size=4",
+    "trainer.global_batch_size=8",
+]
+# Many small experts, as the fine-grained MoEs (OLMoE, Qwen3-MoE, DeepSeek-V3) have: 64 experts,
+# top-8, expert ffn 64, so a token's expert FLOPs equal the 8-expert model's (8 x 64 = 2 x 256).
+MOE64 = [
+    "model.moe.num_experts=64",
+    "model.moe.top_k=8",
+    "model.moe.ffn_hidden_size=64",
     "trainer.micro_batch_size=4",
     "trainer.global_batch_size=8",
 ]
@@ -200,15 +210,15 @@ def _nan() -> float:
     return math.nan
 
 
-def _rank(rank: int, world: int, repeats: int, budget_s: float) -> dict:
-    """Rank 0 holds all three variants, rank 1 its half of ep=2 (and waits at the barrier while
-    rank 0 times the one-process variants)."""
+def _rank(rank: int, world: int, repeats: int, budget_s: float, moe: list[str] = MOE) -> dict:
+    """Rank 0 holds all three variants of the model ``moe``, rank 1 its half of ep=2 (and waits
+    at the barrier while rank 0 times the one-process variants)."""
     timer = AllToAllTimer()
-    ep2 = build_run([*MOE, "parallel.ep=2"], rank, world)
+    ep2 = build_run([*moe, "parallel.ep=2"], rank, world)
     steps = {PLAIN: _nan, EP1: _nan, EP2: ep2.step}
     metrics = {EP2: ep2.trainer.moe_metrics}  # collective: every rank
     if rank == 0:  # world=1 runs: no collectives, the other rank plays no part
-        ep1 = build_run(MOE)
+        ep1 = build_run(moe)
         plain = plain_run(ep1)
         steps.update({PLAIN: plain.step, EP1: ep1.step})
         metrics.update({PLAIN: plain.metrics, EP1: ep1.trainer.moe_metrics})
@@ -247,6 +257,10 @@ def run(quick: bool = False) -> dict:
     load_before = os.getloadavg()[0]
     repeats, budget = (3, 8.0) if quick else (41, 75.0)
     ranks = run_world(_rank, 2, repeats, budget, timeout=600, collective_timeout=300)
+    many = run_world(_rank, 2, repeats, budget, MOE64, timeout=600, collective_timeout=300)
+    many_times = slowest(many)
+    many_med = {n: median(ts) for n, ts in many_times.items()}
+    many_paired = {n: paired_ratio(many_times[PLAIN], many_times[n]) for n in VARIANTS}
     with common.threads(1):
         experts = moe_experts.run_experts(
             EXPERT_ROWS, EXPERT_HIDDEN, EXPERT_FFN, EXPERT_LOCALS, 3 if quick else 9
@@ -294,6 +308,19 @@ def run(quick: bool = False) -> dict:
         for n in VARIANTS
     ]
     comm_rows = [[k, c["calls"], c["bytes"] / MIB] for k, c in comm.items()]
+    many_first = many[0]["first"]
+    many_rows = [
+        [
+            n,
+            RANKS[n],
+            many_med[n] * 1e3,
+            tokens / many_med[n],
+            many_paired[n] if n != PLAIN else None,
+            many_first[n]["loss"],
+            many_first[n][key + "max"],
+        ]
+        for n in VARIANTS
+    ]
     return {
         "title": "Mixture of experts: megatronish ep=1 and ep=2 vs a plain PyTorch MoE",
         "config": {
@@ -318,6 +345,13 @@ def run(quick: bool = False) -> dict:
             "losses": losses,
             "per_step_wall_cpu_a2a_s": [r["record"] for r in ranks],
             "experts_backward": experts,
+            "experts64_top8": {
+                "model": MOE64,
+                "step_times_s": many_times,
+                "median_step_s": many_med,
+                "paired_vs_plain": many_paired,
+                "first": many_first,
+            },
         },
         "tables": [
             table(
@@ -333,6 +367,20 @@ def run(quick: bool = False) -> dict:
                     "all-to-all share of the step, rank 0 / 1|.1%",
                 ],
                 rows,
+            ),
+            table(
+                f"64 experts of ffn 64, top-8 (the same expert FLOPs per token), {tokens} tokens "
+                "per step (median over repeats)",
+                [
+                    "variant",
+                    "ranks",
+                    "step ms|,.0f",
+                    "tokens/s|,.0f",
+                    "tokens/s / plain's, median of per-repeat ratios|.2fx",
+                    "step 1 loss|.6f",
+                    "step 1 tokens per expert, max|.0f",
+                ],
+                many_rows,
             ),
             table(
                 "Sanity: same weights and batches give the same losses and routing",
@@ -372,6 +420,7 @@ def run(quick: bool = False) -> dict:
         "facts": {
             "megatronish ep=1 tokens/s / plain's (median of per-repeat ratios)|.2fx": paired[EP1],
             "megatronish ep=2 tokens/s / ep=1's (median of per-repeat ratios)|.2fx": ep2_vs_ep1,
+            "64 experts top-8: megatronish ep=1 tokens/s / plain's|.2fx": many_paired[EP1],
             "step 1 loss, ep=1 minus plain|.1e": first[EP1]["loss"] - first[PLAIN]["loss"],
             "step 1 loss, ep=2 minus ep=1|.1e": first[EP2]["loss"] - first[EP1]["loss"],
             **expert_facts,

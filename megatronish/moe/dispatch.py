@@ -33,7 +33,9 @@ if TYPE_CHECKING:
 
 
 class _AllToAll(torch.autograd.Function):
-    """Rows ``in_splits`` to each peer, ``out_splits`` from each; backward sends grads back."""
+    """Rows ``in_splits`` to each peer, ``out_splits`` from each; backward sends grads back.
+    With a ``pending`` list the forward posts without waiting: the handle goes there and the
+    output is filled once it is waited (the backward waits as usual)."""
 
     @staticmethod
     def forward(
@@ -42,39 +44,21 @@ class _AllToAll(torch.autograd.Function):
         group: ParallelGroup,
         out_splits: list[int],
         in_splits: list[int],
+        pending: list | None = None,
     ):
         ctx.group, ctx.splits = group, (out_splits, in_splits)
         out = x.new_empty((sum(out_splits), *x.shape[1:]))
-        return all_to_all(out, x, group, out_splits, in_splits)
+        work = all_to_all(out, x, group, out_splits, in_splits, async_op=pending is not None)
+        if pending is None:
+            return work
+        pending.append(work)
+        return out
 
     @staticmethod
     def backward(ctx: FunctionCtx, grad: torch.Tensor):
         out_splits, in_splits = ctx.splits
         back = grad.new_empty((sum(in_splits), *grad.shape[1:]))
-        return all_to_all(back, grad, ctx.group, in_splits, out_splits), None, None, None
-
-
-class _AllToAllStart(torch.autograd.Function):
-    """:class:`_AllToAll` posted without waiting: the handle goes to ``pending`` and the output
-    is filled once it is waited (the backward waits as usual)."""
-
-    @staticmethod
-    def forward(
-        ctx: FunctionCtx,
-        x: torch.Tensor,
-        group: ParallelGroup,
-        out_splits: list[int],
-        in_splits: list[int],
-        pending: list,
-    ):
-        ctx.group, ctx.splits = group, (out_splits, in_splits)
-        out = x.new_empty((sum(out_splits), *x.shape[1:]))
-        pending.append(all_to_all(out, x, group, out_splits, in_splits, async_op=True))
-        return out
-
-    @staticmethod
-    def backward(ctx: FunctionCtx, grad: torch.Tensor):
-        return *_AllToAll.backward(ctx, grad), None
+        return all_to_all(back, grad, ctx.group, in_splits, out_splits), None, None, None, None
 
 
 def exchange(
@@ -100,7 +84,7 @@ def exchange_during(
     if during is None or group.size == 1:
         return exchange(x, group, out_splits, in_splits), during() if during else None
     pending: list = []
-    out = _AllToAllStart.apply(x, group, list(out_splits), list(in_splits), pending)
+    out = _AllToAll.apply(x, group, list(out_splits), list(in_splits), pending)
     result = during()
     pending[0].wait()
     return out, result

@@ -123,13 +123,8 @@ class MoELayer(nn.Module):
             tokens = gather_from_sp(x, tp.group).reshape(-1, h)
             all_weights = gather_from_sp(weights.view(s, b, -1), tp.group).reshape(-1, moe.top_k)
             all_experts = all_gather_dim0(experts.view(s, b, -1), tp.group).reshape(-1, moe.top_k)
-        capacity = None
-        if moe.capacity_factor is not None:
-            capacity = expert_capacity(
-                tokens.shape[0], moe.num_experts, moe.top_k, moe.capacity_factor
-            )
         order, counts, dropped = sort_assignments(
-            all_experts, all_weights, moe.num_experts, capacity
+            all_experts, all_weights, moe.num_experts, self._capacity(tokens.shape[0])
         )
         during = self._shared_during(x)
         rows, record = dispatch(tokens, order, counts, moe.top_k, ep, during)  # one host read
@@ -144,6 +139,13 @@ class MoELayer(nn.Module):
             dropped = dropped if tp.group.rank == 0 else None  # every tp rank drops alike
             out = self._auxiliary_losses(out, logits, probs, counts, experts, dropped)
         return out
+
+    def _capacity(self, tokens: int) -> int | None:
+        """Assignments an expert keeps of ``tokens`` routed together (None: dropless)."""
+        moe = self.moe
+        if moe.capacity_factor is None:
+            return None
+        return expert_capacity(tokens, moe.num_experts, moe.top_k, moe.capacity_factor)
 
     def _shared_during(self, x: torch.Tensor) -> Callable[[], torch.Tensor] | None:
         """The shared experts' forward, to run while the tokens travel over ep
@@ -168,11 +170,8 @@ class MoELayer(nn.Module):
         moe, tp = self.moe, self.tp
         s, b, h = x.shape
         tokens = x.reshape(-1, h)
-        capacity = None  # over this rank's own tokens, as each Megatron rank drops its own
-        if moe.capacity_factor is not None:
-            capacity = expert_capacity(
-                tokens.shape[0], moe.num_experts, moe.top_k, moe.capacity_factor
-            )
+        # capacity over this rank's own tokens, as each Megatron rank drops among its own
+        capacity = self._capacity(tokens.shape[0])
         order, counts, dropped = sort_assignments(experts, weights, moe.num_experts, capacity)
         during = self._shared_during(x)
         rows, record, tp_counts = dispatch_ep_first(

@@ -60,6 +60,8 @@ class ModelSpec:
     bias: bool = False
     tie_embeddings: bool = False
     moe: MoESpec | None = None  # None: every block is dense
+    kv_channels: int | None = None  # width of one attention head; None: hidden / heads
+    qk_norm: bool = False  # each query and key head normalised before RoPE
     # Model FLOPs only: the keys a token's attention is counted over (None: seq_length; with
     # document masks the mean length of a token's document within its window)
     attended_keys: float | None = None
@@ -74,7 +76,13 @@ class ModelSpec:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+        return self.kv_channels or self.hidden_size // self.num_heads
+
+    @property
+    def attention_width(self) -> int:
+        """Query heads times their width: the attention core's and the projection's width
+        (``hidden_size`` unless ``head_dim`` is set otherwise)."""
+        return self.num_heads * self.head_dim
 
     @property
     def is_llama(self) -> bool:
@@ -106,6 +114,8 @@ class ModelSpec:
             bias=gpt2 if m.bias is None else m.bias,
             tie_embeddings=gpt2 if m.tie_embeddings is None else m.tie_embeddings,
             moe=moe_spec(m, ffn),
+            kv_channels=m.head_dim,
+            qk_norm=m.qk_norm,
         )
 
 

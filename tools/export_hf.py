@@ -3,7 +3,8 @@
 
 CKPT is a checkpoint.dir (its ``latest`` step) or one step_XXXXXXX directory, saved with any
 layout (tensors are stored globally). llama exports as LlamaForCausalLM, gpt2 as GPT2LMHeadModel,
-a llama mixture of experts (every block, no shared experts) as MixtralForCausalLM;
+a llama mixture of experts (every block, no shared experts) as MixtralForCausalLM, a llama
+with per-head query/key norms (model.qk_norm) as Qwen3ForCausalLM or Qwen3MoeForCausalLM;
 ``AutoModelForCausalLM.from_pretrained(OUT_DIR)`` loads the result. The weights are exported
 (no optimizer state) with the run's tokenizer, so ``AutoTokenizer.from_pretrained(OUT_DIR)``
 gives the ids the run trained on: the checkpoint's data.tokenizer_model, the built-in corpus's

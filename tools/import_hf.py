@@ -1,5 +1,5 @@
-"""Import a local Hugging Face Llama / Mixtral / GPT-2 model as a weights-only megatronish
-checkpoint.
+"""Import a local Hugging Face Llama / Mixtral / Qwen3 / Qwen3-MoE / GPT-2 model as a weights-only
+megatronish checkpoint.
 
 HF_DIR holds config.json and model.safetensors (or model.safetensors.index.json with its
 shards); nothing is downloaded and pickled ``pytorch_model.bin`` files are refused. CKPT_DIR

@@ -773,6 +773,47 @@ MUTANTS = [
         ),
         (f"{BALANCING}::test_group_limited_routing_keeps_each_token_in_its_best_groups",),
     ),
+    Mutant(
+        "qk-norm-grads-not-summed",
+        "per-head query/key norm weights' grads left partial on each tp rank without sp",
+        "megatronish/model/blocks.py",
+        (
+            (
+                "        partial = tp.size > 1 if per_head else tp.sequence_parallel",
+                "        partial = False if per_head else tp.sequence_parallel",
+            ),
+        ),
+        ("tests/tensor_parallel/test_tp_parity.py::test_qk_norm_and_head_dim_match_serial",),
+    ),
+    Mutant(
+        "qwen3-experts-gate-up-swapped",
+        "Qwen3-MoE experts' gate and up projections written to each other's names",
+        "megatronish/hf/qwen3.py",
+        (
+            (
+                'QWEN3_EXPERTS = ExpertNames("mlp.", "gate_proj.weight", "up_proj.weight", '
+                '"down_proj.weight")',
+                'QWEN3_EXPERTS = ExpertNames("mlp.", "up_proj.weight", "gate_proj.weight", '
+                '"down_proj.weight")',
+            ),
+        ),
+        ("tests/hf/test_hf_qwen3.py::test_export_matches_transformers",),
+    ),
+    Mutant(
+        "shared-overlap-credits-the-longer",
+        "the planner credits the longer of the rows exchange and the shared experts' forward",
+        "megatronish/plan/moe.py",
+        (
+            (
+                "    return forwards * min(exchange, shared)",
+                "    return forwards * max(exchange, shared)",
+            ),
+        ),
+        (
+            "tests/plan/test_plan_moe.py::"
+            "test_the_shared_experts_hide_part_of_each_forward_exchange",
+        ),
+    ),
 ]
 
 

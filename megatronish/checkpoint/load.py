@@ -39,6 +39,8 @@ SHAPE_KEYS = (
     "hidden_size",
     "num_attention_heads",
     "num_query_groups",
+    "head_dim",
+    "qk_norm",
     "ffn_hidden_size",
     "bias",
     "tie_embeddings",
@@ -57,6 +59,10 @@ def _saved_model_values(saved: dict) -> dict:
             values[key] = arch == "gpt2"
     if values.get("num_query_groups") is None:
         values["num_query_groups"] = values.get("num_attention_heads")
+    heads, hidden = values.get("num_attention_heads"), values.get("hidden_size")
+    if values.get("head_dim") is None and heads and hidden:
+        values["head_dim"] = hidden // heads
+    values["qk_norm"] = bool(values.get("qk_norm"))  # absent before per-head norms: none
     moe = saved.get("moe") or {}  # absent in checkpoints older than mixtures of experts
     for key in ("num_experts", "layer_freq", "shared_experts", "top_k"):
         values[f"moe.{key}"] = moe.get(key)
@@ -83,6 +89,8 @@ def check_compatible(
         "hidden_size": spec.hidden_size,
         "num_attention_heads": spec.num_heads,
         "num_query_groups": spec.num_kv_heads,
+        "head_dim": spec.head_dim,
+        "qk_norm": spec.qk_norm,
         "ffn_hidden_size": spec.ffn_hidden_size,
         "rope_theta": spec.rope_theta,
         "norm_eps": spec.norm_eps,

@@ -64,7 +64,7 @@ def derive(cfg: TrainConfig, world_size: int) -> Derived:
         tokens_per_step=t.global_batch_size * m.seq_length,
         ffn_hidden_size=m.ffn_hidden_size or default_ffn_hidden(m.arch, m.hidden_size),
         num_query_groups=m.num_query_groups or m.num_attention_heads,
-        head_dim=m.hidden_size // m.num_attention_heads,
+        head_dim=m.head_dim or m.hidden_size // m.num_attention_heads,
         layers_per_chunk=tuple(split),
         bias=gpt2 if m.bias is None else m.bias,
         tie_embeddings=gpt2 if m.tie_embeddings is None else m.tie_embeddings,

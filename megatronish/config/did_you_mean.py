@@ -47,6 +47,8 @@ SYNONYMS = {
     "num_kv_heads": "num_query_groups",
     "n_kv_heads": "num_query_groups",
     "num_key_value_heads": "num_query_groups",
+    "kv_channels": "head_dim",
+    "qk_layernorm": "qk_norm",
     "n_embd": "hidden_size",
     "d_model": "hidden_size",
     "dim": "hidden_size",

@@ -44,8 +44,12 @@ class ModelConfig:
     arch: str = "llama"  # llama | gpt2
     num_layers: int = 4  # transformer blocks
     hidden_size: int = 256  # the model width h
-    num_attention_heads: int = 4  # query heads; head dim = hidden_size / heads
+    num_attention_heads: int = 4  # query heads
     num_query_groups: int | None = None  # kv heads (GQA); null = num_attention_heads
+    head_dim: int | None = None  # width of one attention head; null = hidden_size / heads
+    # RMSNorm (gpt2: LayerNorm) of each query and key head before RoPE (Qwen3, OLMo 2 style;
+    # Megatron-LM's --qk-layernorm)
+    qk_norm: bool = False
     ffn_hidden_size: int | None = None  # null: llama 8h/3 rounded up to 64, gpt2 4h
     seq_length: int = 256  # tokens per sample: the context length
     vocab_size: int | None = None  # null: taken from the tokenizer

@@ -126,6 +126,7 @@ def config_errors(
             "model.hidden_size",
             "model.num_attention_heads",
             "model.num_query_groups",
+            "model.head_dim",
             "model.ffn_hidden_size",
             "model.seq_length",
             "model.vocab_size",
@@ -207,13 +208,15 @@ def config_errors(
 
     # Model shape against tp.
     heads, kv = m.num_attention_heads, m.num_query_groups or m.num_attention_heads
-    if m.hidden_size % heads:
+    if m.head_dim is None and m.hidden_size % heads:
         errors.append(
             f"model.hidden_size={m.hidden_size} is not divisible by "
-            f"model.num_attention_heads={heads}"
+            f"model.num_attention_heads={heads}; set model.head_dim to give each head its width"
         )
-    elif m.arch == "llama" and (m.hidden_size // heads) % 2:
-        errors.append(f"head dim {m.hidden_size // heads} must be even for rotary embeddings")
+    elif m.arch == "llama" and (m.head_dim or m.hidden_size // heads) % 2:
+        errors.append(
+            f"head dim {m.head_dim or m.hidden_size // heads} must be even for rotary embeddings"
+        )
     if heads % p.tp:
         errors.append(f"model.num_attention_heads={heads} is not divisible by parallel.tp={p.tp}")
     if heads % kv:

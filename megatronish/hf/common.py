@@ -1,4 +1,5 @@
-"""What megatronish and Hugging Face Llama / GPT-2 / Mixtral checkpoints share: names, vocabulary.
+"""What megatronish and Hugging Face Llama / GPT-2 / Mixtral / Qwen3 checkpoints share: names,
+vocabulary.
 
 megatronish names (global, unsplit; see :mod:`megatronish.model.gpt`) map to
 ``LlamaForCausalLM`` and ``GPT2LMHeadModel`` like this:
@@ -19,7 +20,9 @@ head.weight (untied only)     lm_head.weight                       lm_head.weigh
 ============================  ===================================  ==============================
 
 A llama mixture of experts is Mixtral (``MixtralForCausalLM``); its blocks' MLP maps as in
-:mod:`megatronish.hf.mixtral`, everything else as for Llama.
+:mod:`megatronish.hf.mixtral`, everything else as for Llama. A llama with per-head query and key
+norms (``model.qk_norm``) is Qwen3 (``Qwen3ForCausalLM``), or with experts Qwen3-MoE
+(``Qwen3MoeForCausalLM``): :mod:`megatronish.hf.qwen3`.
 
 The embedding (and head) rows beyond the real vocabulary are megatronish's padding: exports
 drop them, imports add zero rows up to a multiple of 128. Both models use the rotate-half RoPE
@@ -102,6 +105,7 @@ def override_args(model_cfg: dict) -> list[str]:
     ]
     if model_cfg["arch"] == "llama":
         keys.insert(-2, "rope_theta")
+    keys += [k for k in ("head_dim", "qk_norm") if model_cfg.get(k)]  # Qwen3, or set widths
     args = [f"model.{k}={_fmt(model_cfg[k])}" for k in keys]
     moe = model_cfg.get("moe") or {}
     if moe.get("num_experts"):

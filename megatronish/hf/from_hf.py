@@ -1,7 +1,8 @@
-"""A Hugging Face Llama / GPT-2 / Mixtral config and state dict -> megatronish's config and
-tensors (pure).
+"""A Hugging Face Llama / GPT-2 / Mixtral / Qwen3 / Qwen3-MoE config and state dict ->
+megatronish's config and tensors (pure).
 
-See :mod:`megatronish.hf.common` (and :mod:`megatronish.hf.mixtral`) for the name mapping.
+See :mod:`megatronish.hf.common` (:mod:`megatronish.hf.mixtral`, :mod:`megatronish.hf.qwen3`)
+for the name mapping.
 Imports add zero rows up to a multiple of 128 and refuse what megatronish cannot represent.
 """
 
@@ -15,6 +16,12 @@ from megatronish.config.derived import pad_vocab
 from megatronish.config.schema import ModelConfig
 from megatronish.hf.common import GPT2_ACTIVATIONS, VOCAB_MULTIPLE, own_copy
 from megatronish.hf.mixtral import moe_config, moe_from_hf
+from megatronish.hf.qwen3 import (
+    QWEN3_DEFAULTS,
+    experts_from_qwen3,
+    qk_norms_from_hf,
+    qwen3_model_values,
+)
 
 # config.json values a Llama / Mixtral config leaves out take its class's defaults.
 LLAMA_DEFAULTS = {"rms_norm_eps": 1e-6, "rope_theta": 1e4, "max_position_embeddings": 2048}
@@ -42,12 +49,20 @@ def from_hf(
         cfg["moe"] = moe_config(hf_config, seq)
         source = _Source(hf_state)
         tensors = _llama_from_hf(source, cfg)
+    elif arch in ("qwen3", "qwen3_moe"):
+        cfg = _llama_model_cfg(hf_config, QWEN3_DEFAULTS, "Qwen3")
+        seq = seq_length or cfg["max_position_embeddings"]
+        cfg.update(qwen3_model_values(hf_config, seq))
+        source = _Source(hf_state)
+        tensors = _llama_from_hf(source, cfg)
     elif arch == "gpt2":
         cfg = _gpt2_model_cfg(hf_config)
         source = _Source({_strip_gpt2(k): v for k, v in hf_state.items()})
         tensors = _gpt2_from_hf(source, cfg)
     else:
-        raise ValueError(f"cannot import model_type={arch!r} (llama, mixtral or gpt2)")
+        raise ValueError(
+            f"cannot import model_type={arch!r} (llama, mixtral, qwen3, qwen3_moe or gpt2)"
+        )
     source.check_all_used(cfg["tie_embeddings"])
     cfg["seq_length"] = seq_length or cfg["max_position_embeddings"]
     padded = pad_vocab(cfg["vocab_size"], VOCAB_MULTIPLE)
@@ -79,8 +94,6 @@ def _llama_model_cfg(hf: dict, defaults: dict = LLAMA_DEFAULTS, name: str = "Lla
         problems.append(f"RoPE scaling {rope_type!r}")
     if hf.get("hidden_act", "silu") != "silu":
         problems.append(f"hidden_act={hf['hidden_act']!r} (megatronish llama uses silu)")
-    if hf.get("head_dim") not in (None, hidden // heads):
-        problems.append(f"head_dim={hf['head_dim']} != hidden_size / num_attention_heads")
     if problems:
         raise ValueError(f"this {name} model cannot be represented: " + "; ".join(problems))
     return _model_cfg(
@@ -99,6 +112,7 @@ def _llama_model_cfg(hf: dict, defaults: dict = LLAMA_DEFAULTS, name: str = "Lla
         attention_dropout=hf.get("attention_dropout", 0.0),
         bias=bool(hf.get("attention_bias") or hf.get("mlp_bias")),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        head_dim=hf.get("head_dim") if hf.get("head_dim") != hidden // heads else None,
     )
 
 
@@ -162,10 +176,12 @@ class _Source:
 
 
 def _llama_from_hf(s: _Source, cfg: dict) -> dict:
-    """Llama's tensors, or Mixtral's when ``cfg`` has a ``moe`` group with experts."""
+    """Llama's tensors; Qwen3's when ``cfg`` has ``qk_norm``; Mixtral's (Qwen3-MoE's) when it
+    has a ``moe`` group with experts."""
     h, f, bias = cfg["hidden_size"], cfg["ffn_hidden_size"], cfg["bias"]
-    d = h // cfg["num_attention_heads"]
-    experts = (cfg.get("moe") or {}).get("num_experts")  # Mixtral: every block
+    d = cfg.get("head_dim") or h // cfg["num_attention_heads"]
+    experts = (cfg.get("moe") or {}).get("num_experts")  # Mixtral, Qwen3-MoE: every block
+    qwen3 = bool(cfg.get("qk_norm"))
     out = {"embedding.word.weight": s.take("model.embed_tokens.weight")}
     for i in range(cfg["num_layers"]):
         src, dst = f"model.layers.{i}.", f"layers.{i}."
@@ -174,8 +190,10 @@ def _llama_from_hf(s: _Source, cfg: dict) -> dict:
         out[dst + "mlp_norm.weight"] = s.take(src + "post_attention_layernorm.weight")
         out[dst + "attn.qkv.weight"] = torch.cat([s.take(f"{attn}{p}_proj.weight") for p in "qkv"])
         out[dst + "attn.proj.weight"] = s.take(attn + "o_proj.weight")
+        if qwen3:
+            out.update(qk_norms_from_hf(s, i))
         if experts:
-            out.update(moe_from_hf(s, i, experts))
+            out.update(experts_from_qwen3(s, i, experts) if qwen3 else moe_from_hf(s, i, experts))
         else:
             out[dst + "mlp.fc1.weight"] = torch.cat(
                 [s.take(mlp + "gate_proj.weight"), s.take(mlp + "up_proj.weight")]

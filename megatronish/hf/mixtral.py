@@ -23,14 +23,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import torch
-
+from megatronish.hf.experts import ExpertNames, experts_from_hf, experts_to_hf
 from megatronish.spec import ModelSpec
 
 if TYPE_CHECKING:
     from megatronish.hf.from_hf import _Source
 
-MOE_BLOCKS = ("block_sparse_moe.", "mlp.")  # checkpoint names, then transformers 5 module names
+MIXTRAL_EXPERTS = ExpertNames("block_sparse_moe.", "w1.weight", "w3.weight", "w2.weight")
 
 
 def mixtral_config(spec: ModelSpec, llama: dict) -> dict:
@@ -132,33 +131,9 @@ def moe_config(hf: dict, seq_length: int) -> dict:
 
 def moe_to_hf(t: dict, layer: int, num_experts: int, f: int) -> dict:
     """Block ``layer``'s router and experts under Mixtral checkpoint names."""
-    src, dst = f"layers.{layer}.mlp.", f"model.layers.{layer}.block_sparse_moe."
-    out = {dst + "gate.weight": t[src + "router"]}
-    fc1, fc2 = t[src + "experts.fc1"], t[src + "experts.fc2"]
-    for j in range(num_experts):
-        gate, up = fc1[j].split([f, f])
-        out[f"{dst}experts.{j}.w1.weight"] = gate
-        out[f"{dst}experts.{j}.w3.weight"] = up
-        out[f"{dst}experts.{j}.w2.weight"] = fc2[j]
-    return out
+    return experts_to_hf(t, layer, num_experts, f, MIXTRAL_EXPERTS)
 
 
 def moe_from_hf(s: _Source, layer: int, num_experts: int) -> dict:
-    """Block ``layer``'s ``router``, ``experts.fc1`` and ``experts.fc2`` from the HF source
-    ``s`` (a ``from_hf._Source``), in checkpoint or fused naming."""
-    prefix = f"model.layers.{layer}."
-    block = next((prefix + b for b in MOE_BLOCKS if s.has(prefix + b + "gate.weight")), None)
-    if block is None:
-        raise ValueError(f"the HF state dict has no router {prefix}block_sparse_moe.gate.weight")
-    dst = f"layers.{layer}.mlp."
-    out = {dst + "router": s.take(block + "gate.weight")}
-    if s.has(block + "experts.gate_up_proj"):
-        out[dst + "experts.fc1"] = s.take(block + "experts.gate_up_proj")
-        out[dst + "experts.fc2"] = s.take(block + "experts.down_proj")
-        return out
-    experts = [f"{block}experts.{j}." for j in range(num_experts)]
-    out[dst + "experts.fc1"] = torch.stack(
-        [torch.cat([s.take(e + "w1.weight"), s.take(e + "w3.weight")]) for e in experts]
-    )
-    out[dst + "experts.fc2"] = torch.stack([s.take(e + "w2.weight") for e in experts])
-    return out
+    """Block ``layer``'s router and experts from Mixtral's checkpoint or fused names."""
+    return experts_from_hf(s, layer, num_experts, MIXTRAL_EXPERTS)

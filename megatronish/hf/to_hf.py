@@ -1,6 +1,8 @@
-"""megatronish global tensors -> a Hugging Face Llama / GPT-2 / Mixtral config and state dict.
+"""megatronish global tensors -> a Hugging Face Llama / GPT-2 / Mixtral / Qwen3 / Qwen3-MoE
+config and state dict.
 
-See :mod:`megatronish.hf.common` (and :mod:`megatronish.hf.mixtral`) for the name mapping.
+See :mod:`megatronish.hf.common` (:mod:`megatronish.hf.mixtral`, :mod:`megatronish.hf.qwen3`)
+for the name mapping.
 Exports drop the embedding (and head) rows beyond the real vocabulary and write zeros for biases
 megatronish does not have (pure).
 """
@@ -11,6 +13,7 @@ import torch
 
 from megatronish.hf.common import DEFAULT_SPECIAL_TOKENS, model_spec, own_copy
 from megatronish.hf.mixtral import mixtral_config, moe_to_hf
+from megatronish.hf.qwen3 import experts_to_qwen3, qk_norms_to_hf, qwen3_config
 from megatronish.spec import ModelSpec
 
 
@@ -42,7 +45,15 @@ def to_hf(
         raise ValueError(
             f"the embedding has {padded} rows but vocab {vocab} pads to {spec.padded_vocab_size}"
         )
-    if spec.moe is not None:  # Mixtral, or a ValueError saying why not
+    if spec.qk_norm:  # Qwen3 or Qwen3-MoE, or a ValueError saying why not
+        if not spec.is_llama:
+            raise ValueError(
+                f"cannot export model.arch={spec.arch!r} with model.qk_norm=true (the HF models "
+                "with per-head norms here are Qwen3's: llama blocks)"
+            )
+        config = qwen3_config(spec, _llama_config(spec, vocab))
+        state = _llama_to_hf(tensors, spec, vocab)
+    elif spec.moe is not None:  # Mixtral, or a ValueError saying why not
         config = mixtral_config(spec, _llama_config(spec, vocab))
         state = _llama_to_hf(tensors, spec, vocab)
     elif spec.arch == "llama":
@@ -90,6 +101,11 @@ def _llama_config(spec: ModelSpec, vocab: int) -> dict:
 
 
 def _gpt2_config(spec: ModelSpec, vocab: int) -> dict:
+    if spec.attention_width != spec.hidden_size:
+        raise ValueError(
+            f"GPT-2's heads are hidden_size / n_head wide: model.head_dim={spec.head_dim} with "
+            f"{spec.num_heads} heads is not {spec.hidden_size}"
+        )
     if spec.num_kv_heads != spec.num_heads:
         raise ValueError(
             f"GPT-2 has no grouped-query attention: num_query_groups={spec.num_kv_heads} but "
@@ -125,8 +141,11 @@ def _llama_to_hf(t: dict, spec: ModelSpec, vocab: int) -> dict:
         out[dst + "input_layernorm.weight"] = t[src + "attn_norm.weight"]
         out[dst + "post_attention_layernorm.weight"] = t[src + "mlp_norm.weight"]
         moe = spec.is_moe_layer(i)
+        if spec.qk_norm:
+            out.update(qk_norms_to_hf(t, i))
         if moe:
-            out.update(moe_to_hf(t, i, spec.moe.num_experts, spec.moe.ffn_hidden_size))
+            experts_to = experts_to_qwen3 if spec.qk_norm else moe_to_hf
+            out.update(experts_to(t, i, spec.moe.num_experts, spec.moe.ffn_hidden_size))
         for kind in kinds:
             q, k, v = t[f"{src}attn.qkv.{kind}"].split(qkv_rows)
             out.update(

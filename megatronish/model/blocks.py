@@ -36,24 +36,38 @@ from megatronish.tensor_parallel.weight_grad import WeightGradStore
 
 
 class Norm(nn.Module):
-    """RMSNorm (llama) or LayerNorm (gpt2); weights replicated over tp."""
+    """RMSNorm (llama) or LayerNorm (gpt2) over the last ``size`` values (default: the hidden
+    size); weights replicated over tp.
 
-    def __init__(self, spec: ModelSpec, tp: TPContext, device: torch.device | str | None = None):
+    ``per_head``: the norm of each attention head (``model.qk_norm``). Every tp rank holds other
+    heads of the same tokens, so its weight's grad is partial there, summed over tp as a
+    sequence-parallel norm's is (Megatron-LM sums its q/k layernorm grads over tp alike).
+    """
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        tp: TPContext,
+        device: torch.device | str | None = None,
+        size: int | None = None,
+        per_head: bool = False,
+    ):
         super().__init__()
         self.rms, self.eps = spec.is_llama, spec.norm_eps
-        sp = tp.sequence_parallel
+        size = size or spec.hidden_size
+        partial = tp.size > 1 if per_head else tp.sequence_parallel
         self.weight = mark_param(
-            nn.Parameter(torch.empty(spec.hidden_size, device=device)),
+            nn.Parameter(torch.empty(size, device=device)),
             init="ones",
-            sequence_parallel=sp,
+            sequence_parallel=partial,
             weight_decay=False,
         )
         self.bias = None
         if not self.rms:
             self.bias = mark_param(
-                nn.Parameter(torch.empty(spec.hidden_size, device=device)),
+                nn.Parameter(torch.empty(size, device=device)),
                 init="zeros",
-                sequence_parallel=sp,
+                sequence_parallel=partial,
                 weight_decay=False,
             )
         self.weight_grad_store: WeightGradStore | None = None
@@ -145,7 +159,7 @@ class Attention(nn.Module):
             device=device,
         )
         self.proj = RowParallelLinear(
-            spec.num_heads * d,
+            spec.attention_width,
             h,
             tp.group,
             bias=spec.bias,
@@ -153,6 +167,10 @@ class Attention(nn.Module):
             init_std=out_std,
             device=device,
         )
+        self.q_norm = self.k_norm = None
+        if spec.qk_norm:
+            self.q_norm = Norm(spec, tp, device, size=d, per_head=True)
+            self.k_norm = Norm(spec, tp, device, size=d, per_head=True)
         self.core_runner = None  # selective recompute wraps the attention core
 
     def core(
@@ -209,6 +227,9 @@ class Attention(nn.Module):
         s, b = qkv.shape[:2]
         qk, v = qkv.split([heads * d, self.kv_heads * d], dim=-1)  # local [q | k | v]
         qk = qk.view(s, b, heads, d)
+        if self.q_norm is not None:
+            q, k = qk.split([self.q_heads, self.kv_heads], dim=2)
+            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=2)
         if rope is not None:  # q and k rotated in one pass
             qk = apply_rope(qk, rope[0][:s], rope[1][:s])
         q, k = qk.split([self.q_heads, self.kv_heads], dim=2)

@@ -2,11 +2,12 @@
 
 Model FLOPs per token (the PaLM / Chinchilla convention, used by Megatron and torchtitan for MFU):
 
-    flops_per_token = 6 * N + 12 * L * s * h
+    flops_per_token = 6 * N + 12 * L * s * a * d
 
 ``N`` counts the weights of every matmul (attention, MLP and output head; not the embedding
-lookup, positions or norms), the factor 6 is forward (2) plus backward (4), and ``12 L s h`` is
-the attention score and value products (causal masking is not discounted). Recompute is not
+lookup, positions or norms), the factor 6 is forward (2) plus backward (4), and ``12 L s a d`` is
+the attention score and value products over ``a`` query heads of width ``d`` (``a d = h``
+unless ``model.head_dim`` says otherwise; causal masking is not discounted). Recompute is not
 counted (model FLOPs, not hardware FLOPs). With document masks (packed documents) a token
 attends within its document only: ``s`` becomes ``ModelSpec.attention_span``, the mean over
 tokens of their document's length in the window (``sum l^2 / s`` per window, the documents'
@@ -35,7 +36,7 @@ def expert_weights(spec: ModelSpec) -> int:
 
 def _attention_weights(spec: ModelSpec) -> int:
     h, d = spec.hidden_size, spec.head_dim
-    return h * (spec.num_heads + 2 * spec.num_kv_heads) * d + spec.num_heads * d * h
+    return h * (spec.num_heads + 2 * spec.num_kv_heads) * d + spec.attention_width * h
 
 
 def layer_matmul_params(spec: ModelSpec, layer: int, active: bool = True) -> int:
@@ -65,17 +66,16 @@ def _layer_matmul_dense(spec: ModelSpec) -> int:
 
 def flops_per_token(spec: ModelSpec) -> float:
     """Model FLOPs per trained token (see module docstring)."""
-    return (
-        6.0 * matmul_params(spec) + 12.0 * spec.num_layers * spec.attention_span * spec.hidden_size
-    )
+    attention = 12.0 * spec.num_layers * spec.attention_span * spec.attention_width
+    return 6.0 * matmul_params(spec) + attention
 
 
 def split_backward_times(spec: ModelSpec) -> tuple[float, float, float]:
     """Relative model FLOPs of a chunk's forward, input-gradient backward (B) and weight-gradient
-    backward (W) per token: ``2N + 4Lsh``, ``2N + 8Lsh`` and ``2N`` (the attention core has no
+    backward (W) per token: ``2N + 4Lsad``, ``2N + 8Lsad`` and ``2N`` (the attention core has no
     weights: its whole backward is B)."""
     matmul = 2.0 * matmul_params(spec)
-    attention = 4.0 * spec.num_layers * spec.attention_span * spec.hidden_size
+    attention = 4.0 * spec.num_layers * spec.attention_span * spec.attention_width
     return matmul + attention, matmul + 2 * attention, matmul
 
 
@@ -100,6 +100,8 @@ def count_parameters(spec: ModelSpec) -> int:
         per_layer = sum(
             layer_matmul_params(spec, i, active=False) + _layer_bias(spec, i) for i in range(L)
         )
+    if spec.qk_norm:  # one weight (LayerNorm: and a bias) per head width, for Q and for K
+        per_layer += L * 2 * (norm // h) * spec.head_dim
     total = per_layer + L * 2 * norm + norm + spec.padded_vocab_size * h
     if not spec.tie_embeddings:
         total += spec.padded_vocab_size * h

@@ -11,7 +11,8 @@ rank_seq_length`), ``b`` micro batch, ``h`` hidden, ``t`` tp, ``a``/``g`` query/
   column-parallel linear after it keeps its input, the full-sequence ``s b h`` (all-gathered
   under sp);
 - attention: the fused qkv output ``s b (a + 2g) d / t`` (V is a view of it), RoPE's rotated
-  Q and K (llama), the SDPA output ``s b a d / t`` (also the projection's input) and its
+  Q and K (llama; with ``model.qk_norm`` the per-head norms' statistics and, in fp32,
+  normalised values), the SDPA output ``s b a d / t`` (also the projection's input) and its
   logsumexp ``b a s / t``; a fused SDPA kernel keeps no ``s x s`` matrix, the math kernel does
   (on a CPU with attention dropout), and K/V expanded for a fused kernel (fp32 grouped-query
   attention on CUDA) add ``2 b a s d / t`` (:func:`attention_core_bytes`); under cp the gathered
@@ -27,7 +28,8 @@ formulas for comparison.
 Communication (:func:`tp_volume`, CommStats' bytes): per layer and microbatch two collectives in
 forward and two in backward (all-reduces, or under sp all-gathers and reduce-scatters of the
 full-sequence activation), the embedding's and the head's, the vocabulary-parallel cross
-entropy's three all-reduces, and under sp one all-reduce of the replicated params' grads.
+entropy's three all-reduces, and under sp (or with per-head Q/K norms) one all-reduce of the
+replicated params' partial grads.
 """
 
 from __future__ import annotations
@@ -141,14 +143,27 @@ def layer_bytes(spec: ModelSpec, layout: Layout, core: bool = True) -> int:
     tokens_r, tokens = x.s_r * x.b, x.s * x.b
     norms = 2 * _norm_bytes(spec, x, e)
     attn = tokens * (x.a + 2 * x.g) * x.d * e + tokens * x.a * x.d * e  # qkv out, SDPA out
-    if spec.is_llama:
-        attn += tokens * (x.a + x.g) * x.d * e  # rotated Q and K
+    if spec.is_llama or spec.qk_norm:
+        attn += tokens * (x.a + x.g) * x.d * e  # rotated (or normalised) Q and K
+    attn += _qk_norm_bytes(spec, x, e)
     attn += gathered_kv_bytes(tokens, x.g, x.d, e, layout)
     if core:
         attn += attention_core_bytes(spec, layout)
     mlp = tokens * x.f * e * (4 if spec.is_llama else 2)
     dropout = 2 * tokens_r * x.h if spec.hidden_dropout > 0 else 0
     return norms + attn + mlp + dropout
+
+
+def _qk_norm_bytes(spec: ModelSpec, x: LayerShape, e: int) -> int:
+    """``model.qk_norm``: what the per-head norms of Q and K keep besides their input (a view of
+    the qkv output): RMSNorm the rsqrt per head and token and in fp32 the normalised tensor,
+    LayerNorm the mean and rstd."""
+    if not spec.qk_norm:
+        return 0
+    rows = x.s * x.b * (x.a + x.g)
+    if not spec.is_llama:
+        return 2 * rows * FP32
+    return rows * FP32 + (rows * x.d * e if e == FP32 else 0)
 
 
 def attention_weight_grad_bytes(spec: ModelSpec, layout: Layout) -> int:
@@ -161,7 +176,9 @@ def attention_weight_grad_bytes(spec: ModelSpec, layout: Layout) -> int:
     tokens_r, tokens = x.s_r * x.b, x.s * x.b
     saved = 2 * _norm_bytes(spec, x, e) - tokens * x.h * e + tokens * x.a * x.d * e
     grads = 2 * tokens_r * x.h * e + tokens * (x.a + 2 * x.g) * x.d * e + tokens * x.h * e
-    return saved + grads
+    if spec.qk_norm:  # the per-head norms' output grads
+        grads += tokens * (x.a + x.g) * x.d * e
+    return saved + grads + _qk_norm_bytes(spec, x, e)
 
 
 def mlp_weight_grad_bytes(spec: ModelSpec, layout: Layout) -> int:
@@ -274,31 +291,34 @@ def tp_volume(
         ag, rs = per_mb + 2 * redo, per_mb + 2 * redo - groups
         out["tp/all_gather"] = (m * ag, m * ag * act)
         out["tp/reduce_scatter"] = (m * rs, m * rs * act)
-        if chunks is None:
-            chunks = meta_chunks(spec, layout, pp_rank)
-        replicated = _sequence_parallel_numel(chunks)
-        if replicated:
-            out["tp/all_reduce"] = (1, replicated * FP32)
     else:
         ar = per_mb + 2 * redo - groups
         out["tp/all_reduce"] = (m * ar, m * ar * act)
+    if layout.sequence_parallel or spec.qk_norm:  # replicated weights with partial grads
+        if chunks is None:
+            chunks = meta_chunks(spec, layout, pp_rank)
+        replicated = _partial_grad_numel(chunks)
+        if replicated:
+            calls, nbytes = out.get("tp/all_reduce", (0, 0))
+            out["tp/all_reduce"] = (calls + 1, nbytes + replicated * FP32)
     if last:  # the vocabulary-parallel cross entropy: max, target logit, sum of exp
         calls, nbytes = out.get("tp/all_reduce", (0, 0))
         out["tp/all_reduce"] = (calls + 3 * m, nbytes + 3 * m * s * b * 4)
     return out
 
 
-def _sequence_parallel_numel(chunks: list) -> int:
-    """Elements of replicated params fed by sequence shards (grads summed over tp once)."""
+def _partial_grad_numel(chunks: list) -> int:
+    """Elements of replicated params whose grads are partial on each tp rank (fed by sequence
+    shards, or per-head norms of each rank's heads): summed over tp once per step."""
     return sum(p.numel() for c in chunks for p in c.parameters() if param_info(p).sequence_parallel)
 
 
 def stage_flops_per_token(spec: ModelSpec, layers: list[int], head: bool) -> float:
     """Model FLOPs per token of the pipeline's tokens that the blocks ``layers`` (and the head)
-    do, every block alike (``6 N + 12 s h`` per token, :mod:`megatronish.model.flops`)."""
+    do, every block alike (``6 N + 12 s a d`` per token, :mod:`megatronish.model.flops`)."""
     L, s, h = spec.num_layers, spec.attention_span, spec.hidden_size
     vocab = spec.padded_vocab_size * h
-    per_layer = 6.0 * (matmul_params(spec) - vocab) / L + 12.0 * s * h
+    per_layer = 6.0 * (matmul_params(spec) - vocab) / L + 12.0 * s * spec.attention_width
     return len(layers) * per_layer + (6.0 * vocab if head else 0.0)
 
 

@@ -42,6 +42,7 @@ class Layout:
     # zero-bubble one (zb-h1 with vpp = 1, zbv with vpp = 2)
     pipeline_schedule: str | None = None
     moe_dispatch_order: str = "tp_first"  # parallel.moe_dispatch_order (tp > 1 only)
+    moe_shared_expert_overlap: bool = True  # parallel.moe_shared_expert_overlap
 
     @property
     def world_size(self) -> int:
@@ -188,6 +189,7 @@ def layout_from_config(cfg: TrainConfig, world_size: int) -> Layout:
         device_type="cpu" if t.device == "cpu" else "cuda",  # auto: plan for the GPU
         pipeline_schedule=schedule,
         moe_dispatch_order=getattr(p, "moe_dispatch_order", "tp_first"),
+        moe_shared_expert_overlap=getattr(p, "moe_shared_expert_overlap", True),
     )
 
 

@@ -68,7 +68,7 @@ def block_matmuls(spec: ModelSpec, layout: Layout, layer: int) -> list[Matmul]:
     h, d, tp = spec.hidden_size, spec.head_dim, layout.tp
     rows = token_rows(spec, layout)
     qkv = (spec.num_heads + 2 * spec.num_kv_heads) * d // tp
-    out = [(rows, h, qkv, 1), (rows, spec.num_heads * d // tp, h, 1)]
+    out = [(rows, h, qkv, 1), (rows, spec.attention_width // tp, h, 1)]
     if not spec.is_moe_layer(layer):
         return out + _mlp(rows, h, spec.ffn_hidden_size, tp, spec.is_llama)
     moe = spec.moe
@@ -97,7 +97,7 @@ def efficiency(
         moe = spec.is_moe_layer(layer)
         if moe not in kinds:
             mms = block_matmuls(spec, layout, layer)
-            attention = 12.0 * spec.seq_length * spec.hidden_size * token_rows(spec, layout)
+            attention = 12.0 * spec.seq_length * spec.attention_width * token_rows(spec, layout)
             attention /= layout.tp
             kinds[moe] = _add(mms, e, hw, attention, attention / hw.efficiency)
         flops, time = flops + kinds[moe][0], time + kinds[moe][1]

@@ -17,6 +17,10 @@ Communication per block and microbatch (CommStats' bytes, :mod:`megatronish.moe.
   reduce-scatters the weights' grads in backward (``T k`` each).
 - cp > 1: an all-reduce of the counts (``8 E``) over cp, for the balancing loss.
 
+With shared experts (and ``parallel.moe_shared_expert_overlap``) each forward's rows all-to-all
+runs while the shared experts compute: the step time's ``ep`` term loses the shorter of the two
+per forward (:func:`overlapped_dispatch_time`).
+
 Full recompute reruns a checkpointed block's forward collectives; a group that ends in a
 mixture-of-experts block reruns all of them (its balancing and z losses keep the last saved
 tensors), while a dense block's final reduce-scatter is skipped.
@@ -37,6 +41,7 @@ from megatronish.model.build import chunk_layer_ranges
 from megatronish.model.flops import layer_matmul_params
 from megatronish.plan import dense
 from megatronish.plan.context_parallel import rank_seq_length
+from megatronish.plan.hardware import Hardware, comm_time
 from megatronish.plan.layout import Layout
 from megatronish.plan.recompute import segments
 from megatronish.spec import ModelSpec
@@ -102,10 +107,13 @@ def mlp_bytes(spec: ModelSpec, layout: Layout) -> int:
     dispatch indices (``2 N`` int64, twice more under ep), the rows each expert computes
     ``N h``, SwiGLU's ``4 N f'`` (GELU ``2 N f'``), the rows coming back ``N h`` and the slots
     weighted in combine ``T k h`` with their weights; shared experts as a dense MLP of
-    ``shared * f`` units."""
+    ``shared * f`` units. In Megatron-LM's order (:func:`ep_first`) a tp rank routes, sends,
+    gets back and combines only its own ``T_r`` tokens' rows (the indices and the rows coming
+    back are ``T_r k``), while its experts compute the rows of the whole tp group."""
     moe, e, h, t = spec.moe, layout.activation_bytes, spec.hidden_size, layout.tp
     tokens, rows = routed_tokens(spec, layout), dispatched_rows(spec, layout)
     own = tokens // t if layout.sequence_parallel else tokens  # T_r
+    routed, sent = (own, sent_rows(spec, layout)) if ep_first(layout) else (tokens, rows)
     width = 4 if spec.is_llama else 2
     router = own * spec.hidden_size * FP32 + (moe.num_experts * h * FP32 if e < FP32 else 0)
     routing = own * moe.num_experts * (FP32 + FP32 + INT64)  # logits, scores, sort indices
@@ -113,9 +121,9 @@ def mlp_bytes(spec: ModelSpec, layout: Layout) -> int:
     routing += own * moe.top_k * FP32 * (int(moe.renormalize) + int(t == 1))
     routing += own * FP32 * (2 if moe.renormalize else 1)  # logsumexp, the top-k sum
     routing += own * FP32 if moe.score == "sigmoid" else 0  # the sigmoids' sum (balancing loss)
-    index = rows * INT64 * (4 if layout.ep > 1 else 2)
+    index = sent * INT64 * (4 if layout.ep > 1 else 2)
     experts = rows * h * e + rows * (moe.ffn_hidden_size // t) * width * e
-    combine = rows * h * e + tokens * moe.top_k * (h * e + e)  # returned rows, slots, weights
+    combine = sent * h * e + routed * moe.top_k * (h * e + e)  # returned rows, slots, weights
     shared = 0
     if moe.shared_experts:
         f = moe.shared_experts * moe.ffn_hidden_size // t
@@ -207,7 +215,7 @@ def stage_flops_per_token(spec: ModelSpec, layers: list[int], head: bool) -> flo
     if spec.moe is None:
         return dense.stage_flops_per_token(spec, layers, head)
     s, h = spec.attention_span, spec.hidden_size
-    own = sum(6.0 * layer_matmul_params(spec, i) + 12.0 * s * h for i in layers)
+    own = sum(6.0 * layer_matmul_params(spec, i) + 12.0 * s * spec.attention_width for i in layers)
     return own + (6.0 * (spec.padded_vocab_size * h) if head else 0.0)
 
 
@@ -248,6 +256,29 @@ def ep_volume(spec: ModelSpec, layout: Layout, blocks: RankBlocks) -> dict[str, 
     forwards = blocks.moe + blocks.redo
     calls = m * (3 * forwards + 2 * blocks.moe)
     return {"ep/all_to_all": (calls, m * (forwards * (counts + 2 * rows) + blocks.moe * 2 * rows))}
+
+
+def overlapped_dispatch_time(
+    spec: ModelSpec, layout: Layout, hw: Hardware, pp_rank: int, rate: float
+) -> float:
+    """Seconds of the ep term the shared experts hide (``parallel.moe_shared_expert_overlap``):
+    each forward of a block (recompute's reruns too) posts its rows' all-to-all, runs the shared
+    experts' forward on its ``T`` tokens (``2 w h f_s / t`` FLOPs each at ``rate``; SwiGLU
+    ``w = 3``, GELU 2), then waits, hiding the shorter of the two. None on shared cores, where
+    compute and communication take the same cores."""
+    moe = spec.moe
+    if moe is None or layout.ep == 1 or not moe.shared_experts or hw.shared_cores:
+        return 0.0
+    if not layout.moe_shared_expert_overlap:
+        return 0.0
+    blocks = rank_blocks(spec, layout, pp_rank)
+    forwards = layout.num_microbatches * (blocks.moe + blocks.redo)
+    rows = sent_rows(spec, layout) * spec.hidden_size * layout.activation_bytes
+    exchange = comm_time(layout, hw, "ep/all_to_all", 1, rows)
+    width = 3 if spec.is_llama else 2
+    f_shared = moe.shared_experts * moe.ffn_hidden_size // layout.tp
+    shared = 2.0 * width * spec.hidden_size * f_shared * routed_tokens(spec, layout) / rate
+    return forwards * min(exchange, shared)
 
 
 def cp_counts_volume(

@@ -27,8 +27,10 @@ The model (symbols: ``N`` ranks, ``t`` tp, ``p`` pp, ``v`` vpp, ``d`` dp, ``m`` 
 - **Overlap.** tp collectives sit between the matmuls that need them: never hidden; nor are
   cp's K/V all-gathers (forward) and reduce-scatters (backward), one of each per layer, nor
   expert parallelism's all-to-alls (the ``ep`` term: a rank sends ``(n - 1) / n`` of each
-  tensor; an ep group spans ``t ep`` ranks). Expert grads are reduced and gathered over the
-  expert-data-parallel group (``t c d`` span) with the dp ones and overlap as they do. ZeRO 3
+  tensor; an ep group spans ``t ep`` ranks), except the part of each forward's rows exchange
+  the shared experts' forward hides (:func:`~megatronish.plan.moe.overlapped_dispatch_time`).
+  Expert grads are reduced and gathered over the expert-data-parallel group (``t c d`` span)
+  with the dp ones and overlap as they do. ZeRO 3
   prefetches: a unit's (block's) gather runs while the unit before it computes, so only the
   first unit of each forward and backward waits: exposed = ``max(gathers / units per chunk,
   gathers - compute)``. ZeRO 1/2's gather of the updated params runs during the next step's
@@ -134,6 +136,7 @@ def _stage_time(
     tp, cp, ep = (
         sum(t for k, t in times.items() if k.startswith(f"{group}/")) for group in BETWEEN_COMPUTES
     )
+    ep -= moe.overlapped_dispatch_time(spec, layout, hw, pp_rank, rate)
     times, volume = moe.merge_expert_grads(times, volume, data_parallel.grad_group(layout))
     zero3, end = data_parallel.exposed_dp_time(
         spec, layout, hw, times, volume, compute, recompute_s, pipeline.embedding_time(times)

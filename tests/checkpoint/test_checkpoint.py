@@ -179,6 +179,12 @@ def test_tensors_that_would_be_cut_or_dropped_are_refused(tmp_path):
         CheckpointError, match="model.tie_embeddings: checkpoint False, config True"
     ):
         load_into(tied.checkpoint_parts, str(tmp_path / "llama"))
+    normed = build_trainer(0, 1, ["model.qk_norm=true", "model.head_dim=32"], 1)
+    with pytest.raises(
+        CheckpointError,
+        match="model.head_dim: checkpoint 8, config 32; model.qk_norm: checkpoint False, config",
+    ):
+        load_into(normed.checkpoint_parts, str(tmp_path / "llama"))
     meta = read_metadata(resolve_step_dir(str(tmp_path / "llama")))
     meta.config = {}  # a checkpoint without its config: the tensors alone are compared
     with pytest.raises(CheckpointError, match="not in this model: head.weight"):

@@ -82,6 +82,8 @@ def test_only_gpu_experiments_train_on_a_corpus_of_their_own():
         ),
         (["model.hidden_size=130"], 1, "hidden_size=130 is not divisible"),
         (["model.hidden_size=132", "model.num_attention_heads=4"], 1, "must be even"),
+        (["model.hidden_size=130", "model.head_dim=33"], 1, "head dim 33 must be even"),
+        (["model.head_dim=0"], 1, "model.head_dim=0 must be >= 1"),
         (["parallel.tp=8"], 8, "num_attention_heads=4 is not divisible by parallel.tp=8"),
         (["model.num_query_groups=3"], 1, "must divide model.num_attention_heads"),
         (["parallel.tp=4"], 4, "(kv heads) is not divisible by parallel.tp=4"),
@@ -159,3 +161,11 @@ def test_derived_values():
     assert pad_vocab(4097, 128) == 4224 and pad_vocab(4096, 128) == 4096
     gpt2 = derive(load_config(["+experiment=tiny_gpt2"]), 1)
     assert gpt2.tie_embeddings and gpt2.bias and gpt2.ffn_hidden_size == 512
+
+
+def test_head_dim_frees_the_width_from_hidden_over_heads():
+    """Qwen3-30B-A3B's shape: 32 heads of 128 in a width of 2048 (and a width heads do not
+    divide)."""
+    assert not errors_for(["model.hidden_size=130", "model.head_dim=32"], 1)
+    cfg = load_config(["model.hidden_size=130", "model.head_dim=32"])
+    assert derive(cfg, 1).head_dim == 32

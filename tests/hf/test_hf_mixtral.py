@@ -7,27 +7,31 @@ router rows moves the logits far beyond the tolerance.
 """
 
 import dataclasses
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from megatronish.checkpoint.load import load_into
 from megatronish.config.schema import ModelConfig, MoEConfig, RouterConfig
-from megatronish.hf.common import model_spec
 from megatronish.hf.from_hf import from_hf
 from megatronish.hf.to_hf import to_hf
-from megatronish.model.gpt import GPTChunk
-from megatronish.model.init import init_parameters
-from megatronish.model.parallel_context import ParallelContext
+from megatronish.testing.hf_models import (
+    SEQ,
+    TOL,
+    VOCAB,
+    hf_logits,
+    our_logits,
+    our_model,
+    perturb_norms,
+    tensors_of,
+    tool,
+)
+from megatronish.testing.hf_models import load_hf as load_hf_model
 from megatronish.testing.runs import build_trainer
 
-REPO = Path(__file__).resolve().parents[2]
-VOCAB, SEQ = 100, 16  # the vocabulary pads to 128
-TOL = 1e-5
 # Values away from megatronish's and transformers' defaults.
 MOE = {"num_experts": 5, "top_k": 3, "ffn_hidden_size": 24, "aux_loss_coef": 0.02}
 HF_VALUES = {
@@ -40,14 +44,6 @@ HF_VALUES = {
     "sliding_window": None,
     "tie_word_embeddings": False,
 }
-
-
-def tool(name: str):
-    """tools/<name>.py as a module."""
-    spec = importlib.util.spec_from_file_location(name, REPO / "tools" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def our_config(arch: str = "llama", bias: bool = False, **moe) -> dict:
@@ -82,56 +78,10 @@ def our_config(arch: str = "llama", bias: bool = False, **moe) -> dict:
     )
 
 
-def ids() -> torch.Tensor:
-    return torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
-
-
-def perturb_norms(model: torch.nn.Module, seed: int) -> None:
-    """Norm weights away from 1, so swapped or missing norms show in the logits."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(0.2 * torch.randn(p.shape, generator=gen))
-
-
-def our_model(cfg: dict, tensors: dict | None = None) -> GPTChunk:
-    """The whole model in one chunk: ``tensors`` loaded, or initialised (padding rows zero)."""
-    spec = model_spec(cfg, cfg["vocab_size"])
-    chunk = GPTChunk(spec, ParallelContext(), range(spec.num_layers), first=True, last=True)
-    if tensors is not None:
-        chunk.load_state_dict(tensors, strict=True)
-        return chunk.eval()
-    with torch.no_grad():
-        init_parameters(chunk, 11, 0, 1)
-        chunk.embedding.word.weight[VOCAB:] = 0  # cut by the export, zeros after an import
-        chunk.head.weight[VOCAB:] = 0
-    perturb_norms(chunk, 12)
-    return chunk.eval()
-
-
-@torch.no_grad()
-def our_logits(chunk: GPTChunk) -> torch.Tensor:
-    return chunk.head.logits(chunk(ids())).transpose(0, 1)[..., :VOCAB]
-
-
-def tensors_of(chunk: GPTChunk) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in chunk.named_parameters()}
-
-
 def load_hf(config: dict, state: dict, path: Path):
-    """``config`` + ``state`` written as a model directory and loaded by transformers."""
-    from transformers import AutoModelForCausalLM
-
-    path.mkdir(parents=True, exist_ok=True)
-    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
-    (path / "config.json").write_text(json.dumps(config))
-    model, info = AutoModelForCausalLM.from_pretrained(
-        str(path), dtype=torch.float32, attn_implementation="eager", output_loading_info=True
-    )
-    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    model = load_hf_model(config, state, path)
     assert type(model).__name__ == "MixtralForCausalLM"
-    return model.eval()
+    return model
 
 
 def random_mixtral(**values):
@@ -160,11 +110,6 @@ def random_mixtral(**values):
     model = MixtralForCausalLM(config)
     perturb_norms(model, 13)
     return model.eval()
-
-
-@torch.no_grad()
-def hf_logits(model) -> torch.Tensor:
-    return model(ids()).logits
 
 
 @torch.no_grad()

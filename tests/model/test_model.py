@@ -31,9 +31,13 @@ def spec_of(arch: str, **kw) -> ModelSpec:
     return ModelSpec(**base)
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2"])
-def test_shapes_loss_and_parameter_count(arch):
-    spec = spec_of(arch)
+# Per-head Q/K norms and heads wider than hidden / heads: the parameter count follows the model.
+QK = {"qk_norm": True, "kv_channels": 24}
+
+
+@pytest.mark.parametrize("arch,heads", [("llama", {}), ("gpt2", {}), ("llama", QK), ("gpt2", QK)])
+def test_shapes_loss_and_parameter_count(arch, heads):
+    spec = spec_of(arch, **heads)
     [model] = build_chunks(spec, ParallelContext(), [2])
     ids = torch.randint(0, spec.vocab_size, (3, 17))
     hidden = model(ids[:, :-1])

@@ -33,11 +33,11 @@ CASES = {
         ["parallel.pp=4", "parallel.vpp=2", "parallel.pipeline_schedule=zbv"],
         ("model.num_layers=8",),
     ),
-    "zb-h1-tp2-sp-full-recompute": (
+    "zb-h1-tp2-sp-full-recompute-qk-norm": (
         "llama",
         4,
         [*ZB_H1, "parallel.tp=2", "parallel.sp=true", "trainer.recompute=full"],
-        ("model.num_layers=4",),
+        ("model.num_layers=4", "model.qk_norm=true"),
     ),
     "zbv-gpt2-tp2-sp-selective-recompute": (
         "gpt2",

@@ -36,6 +36,8 @@ LAYOUTS = [
     (2, ["parallel.cp=2"]),
     (4, ["parallel.cp=2", "parallel.tp=2", "parallel.sp=true", "parallel.zero_stage=1"]),
     (4, ["parallel.cp=2", "parallel.pp=2", "model.arch=gpt2", "trainer.recompute=selective"]),
+    # per-head Q/K norms, heads wider than hidden / heads
+    (1, ["model.qk_norm=true", "model.head_dim=96"]),
 ]
 
 
@@ -60,6 +62,8 @@ def test_planned_memory_matches_measured(world, extra):
 
 COMM_LAYOUTS = [
     (2, ["parallel.tp=2", "trainer.recompute=full", "trainer.recompute_num_layers=3"]),
+    # the per-head Q/K norms' partial grads summed over tp without sp: one more all-reduce
+    (2, ["parallel.tp=2", "model.qk_norm=true", "model.head_dim=48"]),
     (2, ["parallel.tp=2", "parallel.sp=true", "model.arch=gpt2", "trainer.recompute=full"]),
     (
         2,

@@ -2,6 +2,8 @@
 memory per rank, the all-to-all and the other collectives of MoE blocks (against CommStats), the
 activations they keep (against measured runs), and the advice of expert parallelism."""
 
+from dataclasses import replace
+
 import pytest
 
 from megatronish.config.compose import load_config
@@ -243,6 +245,16 @@ MEMORY_LAYOUTS = [
     # free the all-to-all's buffers late by varying amounts.
     (4, ["parallel.ep=2", "model.arch=gpt2", "parallel.zero_stage=1"]),
     (4, ["parallel.tp=2", "parallel.sp=true", "parallel.ep=2", "trainer.precision=bf16"]),
+    # Megatron-LM's order: each tp rank routes and combines its own tokens' rows only
+    (
+        4,
+        [
+            "parallel.tp=2",
+            "parallel.sp=true",
+            "parallel.ep=2",
+            "parallel.moe_dispatch_order=ep_first",
+        ],
+    ),
     (
         2,
         [
@@ -415,3 +427,45 @@ def test_the_advisor_weighs_both_dispatch_orders_by_where_ep_runs():
     chosen = base.with_(moe_dispatch_order="ep_first")
     assert parallel_values(chosen)["moe_dispatch_order"] == "ep_first"
     assert "moe_dispatch_order" not in parallel_values(base)
+
+
+def test_the_shared_experts_hide_part_of_each_forward_exchange():
+    """parallel.moe_shared_expert_overlap: the ep term loses, per forward of a block, the shorter
+    of one rows all-to-all (the volume's row bytes over its row calls) and the shared experts'
+    forward; nothing without shared experts, with the overlap off or on shared CPU cores."""
+    from megatronish.plan.hardware import comm_time
+    from megatronish.plan.matmul_efficiency import efficiency
+    from megatronish.plan.pipeline import stage_layers
+
+    overrides = [
+        "+experiment=moe_1b_7b",
+        "model.moe.shared_experts=2",
+        "trainer.micro_batch_size=1",
+        "trainer.global_batch_size=64",
+        "trainer.precision=bf16",
+        "parallel.tp=2",
+        "parallel.sp=true",
+    ]
+    h100 = Hardware(peak_flops=989e12, gpus_per_node=8)
+    spec = spec_of(load_config(overrides))
+    on = layout_from_config(load_config(overrides), 64).with_(ep=8)
+    off = on.with_(moe_shared_expert_overlap=False)
+    plan = make_plan(spec, on)
+    hidden = step_time(make_plan(spec, off), h100).ep - step_time(plan, h100).ep
+
+    moe = spec.moe
+    blocks, m = rank_blocks(spec, on, 0).moe, on.num_microbatches
+    calls, nbytes = plan.stages[0].comm["ep/all_to_all"]
+    row_calls = m * 4 * blocks  # counts, rows and outputs forward; two row exchanges backward
+    row_bytes = (nbytes - (calls - row_calls) * moe.num_experts * 8) / row_calls
+    exchange = comm_time(on, h100, "ep/all_to_all", 1, int(row_bytes))
+    rate = h100.peak_flops * efficiency(spec, on, h100, *stage_layers(spec, on, 0))
+    tokens = spec.seq_length * on.micro_batch_size  # gathered over tp under sp
+    shared = 2 * 3 * spec.hidden_size * 2 * moe.ffn_hidden_size // on.tp * tokens / rate
+    assert hidden == pytest.approx(m * blocks * min(exchange, shared), rel=1e-9)
+    assert 0 < hidden < step_time(make_plan(spec, off), h100).ep
+
+    plain = replace(spec, moe=replace(moe, shared_experts=0))
+    assert step_time(make_plan(plain, on), h100).ep == step_time(make_plan(plain, off), h100).ep
+    cpu = Hardware(peak_flops=1e11, shared_cores=2)
+    assert step_time(plan, cpu).ep == step_time(make_plan(spec, off), cpu).ep

@@ -73,3 +73,16 @@ def test_initialisation_is_layout_independent(arch):
         assert set(gathered) == set(serial)
         for name, full in serial.items():
             assert torch.equal(gathered[name], full), (world, name)
+
+
+# Per-head Q/K norms (each tp rank's heads: partial weight grads summed over tp even without
+# sp) and heads narrower than hidden_size / heads (the projection's input is heads * head_dim).
+# llama: gpt2's LayerNorm would add a key-norm bias whose true gradient is exactly zero (as the
+# key bias's), which Adam turns from round-off into per-tensor gaps.
+QK_NORM = ["model.qk_norm=true", "model.head_dim=12", "model.num_query_groups=2"]
+
+
+def test_qk_norm_and_head_dim_match_serial():
+    args = [*ARGS, *QK_NORM]
+    ref = [train_layout(0, 1, args, PARITY_STEPS)]
+    assert_parity(ref, run_world(train_layout, 2, [*args, "parallel.tp=2"], PARITY_STEPS))

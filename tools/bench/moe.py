@@ -402,14 +402,16 @@ def run(quick: bool = False) -> dict:
                 comm_rows,
             ),
             table(
-                f"The experts' backward alone: {EXPERT_ROWS} rows, hidden {EXPERT_HIDDEN}, "
-                f"ffn {EXPERT_FFN}, SwiGLU, fp32, 1 thread (median over repeats)",
+                f"The experts' forward and backward alone: {EXPERT_ROWS} rows, hidden "
+                f"{EXPERT_HIDDEN}, ffn {EXPERT_FFN}, SwiGLU, fp32, 1 thread (median over repeats)",
                 [
                     "local experts",
                     "implementation",
                     "grouped_mm",
+                    "forward ms|,.1f",
                     "backward ms|,.1f",
-                    "backward time / now's, median of per-repeat ratios|.2fx",
+                    "forward + backward / now's, median of per-repeat ratios|.2fx",
+                    "MiB allocated in forward|,.1f",
                     "MiB allocated in backward|,.1f",
                     "of which the stacks' grads|,.1f",
                     "MiB beyond the stacks' grads|,.1f",
@@ -433,10 +435,12 @@ def run(quick: bool = False) -> dict:
 
 
 def experts_table(experts: dict) -> tuple[list[list], dict]:
-    """The experts' backward table rows and facts (64 vs 4 local experts)."""
-    rows, beyond = [], {}
-    for local, times in experts["seconds"].items():
-        now = times[moe_experts.GROUPED]
+    """The experts' forward and backward table rows and facts (64 vs 4 local experts)."""
+    rows, beyond, both = [], {}, {}
+    for local, backward in experts["seconds"].items():
+        forward = experts["forward_seconds"][local]
+        for impl in moe_experts.IMPLS:
+            both[local, impl] = [f + b for f, b in zip(forward[impl], backward[impl])]
         for impl in moe_experts.IMPLS:
             total = experts["bytes"][local][impl]
             grads = experts["stack_grad_bytes"][local][impl]
@@ -447,8 +451,10 @@ def experts_table(experts: dict) -> tuple[list[list], dict]:
                     int(local),
                     impl,
                     picked,
-                    median(times[impl]) * 1e3,
-                    paired_ratio(times[impl], now),
+                    median(forward[impl]) * 1e3,
+                    median(backward[impl]) * 1e3,
+                    paired_ratio(both[local, impl], both[local, moe_experts.GROUPED]),
+                    experts["forward_bytes"][local][impl] / MIB,
                     total / MIB,
                     grads / MIB,
                     (total - grads) / MIB,
@@ -459,10 +465,14 @@ def experts_table(experts: dict) -> tuple[list[list], dict]:
     for impl in moe_experts.IMPLS:
         label = f"experts' backward, MiB beyond the stacks' grads, {hi} / {lo} local experts, "
         facts[f"{label}{impl}|.2fx"] = beyond[hi, impl] / beyond[lo, impl]
-    slow = paired_ratio(
-        experts["seconds"][hi][moe_experts.SLICED], experts["seconds"][hi][moe_experts.GROUPED]
-    )
-    facts[f"experts' backward time at {hi} local experts, before / now|.1fx"] = slow
+    for impl in (moe_experts.GROUPED, moe_experts.LOOP):
+        label = f"experts' forward + backward time, {hi} / {lo} local experts (medians), "
+        facts[f"{label}{impl}|.2fx"] = median(both[hi, impl]) / median(both[lo, impl])
+        label = f"experts' forward MiB allocated, {hi} / {lo} local experts, "
+        forward_bytes = experts["forward_bytes"]
+        facts[f"{label}{impl}|.2fx"] = forward_bytes[hi][impl] / forward_bytes[lo][impl]
+    slow = paired_ratio(both[hi, moe_experts.SLICED], both[hi, moe_experts.GROUPED])
+    facts[f"experts' forward + backward time at {hi} local experts, before / now|.1fx"] = slow
     return rows, facts
 
 

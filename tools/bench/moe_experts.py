@@ -1,7 +1,7 @@
-"""The experts' backward alone as the number of local experts grows at fixed rows (part of
-``moe.py``): the loop the experts used before (a slice of the rows and an index of each stack
-per expert) against ``GroupedExperts`` as it picks (``torch._grouped_mm`` where this torch has
-it) and forced onto its per-expert loop (:class:`~megatronish.moe.grouped_mm.ExpertLoop`).
+"""The experts' forward and backward alone as the number of local experts grows at fixed rows
+(part of ``moe.py``): the loop the experts used before (a slice of the rows and an index of each
+stack per expert) against ``GroupedExperts`` as it picks (``torch._grouped_mm`` where this torch
+has it) and forced onto its per-expert loop (:class:`~megatronish.moe.grouped_mm.ExpertLoop`).
 """
 
 from __future__ import annotations
@@ -70,14 +70,21 @@ class Case:
             return sliced_forward(experts, x, self.counts)
         return experts(x, self.counts)
 
-    def backward(self, impl: str, counted: AllocatedBytes | None = None) -> float:
-        """Seconds of one backward of ``impl`` (its forward untimed), inside ``counted``."""
+    def step(
+        self,
+        impl: str,
+        forward_counted: AllocatedBytes | None = None,
+        backward_counted: AllocatedBytes | None = None,
+    ) -> tuple[float, float]:
+        """Seconds of one forward and of its backward of ``impl``, each inside its counter."""
         self.experts[impl].zero_grad(set_to_none=True)
-        y = self.forward(impl)
         t0 = time.perf_counter()
-        with counted or contextlib.nullcontext():
+        with forward_counted or contextlib.nullcontext():
+            y = self.forward(impl)
+        t1 = time.perf_counter()
+        with backward_counted or contextlib.nullcontext():
             y.backward(self.upstream)
-        return time.perf_counter() - t0
+        return t1 - t0, time.perf_counter() - t1
 
     def stack_grad_bytes(self, impl: str) -> int:
         return sum(p.grad.numel() * p.grad.element_size() for p in self.experts[impl].parameters())
@@ -88,25 +95,29 @@ class Case:
 
 
 def run_experts(rows: int, hidden: int, ffn: int, locals_: tuple[int, ...], repeats: int) -> dict:
-    """Per number of local experts and implementation: the backward's seconds (each repeat
-    times every implementation once, interleaved, odd repeats in reverse), the bytes it
-    allocates (counted in one more backward) and the stacks' grads among them."""
-    out: dict = {"seconds": {}, "bytes": {}, "stack_grad_bytes": {}, "grouped_mm_used": {}}
+    """Per number of local experts and implementation: the seconds of the forward and of the
+    backward (each repeat times every implementation once, interleaved, odd repeats in
+    reverse), the bytes each allocates (counted in one more step) and the stacks' grads among
+    the backward's."""
+    keys = ("forward_seconds", "seconds", "forward_bytes", "bytes", "stack_grad_bytes")
+    out: dict = {k: {} for k in (*keys, "grouped_mm_used")}
     gen = torch.Generator().manual_seed(0)
     for local in locals_:
         case, key = Case(local, rows, hidden, ffn, gen), str(local)
         for impl in IMPLS:
-            case.backward(impl)  # warm-up
-        times: dict[str, list[float]] = {i: [] for i in IMPLS}
+            case.step(impl)  # warm-up
+        for k in keys:
+            out[k][key] = {i: [] for i in IMPLS} if k.endswith("seconds") else {}
         for r in range(repeats):
             for impl in IMPLS if r % 2 == 0 else reversed(IMPLS):
-                times[impl].append(case.backward(impl))
-        out["seconds"][key] = times
-        out["bytes"][key], out["stack_grad_bytes"][key] = {}, {}
+                forward, backward = case.step(impl)
+                out["forward_seconds"][key][impl].append(forward)
+                out["seconds"][key][impl].append(backward)
         for impl in IMPLS:
-            counted = AllocatedBytes()
-            case.backward(impl, counted)
-            out["bytes"][key][impl] = counted.total
+            forward, backward = AllocatedBytes(), AllocatedBytes()
+            case.step(impl, forward, backward)
+            out["forward_bytes"][key][impl] = forward.total
+            out["bytes"][key][impl] = backward.total
             out["stack_grad_bytes"][key][impl] = case.stack_grad_bytes(impl)
         out["grouped_mm_used"][key] = case.grouped_mm_used()
     return out

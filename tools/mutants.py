@@ -814,6 +814,41 @@ MUTANTS = [
             "test_the_shared_experts_hide_part_of_each_forward_exchange",
         ),
     ),
+    Mutant(
+        "a2a-sequence-out-of-order",
+        "the heads' all-to-all leaves the received chunks in rank order, not sequence order",
+        "megatronish/context_parallel/head_exchange.py",
+        (
+            (
+                "    return reorder_chunks(whole, natural_order(cp))",
+                "    return whole",
+            ),
+        ),
+        (
+            "tests/context_parallel/test_context_parallel.py::"
+            "test_the_exchange_gives_each_rank_the_whole_sequence_of_its_heads",
+            "tests/context_parallel/test_context_parallel.py::test_all_to_all_cp_matches_serial",
+        ),
+    ),
+    Mutant(
+        "a2a-plan-forgets-backward",
+        "the planner counts the heads' exchanges of forward only",
+        "megatronish/plan/context_parallel.py",
+        (
+            (
+                "        calls = 2 * forwards + 2 * m * n_layers",
+                "        calls = 2 * forwards",
+            ),
+        ),
+        ("tests/plan/test_plan.py::test_planned_communication_matches_measured",),
+    ),
+    Mutant(
+        "planner-cache-ignores-the-cp-exchange",
+        "the planner's cached blocks are shared by layouts of either cp exchange",
+        "megatronish/plan/layout.py",
+        (("            self.cp_comm_type,\n            self.ep,", "            self.ep,"),),
+        ("tests/plan/test_advisor.py::test_one_planner_tells_layouts_of_the_same_shape_apart",),
+    ),
 ]
 
 

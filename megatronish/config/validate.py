@@ -31,6 +31,7 @@ CHOICES = {
     "optimizer.name": ("adamw",),
     "data.source": ("stdlib", "indexed"),
     "logging.timers": ("cheap", "detailed"),
+    "parallel.cp_comm_type": ("all_gather", "a2a"),
 }
 NULLABLE_CHOICES = {"logging.wandb_mode": ("online", "offline", "disabled")}
 
@@ -244,6 +245,12 @@ def config_errors(
         errors.append(
             f"{local} is not divisible by parallel.tp={p.tp}, "
             "which sequence parallelism (parallel.sp=true) needs"
+        )
+    if p.cp > 1 and p.cp_comm_type == "a2a" and ((heads // p.tp) % p.cp or (kv // p.tp) % p.cp):
+        errors.append(
+            f"parallel.cp_comm_type=a2a gives each cp rank 1/cp of the heads: the "
+            f"{heads // p.tp} query and {kv // p.tp} kv heads per tp rank must be divisible by "
+            f"parallel.cp={p.cp}; use cp_comm_type=all_gather or a cp that divides both"
         )
     errors += vocab_errors(cfg, vocab_size)
     errors += moe_errors(cfg, dp)

@@ -41,6 +41,9 @@ class CPContext:
 
     group: ParallelGroup = field(default_factory=lambda: single_group("cp"))
     seq_length: int = 0
+    # parallel.cp_comm_type: all_gather (K/V gathered, local queries) or a2a (heads exchanged
+    # for sequence, :mod:`~megatronish.context_parallel.head_exchange`)
+    comm_type: str = "all_gather"
     _positions: dict = field(default_factory=dict, repr=False)
     _masks: dict = field(default_factory=dict, repr=False)
 
@@ -77,7 +80,7 @@ def chunk_index(order: tuple[int, ...], device: torch.device) -> torch.Tensor:
     return torch.tensor(order, device=device)
 
 
-def _reorder(x: torch.Tensor, order: list[int]) -> torch.Tensor:
+def reorder_chunks(x: torch.Tensor, order: list[int]) -> torch.Tensor:
     """Permute the ``len(order)`` equal chunks of dim 0: chunk ``i`` of the result is chunk
     ``order[i]`` of ``x``."""
     chunks = x.view(len(order), x.shape[0] // len(order), *x.shape[1:])
@@ -92,11 +95,11 @@ class _GatherSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx: FunctionCtx, x: torch.Tensor, group: ParallelGroup) -> torch.Tensor:
         ctx.group = group
-        return _reorder(all_gather_dim0(x, group), natural_order(group.size))
+        return reorder_chunks(all_gather_dim0(x, group), natural_order(group.size))
 
     @staticmethod
     def backward(ctx: FunctionCtx, g: torch.Tensor):
-        g = _reorder(g.contiguous(), rank_major_order(ctx.group.size))
+        g = reorder_chunks(g.contiguous(), rank_major_order(ctx.group.size))
         return reduce_scatter_dim0(g, ctx.group), None
 
 

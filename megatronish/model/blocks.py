@@ -24,6 +24,7 @@ from megatronish.context_parallel.attention import (
 from megatronish.context_parallel.attention_kernel import sdpa
 from megatronish.context_parallel.document_attention import document_attention
 from megatronish.context_parallel.documents import Documents
+from megatronish.context_parallel.head_exchange import heads_to_sequence, qkv_to_heads
 from megatronish.model.layer_norm import layer_norm
 from megatronish.model.parallel_context import ParallelContext
 from megatronish.model.rms_norm import rms_norm
@@ -172,6 +173,9 @@ class Attention(nn.Module):
             self.q_norm = Norm(spec, tp, device, size=d, per_head=True)
             self.k_norm = Norm(spec, tp, device, size=d, per_head=True)
         self.core_runner = None  # selective recompute wraps the attention core
+        # The core's view of the sequence: under all-to-all cp it holds the whole sequence
+        # (of fewer heads), as one process does.
+        self.core_cp = cp if cp.comm_type != "a2a" else CPContext(seq_length=cp.seq_length)
 
     def core(
         self,
@@ -198,9 +202,9 @@ class Attention(nn.Module):
         documents: Documents | None,
     ) -> torch.Tensor:
         if documents is not None and documents.ids is not None:
-            return document_attention(q, k, v, documents, self.cp, p)
-        if self.cp.size > 1:  # local queries, the whole sequence's keys and values
-            return cp_causal_attention(q, k, v, self.cp, p)
+            return document_attention(q, k, v, documents, self.core_cp, p)
+        if self.core_cp.size > 1:  # local queries, the whole sequence's keys and values
+            return cp_causal_attention(q, k, v, self.core_cp, p)
         return sdpa(q, k, v, "causal", dropout_p=p, is_causal=True)
 
     def _attend_cached(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -234,7 +238,10 @@ class Attention(nn.Module):
             qk = apply_rope(qk, rope[0][:s], rope[1][:s])
         q, k = qk.split([self.q_heads, self.kv_heads], dim=2)
         v = v.view(s, b, self.kv_heads, d)
-        if self.cp.size > 1:  # one all-gather of k|v over cp, at the kv-head count
+        heads_exchanged = self.cp.size > 1 and self.cp.comm_type == "a2a"
+        if heads_exchanged:  # the whole sequence of 1/cp of the heads, in one all-to-all
+            q, k, v = qkv_to_heads(q, k, v, self.cp.group)
+        elif self.cp.size > 1:  # one all-gather of k|v over cp, at the kv-head count
             kv = gather_sequence(torch.cat([k, v], dim=2), self.cp)
             k, v = kv.split([self.kv_heads, self.kv_heads], dim=2)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
@@ -244,8 +251,10 @@ class Attention(nn.Module):
             out = self.core_runner(self.core, q, k, v, documents)
         else:
             out = self.core(q, k, v, documents)
-        out = out.permute(2, 0, 1, 3).reshape(s, b, self.q_heads * d)
-        return self.proj(out)
+        out = out.permute(2, 0, 1, 3)  # [s, b, heads, d]
+        if heads_exchanged:
+            out = heads_to_sequence(out, self.cp.group)
+        return self.proj(out.reshape(s, b, self.q_heads * d))
 
 
 class MLP(nn.Module):

@@ -1,9 +1,10 @@
 """Every parallel layout of a job on N ranks that the trainer accepts (pure, no processes).
 
-A candidate varies tp, cp, pp, vpp, the pipeline schedule, sp, ZeRO stage, recompute and micro
-batch size, and for a mixture-of-experts model ep (divisors of dp x cp that divide the experts);
-dp follows from the world size; a pipeline runs its vpp's default schedule (1F1B, interleaved
-1F1B) or the zero-bubble one of its vpp (:data:`ZERO_BUBBLE`). The model, the global batch, the
+A candidate varies tp, cp (and its exchange: K/V all-gather or all-to-all), pp, vpp, the pipeline
+schedule, sp, ZeRO stage, recompute and micro batch size, and for a mixture-of-experts model ep
+(divisors of dp x cp that divide the experts); dp follows from the world size; a pipeline runs
+its vpp's default schedule (1F1B, interleaved 1F1B) or the zero-bubble one of its vpp
+(:data:`ZERO_BUBBLE`). The model, the global batch, the
 precision and the bucket size stay as configured. Whether a candidate is valid is decided by
 :func:`megatronish.config.validate.config_errors` itself, on a copy of the config holding the
 candidate's values, so the list holds exactly the layouts ``python -m megatronish.train`` would
@@ -59,6 +60,7 @@ def _with_layout(view: SimpleNamespace, layout: Layout) -> SimpleNamespace:
     p.zero_stage, p.pipeline_layer_split = layout.zero_stage, None
     p.pipeline_schedule = layout.pipeline_schedule
     p.moe_dispatch_order = layout.moe_dispatch_order
+    p.cp_comm_type = layout.cp_comm_type
     t = SimpleNamespace(**vars(view.trainer))
     t.micro_batch_size, t.recompute = layout.micro_batch_size, layout.recompute
     t.recompute_method, t.recompute_num_layers = layout.recompute_method, 1
@@ -94,6 +96,12 @@ def dispatch_orders(tp: int, sp: bool, num_experts: int) -> tuple[str, ...]:
     return ("tp_first", "ep_first") if num_experts and tp > 1 and sp else ("tp_first",)
 
 
+def cp_comm_types(cp: int) -> tuple[str, ...]:
+    """The context-parallel exchanges a candidate may use: both under cp > 1 (the rules drop
+    all-to-all where the heads per tp rank do not divide by cp), else the default."""
+    return ("all_gather", "a2a") if cp > 1 else ("all_gather",)
+
+
 def _shapes(
     base: Layout, world_size: int, num_layers: int, num_experts: int = 0
 ) -> Iterator[Layout]:
@@ -108,8 +116,10 @@ def _shapes(
                     for mbs in (b for b in sizes if b * dp <= base.global_batch_size):
                         for sp in (False, True) if tp > 1 else (False,):
                             for ep in expert_parallel_sizes(num_experts, dp * cp):
-                                for schedule, order in itertools.product(
-                                    schedules(pp, vpp), dispatch_orders(tp, sp, num_experts)
+                                for schedule, order, exchange in itertools.product(
+                                    schedules(pp, vpp),
+                                    dispatch_orders(tp, sp, num_experts),
+                                    cp_comm_types(cp),
                                 ):
                                     yield base.with_(
                                         tp=tp,
@@ -122,6 +132,7 @@ def _shapes(
                                         ep=ep,
                                         pipeline_schedule=schedule,
                                         moe_dispatch_order=order,
+                                        cp_comm_type=exchange,
                                     )
 
 
@@ -166,6 +177,8 @@ def _base_config(cfg: TrainConfig):
         base.parallel.pipeline_schedule = None
     if "moe_dispatch_order" in base.parallel:
         base.parallel.moe_dispatch_order = "tp_first"
+    if "cp_comm_type" in base.parallel:
+        base.parallel.cp_comm_type = "all_gather"
     return base
 
 

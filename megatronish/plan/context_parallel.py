@@ -12,6 +12,12 @@
   reruns the layer, and one reduce-scatter of their grads in backward. Both sit between computes
   (never hidden: the step time's ``cp`` term). Grads are reduced, and ZeRO shards spread, over
   dp x cp (:mod:`~megatronish.plan.data_parallel`).
+- **All-to-all** (``parallel.cp_comm_type=a2a``): no K/V is gathered; each layer exchanges the
+  rank's ``[s, b, (a + 2g) / tp, d]`` q|k|v for the whole sequence of ``1 / cp`` of the heads and
+  the ``[s, b, a / tp, d]`` output back (forward, recompute's reruns, and both again in
+  backward). Attention then runs causal over the whole sequence for ``a / cp`` heads: the same
+  scores, no gathered K/V kept, and the exchanged q|k|v and output are what attention keeps
+  (:func:`exchanged_bytes`).
 """
 
 from __future__ import annotations
@@ -26,15 +32,25 @@ def rank_seq_length(spec: ModelSpec, layout: Layout) -> int:
     return spec.seq_length // layout.cp
 
 
+def heads_exchanged(layout: Layout) -> bool:
+    """Whether attention runs on the whole sequence of ``1 / cp`` of the heads (all-to-all)."""
+    return layout.cp > 1 and layout.cp_comm_type == "a2a"
+
+
 def kv_length(spec: ModelSpec, layout: Layout) -> int:
-    """Keys and values a rank's queries attend to: the whole sequence (``cp s``)."""
+    """Keys and values a rank's queries attend to, per head the rank holds: the whole sequence
+    (``cp s``); under all-to-all ``s``, as the whole sequence of ``1 / cp`` of the heads is the
+    same count as ``s`` of every head."""
+    if heads_exchanged(layout):
+        return rank_seq_length(spec, layout)
     return layout.cp * rank_seq_length(spec, layout)
 
 
 def attention_mask(layout: Layout) -> str:
-    """The mask SDPA runs with: causal, or under cp the rank's queries against the whole
-    sequence (bottom-right aligned on CUDA, an explicit tensor on a CPU)."""
-    if layout.cp == 1:
+    """The mask SDPA runs with: causal (one process, or the whole sequence under all-to-all),
+    or under cp the rank's queries against the whole sequence (bottom-right aligned on CUDA, an
+    explicit tensor on a CPU)."""
+    if layout.cp == 1 or heads_exchanged(layout):
         return "causal"
     return "lower_right" if layout.device_type == "cuda" else "tensor"
 
@@ -43,10 +59,17 @@ def gathered_kv_bytes(
     tokens: int, kv_heads: int, head_dim: int, element_bytes: int, layout: Layout
 ) -> int:
     """What attention keeps of the whole sequence's K and V gathered over cp (``tokens``: the
-    rank's ``s b``; ``kv_heads``: per tp rank); 0 without cp."""
-    if layout.cp == 1:
+    rank's ``s b``; ``kv_heads``: per tp rank); 0 without cp or under all-to-all."""
+    if layout.cp == 1 or heads_exchanged(layout):
         return 0
     return layout.cp * tokens * 2 * kv_heads * head_dim * element_bytes
+
+
+def exchanged_bytes(tokens: int, heads: int, head_dim: int, element_bytes: int) -> int:
+    """Under all-to-all, what the exchanges add to what attention keeps: the output brought
+    back (the projection's input, ``s b a d``; ``heads``: query heads per tp rank). The
+    exchanged q|k|v replaces the qkv output and the rotated Q and K, which are not kept."""
+    return tokens * heads * head_dim * element_bytes
 
 
 def cp_volume(spec: ModelSpec, layout: Layout, pp_rank: int) -> dict[str, tuple[int, int]]:
@@ -58,6 +81,13 @@ def cp_volume(spec: ModelSpec, layout: Layout, pp_rank: int) -> dict[str, tuple[
     n_layers = sum(layers[c] for c in layout.stage_chunks(pp_rank))
     redo, _ = reruns(spec, layout, pp_rank)
     m = layout.num_microbatches
+    if heads_exchanged(layout):
+        local = rank_seq_length(spec, layout) * layout.micro_batch_size * spec.head_dim
+        a, g = spec.num_heads // layout.tp, spec.num_kv_heads // layout.tp
+        qkv, out = (local * n * layout.activation_bytes for n in (a + 2 * g, a))
+        forwards = m * (n_layers + redo)
+        calls = 2 * forwards + 2 * m * n_layers
+        return {"cp/all_to_all": (calls, (forwards + m * n_layers) * (qkv + out))}
     kv = spec.seq_length * layout.micro_batch_size * 2 * (spec.num_kv_heads // layout.tp)
     kv_bytes = kv * spec.head_dim * layout.activation_bytes
     gathers = m * (n_layers + redo)

@@ -43,7 +43,9 @@ from megatronish.model.flops import matmul_params
 from megatronish.model.linear_cross_entropy import chunk_tokens
 from megatronish.plan.context_parallel import (
     attention_mask,
+    exchanged_bytes,
     gathered_kv_bytes,
+    heads_exchanged,
     kv_length,
     rank_seq_length,
 )
@@ -143,7 +145,9 @@ def layer_bytes(spec: ModelSpec, layout: Layout, core: bool = True) -> int:
     tokens_r, tokens = x.s_r * x.b, x.s * x.b
     norms = 2 * _norm_bytes(spec, x, e)
     attn = tokens * (x.a + 2 * x.g) * x.d * e + tokens * x.a * x.d * e  # qkv out, SDPA out
-    if spec.is_llama or spec.qk_norm:
+    if heads_exchanged(layout):
+        attn += exchanged_bytes(tokens, x.a, x.d, e)
+    elif spec.is_llama or spec.qk_norm:
         attn += tokens * (x.a + x.g) * x.d * e  # rotated (or normalised) Q and K
     attn += _qk_norm_bytes(spec, x, e)
     attn += gathered_kv_bytes(tokens, x.g, x.d, e, layout)

@@ -36,6 +36,7 @@ class Layout:
     # grads and Adam moments)
     grad_reduce_dtype: str = "fp32"  # fp32 | bf16: the dp grad reduction
     cp: int = 1  # context parallel: each sequence split over cp ranks
+    cp_comm_type: str = "all_gather"  # parallel.cp_comm_type: all_gather | a2a
     ep: int = 1  # expert parallel: experts split over ep ranks carved out of dp x cp
     device_type: str = "cuda"  # cuda | cpu: SDPA's kernels differ (plan/dense.py)
     # parallel.pipeline_schedule: None for the default of vpp (1f1b, interleaved), or a
@@ -118,13 +119,16 @@ class Layout:
 
     def rank_key(self, num_layers: int, pp_rank: int) -> tuple:
         """The fields that decide what a rank of pipeline stage ``pp_rank`` holds and its
-        tensors' shapes: its chunks' layers, their tp / ep shards, the sequence split (sp, cp)
-        and the dtype (the planner's caches add the fields each feature's terms read)."""
+        tensors' shapes: its chunks' layers, their tp / ep shards and the experts' dispatch
+        order, the sequence split (sp, cp) and its exchange, and the dtype (the planner's caches
+        add the fields each feature's terms read)."""
         return (
             self.tp,
             self.sp,
             self.cp,
+            self.cp_comm_type,
             self.ep,
+            self.moe_dispatch_order,
             self.precision,
             self.pp,
             self.vpp,
@@ -135,7 +139,10 @@ class Layout:
         )
 
     def describe(self) -> str:
-        parts = [f"tp={self.tp}"] + ([f"cp={self.cp}"] if self.cp > 1 else []) + [f"pp={self.pp}"]
+        cp = [f"cp={self.cp}"] if self.cp > 1 else []
+        if self.cp > 1 and self.cp_comm_type != "all_gather":
+            cp.append(f"cp-{self.cp_comm_type}")
+        parts = [f"tp={self.tp}", *cp, f"pp={self.pp}"]
         if self.vpp > 1:
             parts.append(f"vpp={self.vpp}")
         if self.schedule != resolve_pipeline_schedule(None, self.vpp):
@@ -190,6 +197,7 @@ def layout_from_config(cfg: TrainConfig, world_size: int) -> Layout:
         pipeline_schedule=schedule,
         moe_dispatch_order=getattr(p, "moe_dispatch_order", "tp_first"),
         moe_shared_expert_overlap=getattr(p, "moe_shared_expert_overlap", True),
+        cp_comm_type=getattr(p, "cp_comm_type", "all_gather"),
     )
 
 

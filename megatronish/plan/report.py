@@ -250,8 +250,9 @@ LAYOUT_KEYS = ("parallel", "trainer.micro_batch_size", "trainer.recompute", "wor
 
 def parallel_values(layout: Layout, ep: bool = False) -> dict[str, object]:
     """The ``parallel`` keys of ``layout`` (``ep``: also ``ep``, which it has when > 1; and
-    ``pipeline_schedule`` when it runs a zero-bubble one and ``moe_dispatch_order`` when it
-    dispatches ep first, or with ``ep``, the defaults)."""
+    ``pipeline_schedule`` when it runs a zero-bubble one, ``moe_dispatch_order`` when it
+    dispatches ep first and ``cp_comm_type`` when it exchanges heads, or with ``ep``, the
+    defaults)."""
     out = {
         "tp": layout.tp,
         "cp": layout.cp,
@@ -265,6 +266,8 @@ def parallel_values(layout: Layout, ep: bool = False) -> dict[str, object]:
         out["pipeline_schedule"] = layout.pipeline_schedule
     if ep or layout.moe_dispatch_order != "tp_first":
         out["moe_dispatch_order"] = layout.moe_dispatch_order
+    if ep or layout.cp_comm_type != "all_gather":
+        out["cp_comm_type"] = layout.cp_comm_type
     return {**out, "ep": layout.ep} if ep or layout.ep > 1 else out
 
 
@@ -322,7 +325,12 @@ def run_overrides(overrides: list[str], layout: Layout, name: str | None) -> lis
             cfg = compose.load_config(candidate)
         except Exception:  # noqa: BLE001 - e.g. an experiment that overrides the group itself
             cfg = None
-        defaults = {"ep": 1, "pipeline_schedule": None, "moe_dispatch_order": "tp_first"}
+        defaults = {
+            "ep": 1,
+            "pipeline_schedule": None,
+            "moe_dispatch_order": "tp_first",
+            "cp_comm_type": "all_gather",
+        }
         if cfg is not None and all(
             cfg.parallel.get(k, defaults.get(k, 1)) == v
             for k, v in parallel_values(layout, ep=True).items()
@@ -336,6 +344,10 @@ def run_overrides(overrides: list[str], layout: Layout, name: str | None) -> lis
         explicit.append("parallel.pipeline_schedule=null")
     if layout.moe_dispatch_order == "tp_first" and composed.get("moe_dispatch_order") == "ep_first":
         explicit.append("parallel.moe_dispatch_order=tp_first")
+    if layout.cp_comm_type == "all_gather" and composed.get("cp_comm_type", "all_gather") != (
+        "all_gather"
+    ):
+        explicit.append("parallel.cp_comm_type=all_gather")
     return [*kept, *explicit]
 
 

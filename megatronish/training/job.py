@@ -97,7 +97,11 @@ def build_model(
     by ZeRO (:class:`~megatronish.model.init.DeferredInit`), so no rank holds its whole chunk."""
     ctx = ParallelContext(
         tp=TPContext(group=topo.tp_group, sp=cfg.parallel.sp, rng=rng),
-        cp=CPContext(group=topo.cp_group, seq_length=spec.seq_length),
+        cp=CPContext(
+            group=topo.cp_group,
+            seq_length=spec.seq_length,
+            comm_type=cfg.parallel.cp_comm_type,
+        ),
         ep=EPContext(
             group=topo.ep_group,
             dispatch_order=cfg.parallel.moe_dispatch_order,

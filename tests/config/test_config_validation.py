@@ -84,6 +84,12 @@ def test_only_gpu_experiments_train_on_a_corpus_of_their_own():
         (["model.hidden_size=132", "model.num_attention_heads=4"], 1, "must be even"),
         (["model.hidden_size=130", "model.head_dim=33"], 1, "head dim 33 must be even"),
         (["model.head_dim=0"], 1, "model.head_dim=0 must be >= 1"),
+        (
+            ["parallel.cp=4", "parallel.cp_comm_type=a2a"],
+            4,
+            "the 4 query and 2 kv heads per tp rank must be divisible by parallel.cp=4",
+        ),
+        (["parallel.cp_comm_type=p2p"], 1, "parallel.cp_comm_type='p2p' is not one of"),
         (["parallel.tp=8"], 8, "num_attention_heads=4 is not divisible by parallel.tp=8"),
         (["model.num_query_groups=3"], 1, "must divide model.num_attention_heads"),
         (["parallel.tp=4"], 4, "(kv heads) is not divisible by parallel.tp=4"),

@@ -87,6 +87,19 @@ def test_candidates_are_exactly_the_layouts_the_trainer_accepts():
     assert {x.recompute for x in layouts} == {"none", "selective", "full"}
 
 
+def test_one_planner_tells_layouts_of_the_same_shape_apart():
+    """Layouts that differ only in the cp exchange or the experts' dispatch order share no
+    cached block: each plan of one planner, in turn, equals a fresh full plan."""
+    moe = ["model.moe.num_experts=4", "model.moe.top_k=2", "model.num_query_groups=4"]
+    cfg = tiny_config([*moe, "trainer.global_batch_size=8"], 1)
+    spec = spec_of(cfg)
+    base = layout_from_config(cfg, 8).with_(tp=2, cp=2, dp=2, sp=True, ep=2)
+    planner = Planner(spec)
+    for cp_type, order in itertools.product(("all_gather", "a2a"), ("tp_first", "ep_first")):
+        layout = base.with_(cp_comm_type=cp_type, moe_dispatch_order=order)
+        assert planner.plan(layout).stages == make_plan(spec, layout).stages, layout.describe()
+
+
 def test_representative_stages_of_one_planner_equal_make_plan(tiny, tiny_layouts):
     """One planner shares every building block across layouts and plans three stages; the
     peak and those stages equal a fresh full plan of each layout."""

@@ -38,6 +38,8 @@ LAYOUTS = [
     (4, ["parallel.cp=2", "parallel.pp=2", "model.arch=gpt2", "trainer.recompute=selective"]),
     # per-head Q/K norms, heads wider than hidden / heads
     (1, ["model.qk_norm=true", "model.head_dim=96"]),
+    # all-to-all cp: no gathered K/V, the exchanged q|k|v and the output brought back
+    (2, ["parallel.cp=2", "parallel.cp_comm_type=a2a"]),
 ]
 
 
@@ -83,6 +85,8 @@ COMM_LAYOUTS = [
     (2, ["trainer.precision=bf16", "parallel.zero_stage=0", "parallel.grad_reduce_dtype=bf16"]),
     (4, ["parallel.cp=2", "parallel.tp=2", "parallel.sp=true", "trainer.recompute=full"]),
     (4, ["parallel.cp=2", "parallel.pp=2", "parallel.zero_stage=3", "model.arch=gpt2"]),
+    # all-to-all cp: q|k|v and the output exchanged in forward, recompute and backward
+    (4, ["parallel.cp=2", "parallel.cp_comm_type=a2a", "parallel.pp=2", "trainer.recompute=full"]),
     # packed documents: the same K/V all-gather, no collective for the masks or the loss count
     (2, ["parallel.cp=2", "data.reset_attention_mask=true", "data.eod_mask_loss=true"]),
     (
@@ -174,3 +178,42 @@ def test_plan_options_are_split_from_overrides():
     assert overrides == ["a.b=1"] and options == {"device_memory_gb": 80.0, "step_time_s": 2.5}
     with pytest.raises(OptionError, match="device_memory_gb=80"):  # main: exit 2, one line
         split_options(["device_memory_gb=lots"])
+
+
+def test_the_advisor_weighs_both_cp_exchanges():
+    """All-gather and all-to-all are both candidates wherever cp > 1 (all-to-all only where the
+    heads per tp rank divide by cp). For gpt_1b (16 heads, 8 kv heads) at 16k tokens the K/V
+    gather moves less at cp 2 and the head exchange less from cp 4 on (and much less once cp
+    crosses nodes), and the head exchange never keeps the whole sequence's K/V."""
+    from megatronish.config.compose import load_config
+    from megatronish.plan.candidates import valid_layouts
+    from megatronish.plan.report import parallel_values
+    from megatronish.plan.step_time import Hardware, step_time
+
+    cfg = tiny_config(["model.num_query_groups=4", "trainer.global_batch_size=8"], 1)
+    kinds: dict[int, set] = {}
+    for x in valid_layouts(cfg, 8):
+        kinds.setdefault(x.cp, set()).add(x.cp_comm_type)
+    both = {"all_gather", "a2a"}  # cp 8: 4 heads do not divide over 8 ranks
+    assert kinds == {1: {"all_gather"}, 2: both, 4: both, 8: {"all_gather"}}
+
+    h100 = Hardware(peak_flops=989e12, gpus_per_node=8)
+    for cp, faster in ((2, "all_gather"), (4, "a2a"), (8, "a2a")):
+        big = load_config(
+            [
+                "+experiment=gpt_1b",
+                "model.seq_length=16384",
+                "model.max_position_embeddings=16384",
+                "trainer.micro_batch_size=1",
+                "trainer.global_batch_size=64",
+                "trainer.precision=bf16",
+                f"parallel.cp={cp}",
+            ]
+        )
+        spec, base = spec_of(big), layout_from_config(big, 64)
+        plans = {t: make_plan(spec, base.with_(cp_comm_type=t)) for t in ("all_gather", "a2a")}
+        times = {t: step_time(p, h100).total for t, p in plans.items()}
+        assert min(times, key=times.get) == faster, (cp, times)
+        assert plans["a2a"].peak_bytes < plans["all_gather"].peak_bytes, cp
+    assert parallel_values(base.with_(cp_comm_type="a2a"))["cp_comm_type"] == "a2a"
+    assert "cp_comm_type" not in parallel_values(base)

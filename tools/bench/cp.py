@@ -1,5 +1,6 @@
-"""Context parallelism on CPU: activation memory per rank at cp = 1, 2, 4 for a sequence whose
-activations do not fit one rank's budget, and a cp = 2 step against dp = 2 on the same tokens.
+"""Context parallelism on CPU: activation memory per rank at cp = 1, 2, 4, with the K/V
+all-gather and with the heads' all-to-all, for a sequence whose activations do not fit one rank's
+budget, and cp = 2 steps of both exchanges against dp = 2 on the same tokens.
 Run alone: ``.venv/bin/python tools/bench/cp.py``.
 """
 
@@ -15,12 +16,13 @@ from megatronish.testing.memory import least_activations, measure_step
 from megatronish.testing.multiproc import run_world
 from megatronish.testing.runs import build_trainer, test_config
 
-SEQ = 4096
+SEQ = 8192
+EXCHANGES = ("all_gather", "a2a")  # parallel.cp_comm_type
 MODEL = [
     "model.num_layers=4",
     "model.hidden_size=128",
     "model.num_attention_heads=4",
-    "model.num_query_groups=2",
+    "model.num_query_groups=4",  # heads and kv heads divisible by cp = 4 (all-to-all)
     "model.ffn_hidden_size=352",
     "model.vocab_size=4096",
     f"model.seq_length={SEQ}",
@@ -32,16 +34,13 @@ MODEL = [
     "logging.wandb=false",
     "logging.log_interval=1000000",
 ]
-BUDGET_MIB = 128  # a rank's memory budget for this run's states and activations
+BUDGET_MIB = 256  # a rank's memory budget for this run's states and activations
 
 
-def _memory(rank: int, world: int, repeats: int) -> dict:
+def _memory(rank: int, world: int, repeats: int, exchange: str) -> dict:
+    layout = [f"parallel.cp={world}", f"parallel.cp_comm_type={exchange}"]
     trainer = build_trainer(
-        rank,
-        world,
-        ["trainer.global_batch_size=1", f"parallel.cp={world}"],
-        steps=repeats + 2,
-        model=MODEL,
+        rank, world, ["trainer.global_batch_size=1", *layout], steps=repeats + 2, model=MODEL
     )
     first = trainer.train_step().loss
     runs = [measure_step(trainer) for _ in range(repeats)]
@@ -49,15 +48,17 @@ def _memory(rank: int, world: int, repeats: int) -> dict:
     return {"activations": least_activations(runs), "states": states, "loss": first}
 
 
-def memory(cp: int, repeats: int) -> dict:
+def memory(cp: int, repeats: int, exchange: str) -> dict:
     """Measured (the largest rank), planned, and what the start-up check says at the budget."""
-    ranks = run_world(_memory, cp, repeats, timeout=600)
-    cfg = test_config([*MODEL, "trainer.global_batch_size=1", f"parallel.cp={cp}"], 1)
+    ranks = run_world(_memory, cp, repeats, exchange, timeout=600)
+    layout = [f"parallel.cp={cp}", f"parallel.cp_comm_type={exchange}"]
+    cfg = test_config([*MODEL, "trainer.global_batch_size=1", *layout], 1)
     stage = make_plan(spec_of(cfg), layout_from_config(cfg, cp)).stages[0]
     refused = memory_fit_error(cfg, cp, 4096, BUDGET_MIB * MIB, 0, f"{BUDGET_MIB} MiB")
     loss = next(r["loss"] for r in ranks if r["loss"] == r["loss"])
     return {
         "cp": cp,
+        "exchange": exchange if cp > 1 else "",
         "activations": max(r["activations"] for r in ranks),
         "states": max(r["states"] for r in ranks),
         "planned_activations": stage.step_extra,
@@ -89,7 +90,11 @@ def _steps(rank: int, world: int, repeats: int) -> dict:
         name: build_trainer(
             rank, world, ["trainer.global_batch_size=2", *extra], steps=1_000_000, model=MODEL
         )
-        for name, extra in {"dp=2": [], "cp=2": ["parallel.cp=2"]}.items()
+        for name, extra in {
+            "dp=2": [],
+            "cp=2 all_gather": ["parallel.cp=2"],
+            "cp=2 a2a": ["parallel.cp=2", "parallel.cp_comm_type=a2a"],
+        }.items()
     }
     out = timed_world(
         {n: (lambda t=t: t.train_step().loss) for n, t in runs.items()},
@@ -104,7 +109,8 @@ def _steps(rank: int, world: int, repeats: int) -> dict:
 
 def run(quick: bool) -> dict:
     repeats = 2 if quick else 3
-    mem = [memory(cp, repeats) for cp in (1, 2, 4)]
+    mem = [memory(1, repeats, "all_gather")]
+    mem += [memory(cp, repeats, exchange) for cp in (2, 4) for exchange in EXCHANGES]
     ranks = run_world(_steps, 2, 3 if quick else 9, timeout=900)
     times = slowest(ranks)
     losses = {
@@ -115,6 +121,7 @@ def run(quick: bool) -> dict:
     rows = [
         [
             m["cp"],
+            m["exchange"],
             m["activations"] / MIB,
             m["planned_activations"] / MIB,
             m["planned_activations"] / m["activations"],
@@ -130,7 +137,8 @@ def run(quick: bool) -> dict:
         for n, t in times.items()
     ]
     return {
-        "title": f"Context parallelism: a {SEQ}-token sequence over 1, 2 and 4 ranks",
+        "title": f"Context parallelism: a {SEQ}-token sequence over 1, 2 and 4 ranks, K/V "
+        "all-gather and heads' all-to-all",
         "config": {"model": MODEL, "budget_mib": BUDGET_MIB},
         "results": {
             "memory": mem,
@@ -144,6 +152,7 @@ def run(quick: bool) -> dict:
                 f"{BUDGET_MIB} MiB",
                 [
                     "cp|",
+                    "exchange|",
                     "activations, measured|.1f",
                     "activations, planned|.1f",
                     "planned / measured|.2f",
@@ -161,8 +170,11 @@ def run(quick: bool) -> dict:
             ),
         ],
         "facts": {
-            "cp=2 step time / dp=2's (median of per-repeat ratios)|.2fx": paired_ratio(
-                times["cp=2"], times["dp=2"]
+            "cp=2 all_gather step time / dp=2's (median of per-repeat ratios)|.2fx": paired_ratio(
+                times["cp=2 all_gather"], times["dp=2"]
+            ),
+            "cp=2 a2a step time / all_gather's (median of per-repeat ratios)|.2fx": paired_ratio(
+                times["cp=2 a2a"], times["cp=2 all_gather"]
             ),
             "torch.distributed.tensor.experimental.context_parallel on CPU|": ranks[0]["torch_cp"],
         },

@@ -36,8 +36,6 @@ LAYOUTS = [
     (2, ["parallel.cp=2"]),
     (4, ["parallel.cp=2", "parallel.tp=2", "parallel.sp=true", "parallel.zero_stage=1"]),
     (4, ["parallel.cp=2", "parallel.pp=2", "model.arch=gpt2", "trainer.recompute=selective"]),
-    # per-head Q/K norms, heads wider than hidden / heads
-    (1, ["model.qk_norm=true", "model.head_dim=96"]),
     # all-to-all cp: no gathered K/V, the exchanged q|k|v and the output brought back
     (2, ["parallel.cp=2", "parallel.cp_comm_type=a2a"]),
 ]

@@ -1,4 +1,5 @@
-"""A mixture-of-experts block's router and experts under a Hugging Face model's names (pure).
+"""A mixture-of-experts block's router and experts under a Hugging Face model's names, and what
+the plain-softmax-router families (Mixtral, Qwen3-MoE) can hold of a router (pure).
 
 Hub checkpoints (and ``save_pretrained``) store one tensor per expert and projection; a
 transformers 5 ``state_dict()`` holds the experts fused, ``mlp.experts.gate_up_proj``
@@ -15,6 +16,7 @@ import torch
 
 if TYPE_CHECKING:
     from megatronish.hf.from_hf import _Source
+    from megatronish.spec import MoESpec
 
 FUSED_BLOCK = "mlp."  # where transformers 5 modules hold the router and the fused experts
 
@@ -62,3 +64,38 @@ def experts_from_hf(s: _Source, layer: int, num_experts: int, names: ExpertNames
     )
     out[dst + "experts.fc2"] = torch.stack([s.take(e + names.down) for e in experts])
     return out
+
+
+def plain_router_problems(moe: MoESpec, model: str) -> list[str]:
+    """What an HF mixture of experts ``model`` (no shared experts, a softmax router without
+    expert bias or groups: Mixtral, Qwen3-MoE) cannot hold of ``moe``, a line each."""
+    problems = []
+    if moe.shared_experts:
+        problems.append(
+            f"model.moe.shared_experts={moe.shared_experts}: {model} has no always-on experts"
+        )
+    if moe.score != "softmax":
+        problems.append(f"model.moe.router.score={moe.score}: {model}'s router is a softmax")
+    if moe.bias_update_rate is not None:
+        problems.append(
+            f"model.moe.router.bias_update_rate={moe.bias_update_rate}: {model}'s router has "
+            "no expert bias"
+        )
+    if moe.num_groups is not None:
+        problems.append(
+            f"model.moe.router.num_groups={moe.num_groups}: {model} routes without expert groups"
+        )
+    return problems
+
+
+def plain_router(renormalize: bool, aux_loss_coef: float) -> dict:
+    """The ``model.moe.router`` group an import of such a model records."""
+    return {
+        "score": "softmax",
+        "renormalize": renormalize,
+        "aux_loss_coef": aux_loss_coef,
+        "z_loss_coef": 0.0,
+        "bias_update_rate": None,  # no expert bias
+        "num_groups": None,
+        "max_groups": None,
+    }

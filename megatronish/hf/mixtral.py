@@ -23,7 +23,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from megatronish.hf.experts import ExpertNames, experts_from_hf, experts_to_hf
+from megatronish.hf.experts import (
+    ExpertNames,
+    experts_from_hf,
+    experts_to_hf,
+    plain_router,
+    plain_router_problems,
+)
 from megatronish.spec import ModelSpec
 
 if TYPE_CHECKING:
@@ -47,26 +53,12 @@ def mixtral_config(spec: ModelSpec, llama: dict) -> dict:
             f"model.moe.layer_freq={moe.layer_freq} leaves some blocks dense, but every Mixtral "
             "block is a mixture of experts"
         )
-    if moe.shared_experts:
-        problems.append(
-            f"model.moe.shared_experts={moe.shared_experts}: Mixtral has no always-on experts"
-        )
     if not moe.renormalize:
         problems.append(
             "model.moe.router.renormalize=false: Mixtral always rescales the top-k router "
             "weights to sum to 1"
         )
-    if moe.score != "softmax":
-        problems.append(f"model.moe.router.score={moe.score}: Mixtral's router is a softmax")
-    if moe.bias_update_rate is not None:
-        problems.append(
-            f"model.moe.router.bias_update_rate={moe.bias_update_rate}: Mixtral's router has "
-            "no expert bias"
-        )
-    if moe.num_groups is not None:
-        problems.append(
-            f"model.moe.router.num_groups={moe.num_groups}: Mixtral routes without expert groups"
-        )
+    problems += plain_router_problems(moe, "Mixtral")
     if spec.bias:
         problems.append("model.bias=true: Mixtral's linear layers have no biases")
     if problems:
@@ -117,15 +109,7 @@ def moe_config(hf: dict, seq_length: int) -> dict:
         # once over every layer's tokens and counts all k slots (k at perfect balance),
         # megatronish's (Megatron-LM's) is per layer, divided by k and summed (the number of
         # MoE layers at balance).
-        "router": {
-            "score": "softmax",
-            "renormalize": True,
-            "aux_loss_coef": float(hf.get("router_aux_loss_coef", 0.001)),
-            "z_loss_coef": 0.0,
-            "bias_update_rate": None,  # no expert bias
-            "num_groups": None,
-            "max_groups": None,
-        },
+        "router": plain_router(True, float(hf.get("router_aux_loss_coef", 0.001))),
     }
 
 

@@ -23,7 +23,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from megatronish.hf.experts import ExpertNames, experts_from_hf, experts_to_hf
+from megatronish.hf.experts import (
+    ExpertNames,
+    experts_from_hf,
+    experts_to_hf,
+    plain_router,
+    plain_router_problems,
+)
 from megatronish.spec import ModelSpec
 
 if TYPE_CHECKING:
@@ -48,22 +54,7 @@ def qwen3_config(spec: ModelSpec, llama: dict) -> dict:
                 f"model.moe.layer_freq={moe.layer_freq}: megatronish's experts sit in blocks "
                 "0, f, 2f, ..., Qwen3-MoE's (decoder_sparse_step) in blocks f-1, 2f-1, ..."
             )
-        if moe.shared_experts:
-            problems.append(
-                f"model.moe.shared_experts={moe.shared_experts}: Qwen3-MoE has no always-on experts"
-            )
-        if moe.score != "softmax":
-            problems.append(f"model.moe.router.score={moe.score}: Qwen3-MoE's router is a softmax")
-        if moe.bias_update_rate is not None:
-            problems.append(
-                f"model.moe.router.bias_update_rate={moe.bias_update_rate}: Qwen3-MoE's router "
-                "has no expert bias"
-            )
-        if moe.num_groups is not None:
-            problems.append(
-                f"model.moe.router.num_groups={moe.num_groups}: Qwen3-MoE routes without "
-                "expert groups"
-            )
+        problems += plain_router_problems(moe, "Qwen3-MoE")
     if problems:
         name = "Qwen3MoeForCausalLM" if moe is not None else "Qwen3ForCausalLM"
         raise ValueError(f"cannot export as {name}: " + "; ".join(problems))
@@ -128,15 +119,9 @@ def qwen3_model_values(hf: dict, seq_length: int) -> dict:
         "ffn_hidden_size": hf["moe_intermediate_size"],
         "shared_experts": 0,
         "capacity_factor": None,
-        "router": {
-            "score": "softmax",
-            "renormalize": bool(hf.get("norm_topk_prob", False)),
-            "aux_loss_coef": float(hf.get("router_aux_loss_coef", 0.001)),
-            "z_loss_coef": 0.0,
-            "bias_update_rate": None,
-            "num_groups": None,
-            "max_groups": None,
-        },
+        "router": plain_router(
+            bool(hf.get("norm_topk_prob", False)), float(hf.get("router_aux_loss_coef", 0.001))
+        ),
     }
     return values
 

@@ -78,6 +78,11 @@ class ModelSpec:
     def head_dim(self) -> int:
         return self.kv_channels or self.hidden_size // self.num_heads
 
+    def kv_heads_per_rank(self, tp: int) -> int:
+        """Key/value heads each of ``tp`` ranks holds: ``num_kv_heads / tp``, or one head
+        replicated on ``tp / num_kv_heads`` ranks when there are fewer kv heads than ranks."""
+        return max(1, self.num_kv_heads // tp)
+
     @property
     def attention_width(self) -> int:
         """Query heads times their width: the attention core's and the projection's width

@@ -11,7 +11,10 @@ Sections (``tools/gpu_check/``), each independent of the others' failures:
 5. recompute: step time and peak memory of each recompute policy;
 6. syncs: host-device syncs per training step (CUDA's sync debug mode and the CPU harness);
 7. moe_experts: one MoE layer's forward + backward at 8 and 64 local experts (time, memory);
-8. async_save: how long a blocking and an asynchronous checkpoint save hold the training thread.
+8. async_save: how long a blocking and an asynchronous checkpoint save hold the training thread;
+9. documents: attention within packed documents, and a training step with document masks;
+10. ring_kernels: ring attention's block kernels (forward with log-sum-exp, backward with the
+    merged rows) against fp32 matmuls.
 
 It writes ``docs/gpu.md`` (or ``--out``) and exits 1 when a section failed or was skipped for
 lack of time. ``--smoke`` runs the same sections at toy size on the CPU in fp32 within a minute

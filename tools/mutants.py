@@ -209,7 +209,7 @@ MUTANTS = [
         "sp-norm-grad-sum",
         "sequence-parallel norm grads not summed over tp",
         "megatronish/data_parallel/buckets.py",
-        (("return param_info(p).sequence_parallel or tied", "return tied"),),
+        (("return info.sequence_parallel or info.replicated_heads or tied", "return tied"),),
         ("tests/tensor_parallel/test_tp_parity.py::test_tp_sp_matches_serial",),
     ),
     Mutant(
@@ -393,7 +393,12 @@ MUTANTS = [
         "piece-fused-block",
         "checkpoint pieces of a fused param (gate|up) all cut from its first block",
         "megatronish/checkpoint/pieces.py",
-        (("Rect(offsets, shard.dim, local, n, first)", "Rect(offsets, shard.dim, 0, n, first)"),),
+        (
+            (
+                "Rect(offsets, shard.dim, local, n, first, copy)",
+                "Rect(offsets, shard.dim, 0, n, first, copy)",
+            ),
+        ),
         ("tests/checkpoint/test_moe_checkpoint.py::test_experts_are_keyed_by_global_index",),
     ),
     Mutant(
@@ -848,6 +853,129 @@ MUTANTS = [
         "megatronish/plan/layout.py",
         (("            self.cp_comm_type,\n            self.ep,", "            self.ep,"),),
         ("tests/plan/test_advisor.py::test_one_planner_tells_layouts_of_the_same_shape_apart",),
+    ),
+    Mutant(
+        "kv-replica-grads",
+        "replicated kv heads' partial grads not summed over their copies",
+        "megatronish/data_parallel/grads.py",
+        (
+            (
+                "        if not param_info(p).replicated_heads:\n            continue\n"
+                "        shard =",
+                "        if True:\n            continue\n        shard =",
+            ),
+        ),
+        (
+            "tests/tensor_parallel/test_replicated_kv_heads.py::test_the_copies_of_a_kv_head_stay_identical",
+        ),
+    ),
+    Mutant(
+        "kv-replica-norm",
+        "every copy of a replicated kv head counted in the grad norm",
+        "megatronish/data_parallel/grads.py",
+        (
+            (
+                "        return first_copy_elements(p, topo.coords.tp, topo.tp)",
+                "        return True",
+            ),
+        ),
+        (
+            "tests/tensor_parallel/test_replicated_kv_heads.py::test_replicated_kv_heads_match_one_process",
+        ),
+    ),
+    Mutant(
+        "kv-replica-saved-twice",
+        "every copy of a replicated kv head written to the checkpoint",
+        "megatronish/checkpoint/snapshot.py",
+        (("if not rect.first_copy:", "if False:"),),
+        (
+            "tests/tensor_parallel/test_replicated_kv_heads.py::test_a_tp4_checkpoint_of_gqa2_stores_each_kv_head_once_and_reshards_both_ways",
+        ),
+    ),
+    Mutant(
+        "kv-replica-placement",
+        "kv heads replicated round-robin, away from the query heads that read them",
+        "megatronish/tensor_parallel/sharding.py",
+        (
+            (
+                "        return rank * self.parts(block, tp) // tp",
+                "        return rank % self.parts(block, tp)",
+            ),
+        ),
+        (
+            "tests/tensor_parallel/test_replicated_kv_heads.py::test_a_block_of_fewer_heads_than_ranks_is_replicated_on_consecutive_ranks",
+            "tests/tensor_parallel/test_replicated_kv_heads.py::test_replicated_kv_heads_match_one_process",
+        ),
+    ),
+    Mutant(
+        "kv-replica-plan-volume",
+        "the planner forgets the replicated kv biases in the tp grad sum",
+        "megatronish/plan/dense.py",
+        (("(spec.hidden_size + int(spec.bias))", "spec.hidden_size"),),
+        ("tests/plan/test_plan.py::test_planned_communication_matches_measured",),
+    ),
+    Mutant(
+        "ring-dkv-owner",
+        "ring attention names its dK/dV receive after the block it held the step before",
+        "megatronish/context_parallel/ring.py",
+        (
+            (
+                '        out.append(("recv", prev, ("dkv", step, ring_owner(rank, step, cp))))',
+                '        out.append(("recv", prev, ("dkv", step, ring_owner(rank, step - 1, cp))))',
+            ),
+        ),
+        (
+            "tests/context_parallel/test_ring_attention.py::test_the_ring_posts_never_deadlock_under_nccl_order",
+        ),
+    ),
+    Mutant(
+        "ring-block-part",
+        "ring attention: an earlier rank's block seen by the second query chunk only",
+        "megatronish/context_parallel/ring.py",
+        (
+            (
+                "    return FIRST_KEYS if owner < rank else SECOND_QUERIES",
+                "    return FIRST_KEYS if owner > rank else SECOND_QUERIES",
+            ),
+        ),
+        (
+            "tests/context_parallel/test_ring_attention.py::test_every_visible_chunk_pair_is_attended_once",
+        ),
+    ),
+    Mutant(
+        "ring-merge-weights",
+        "ring attention adds block outputs without their log-sum-exp weights",
+        "megatronish/context_parallel/ring_kernel.py",
+        (
+            (
+                "    out = out * torch.exp(lse - merged).unsqueeze(-1) + new_out * torch.exp(",
+                "    out = out + new_out * 0 * torch.exp(",
+            ),
+        ),
+        (
+            "tests/context_parallel/test_ring_attention.py::test_merged_blocks_and_their_backward_equal_attention_over_all_keys",
+        ),
+    ),
+    Mutant(
+        "ring-dkv-dropped",
+        "ring attention keeps its own share of dK/dV and drops the accumulator it receives",
+        "megatronish/context_parallel/ring.py",
+        (
+            (
+                '            acc = (dkv if step == 0 else got["dkv"].float() + dkv).to(kv.dtype)',
+                "            acc = dkv.to(kv.dtype)",
+            ),
+        ),
+        (
+            "tests/context_parallel/test_ring_attention.py::test_ring_attention_trains_like_one_process",
+        ),
+    ),
+    Mutant(
+        "ring-plan-overlap",
+        "the planner hides the ring's sends behind the longer of the send and the block",
+        "megatronish/plan/context_parallel.py",
+        (("* (cp - 1) * min(send, forward_block)", "* (cp - 1) * max(send, forward_block)"),),
+        ("tests/plan/test_plan.py::test_the_ring_hides_its_sends_behind_its_blocks_and_no_more",),
     ),
 ]
 

@@ -32,6 +32,7 @@ class Rect:
     local_start: int
     length: int
     first: int = 0  # global index of local row 0 of dim 0 when ``dim`` is another (experts)
+    first_copy: bool = True  # False: a replicated head another tp rank saves
 
     def take(self, local: torch.Tensor) -> torch.Tensor:
         return local.narrow(self.dim, self.local_start, self.length)
@@ -64,11 +65,12 @@ def param_rects(p: nn.Parameter, tp_rank: int, tp: int) -> list[Rect]:
             offsets[0][0] = first
         return [Rect(offsets, 0, 0, shape[0] if shape else 1)]
     rects, local = [], 0
-    for start, n in shard.ranges(tp_rank, tp):
+    for block, (start, n) in enumerate(shard.ranges(tp_rank, tp)):
         offsets = [[0, s] for s in shape]
         offsets[0][0] = first
         offsets[shard.dim] = [start, n]
-        rects.append(Rect(offsets, shard.dim, local, n, first))
+        copy = shard.first_copy(block, tp_rank, tp)
+        rects.append(Rect(offsets, shard.dim, local, n, first, copy))
         local += n
     return rects
 

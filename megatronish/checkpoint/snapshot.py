@@ -193,6 +193,9 @@ def _snapshot_buckets(
                 continue
             gname = saved_name(name, p)
             for r, rect in enumerate(param_rects(p, topo.coords.tp, topo.tp)):
+                # a replicated head is saved by the rank holding its first copy
+                if not rect.first_copy:
+                    continue
                 for kind, flat in zip(KINDS, flats):
                     local = flat[offset : offset + p.numel()].view(p.shape)
                     key = f"{kind}/{gname}@{r}"

@@ -70,7 +70,8 @@ class ParallelConfig:
     tp: int = 1  # tensor parallel: each layer's matmuls split over tp ranks
     cp: int = 1  # context parallel: each sequence split over cp ranks (2 chunks each)
     # all_gather: K/V gathered over cp for the local queries | a2a: heads exchanged for
-    # sequence by all-to-all (DeepSpeed-Ulysses; heads per tp rank divisible by cp)
+    # sequence by all-to-all (DeepSpeed-Ulysses; heads per tp rank divisible by cp) | ring:
+    # K/V blocks passed around the cp ring, overlapped with attention (no attention dropout)
     cp_comm_type: str = "all_gather"
     pp: int = 1  # pipeline parallel: the layers split over pp stages
     vpp: int = 1  # virtual pipeline: model chunks per pp stage (interleaved 1F1B)

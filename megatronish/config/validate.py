@@ -31,7 +31,7 @@ CHOICES = {
     "optimizer.name": ("adamw",),
     "data.source": ("stdlib", "indexed"),
     "logging.timers": ("cheap", "detailed"),
-    "parallel.cp_comm_type": ("all_gather", "a2a"),
+    "parallel.cp_comm_type": ("all_gather", "a2a", "ring"),
 }
 NULLABLE_CHOICES = {"logging.wandb_mode": ("online", "offline", "disabled")}
 
@@ -222,10 +222,11 @@ def config_errors(
         errors.append(f"model.num_attention_heads={heads} is not divisible by parallel.tp={p.tp}")
     if heads % kv:
         errors.append(f"model.num_query_groups={kv} must divide model.num_attention_heads={heads}")
-    if kv % p.tp:
+    if kv % p.tp and p.tp % kv:  # fewer kv heads than tp: each on tp / kv ranks
         errors.append(
-            f"model.num_query_groups={kv} (kv heads) is not divisible by parallel.tp={p.tp}; "
-            f"use a tp that divides {kv} or more kv heads"
+            f"model.num_query_groups={kv} (kv heads) and parallel.tp={p.tp}: one must divide "
+            f"the other (kv heads split over tp ranks, or each replicated on tp / kv ranks); "
+            f"use a tp that divides {kv} or a multiple of it"
         )
     ffn = m.ffn_hidden_size or default_ffn_hidden(m.arch, m.hidden_size)
     if ffn % p.tp:
@@ -246,11 +247,18 @@ def config_errors(
             f"{local} is not divisible by parallel.tp={p.tp}, "
             "which sequence parallelism (parallel.sp=true) needs"
         )
-    if p.cp > 1 and p.cp_comm_type == "a2a" and ((heads // p.tp) % p.cp or (kv // p.tp) % p.cp):
+    kv_local = max(1, kv // p.tp)
+    if p.cp > 1 and p.cp_comm_type == "a2a" and ((heads // p.tp) % p.cp or kv_local % p.cp):
         errors.append(
             f"parallel.cp_comm_type=a2a gives each cp rank 1/cp of the heads: the "
-            f"{heads // p.tp} query and {kv // p.tp} kv heads per tp rank must be divisible by "
+            f"{heads // p.tp} query and {kv_local} kv heads per tp rank must be divisible by "
             f"parallel.cp={p.cp}; use cp_comm_type=all_gather or a cp that divides both"
+        )
+    if p.cp > 1 and p.cp_comm_type == "ring" and m.attention_dropout > 0:
+        errors.append(
+            f"parallel.cp_comm_type=ring runs no attention dropout: set "
+            f"model.attention_dropout=0 (it is {m.attention_dropout}) or use "
+            f"cp_comm_type=all_gather"
         )
     errors += vocab_errors(cfg, vocab_size)
     errors += moe_errors(cfg, dp)

@@ -11,6 +11,7 @@ rank. docs/parallelism.md compares this with ring attention.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -30,6 +31,7 @@ from megatronish.distributed.comm import (
     reduce_scatter_dim0,
     single_group,
 )
+from megatronish.distributed.p2p import BatchedP2P, P2PCommunicator
 
 if TYPE_CHECKING:
     from torch.autograd.function import FunctionCtx
@@ -41,15 +43,26 @@ class CPContext:
 
     group: ParallelGroup = field(default_factory=lambda: single_group("cp"))
     seq_length: int = 0
-    # parallel.cp_comm_type: all_gather (K/V gathered, local queries) or a2a (heads exchanged
-    # for sequence, :mod:`~megatronish.context_parallel.head_exchange`)
+    # parallel.cp_comm_type: all_gather (K/V gathered, local queries), a2a (heads exchanged
+    # for sequence, :mod:`~megatronish.context_parallel.head_exchange`) or ring (K/V blocks
+    # passed around the group, :mod:`~megatronish.context_parallel.ring`)
     comm_type: str = "all_gather"
+    # What posts ring attention's p2p groups on ``group`` (None: BatchedP2P; tests pass a
+    # recording or NCCL-strict one)
+    p2p: Callable[[ParallelGroup], P2PCommunicator] | None = None
     _positions: dict = field(default_factory=dict, repr=False)
     _masks: dict = field(default_factory=dict, repr=False)
+    _communicator: P2PCommunicator | None = field(default=None, repr=False)
 
     @property
     def size(self) -> int:
         return self.group.size
+
+    def communicator(self) -> P2PCommunicator:
+        """The communicator of ring attention's groups, made once."""
+        if self._communicator is None:
+            self._communicator = (self.p2p or BatchedP2P)(self.group)
+        return self._communicator
 
     def positions(self, device: torch.device | str | None = None) -> torch.Tensor:
         """Global positions of this rank's tokens (``[s / cp]``, int64)."""

@@ -97,19 +97,24 @@ class Bucket:
             p.__dict__.update(kept)
 
     def ranges(
-        self, keep: Callable[[str, nn.Parameter], bool], lo: int, hi: int
+        self, keep: Callable[[str, nn.Parameter], bool | list[tuple[int, int]]], lo: int, hi: int
     ) -> list[tuple[int, int]]:
         """Merged ``[start, end)`` ranges within ``[lo, hi)`` (relative to ``lo``) covering the
-        params where ``keep(name, p)``."""
+        params where ``keep(name, p)``; ``keep`` may instead return the ``[start, end)``
+        element ranges of ``p`` (flat, row-major) to cover."""
         out: list[tuple[int, int]] = []
         for (name, p), off in zip(self.params, self.offsets):
-            a, b = max(off, lo), min(off + p.numel(), hi)
-            if a >= b or not keep(name, p):
-                continue
-            if out and out[-1][1] == a - lo:
-                out[-1] = (out[-1][0], b - lo)
-            else:
-                out.append((a - lo, b - lo))
+            kept = keep(name, p)
+            if isinstance(kept, bool):
+                kept = [(0, p.numel())] if kept else []
+            for start, end in kept:
+                a, b = max(off + start, lo), min(off + end, hi)
+                if a >= b:
+                    continue
+                if out and out[-1][1] == a - lo:
+                    out[-1] = (out[-1][0], b - lo)
+                else:
+                    out.append((a - lo, b - lo))
         return out
 
 
@@ -117,8 +122,10 @@ FIRST_BUCKET_BYTES = 1 << 20
 
 
 def needs_model_parallel_sum(p: nn.Parameter, tied: bool) -> bool:
-    """Grads summed over tp (sequence-parallel params) or the embedding group (tied copies)."""
-    return param_info(p).sequence_parallel or tied
+    """Grads summed over tp (sequence-parallel params, replicated heads) or the embedding group
+    (tied copies)."""
+    info = param_info(p)
+    return info.sequence_parallel or info.replicated_heads or tied
 
 
 def plan_buckets(

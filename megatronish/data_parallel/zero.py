@@ -21,7 +21,7 @@ A bucket's reduction starts from a post-accumulate-grad hook as soon as every pa
 received its grad (zero 0/1: of all microbatches of the step, zero 2/3: of the microbatch), so
 reductions overlap the rest of backward (:mod:`~megatronish.data_parallel.grad_reduce` bounds
 how many are in flight). Buckets holding params that need a model-parallel sum first
-(sequence-parallel replicas, tied embeddings) are reduced at the end of the step.
+(sequence-parallel replicas, replicated heads, tied embeddings) are reduced at the end of the step.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from megatronish.data_parallel.grads import (
     counts_in_norm,
     flat_all_reduce,
     sum_local_tied_copies,
+    sum_partial_grads_over_tp,
     tied_rule,
 )
 from megatronish.data_parallel.param_gather import ParamGatherer
@@ -261,8 +262,7 @@ class ZeroDataParallel:
             ):
                 self.launch_reduction(b)
         late = [b for b in self.buckets if b.late]
-        sp = [p.main_grad for b in late for _, p in b.params if param_info(p).sequence_parallel]
-        flat_all_reduce(sp, self.topo.tp_group)
+        sum_partial_grads_over_tp([p for b in late for _, p in b.params], self.topo.tp_group)
         tied = [(n, p) for b in late for n, p in b.params if self.is_tied(n, p)]
         flat_all_reduce(sum_local_tied_copies(tied), self.topo.embedding_group)
         for b in late:

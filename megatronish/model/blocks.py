@@ -25,6 +25,7 @@ from megatronish.context_parallel.attention_kernel import sdpa
 from megatronish.context_parallel.document_attention import document_attention
 from megatronish.context_parallel.documents import Documents
 from megatronish.context_parallel.head_exchange import heads_to_sequence, qkv_to_heads
+from megatronish.context_parallel.ring import ring_attention
 from megatronish.model.layer_norm import layer_norm
 from megatronish.model.parallel_context import ParallelContext
 from megatronish.model.rms_norm import rms_norm
@@ -145,17 +146,19 @@ class Attention(nn.Module):
         d, h = spec.head_dim, spec.hidden_size
         self.spec, self.tp, self.cp = spec, tp, cp
         self.q_heads = spec.num_heads // tp.size
-        self.kv_heads = spec.num_kv_heads // tp.size
+        # Fewer kv heads than tp ranks: each kv head on tp / kv ranks, beside its query heads.
+        self.kv_heads = spec.kv_heads_per_rank(tp.size)
         sp = tp.sequence_parallel
         out_std = spec.init_std / math.sqrt(2 * spec.num_layers)
-        blocks = (spec.num_heads * d, spec.num_kv_heads * d, spec.num_kv_heads * d)
+        q, kv = spec.num_heads, spec.num_kv_heads
         self.qkv = ColumnParallelLinear(
             h,
-            sum(blocks),
+            (q + 2 * kv) * d,
             tp.group,
             bias=spec.bias,
             sequence_parallel=sp,
-            blocks=blocks,
+            blocks=(q * d, kv * d, kv * d),
+            block_heads=(q, kv, kv),
             init_std=spec.init_std,
             device=device,
         )
@@ -201,6 +204,8 @@ class Attention(nn.Module):
         p: float,
         documents: Documents | None,
     ) -> torch.Tensor:
+        if self.core_cp.size > 1 and self.core_cp.comm_type == "ring":  # K/V travel the ring
+            return ring_attention(q, k, v, self.core_cp, documents)
         if documents is not None and documents.ids is not None:
             return document_attention(q, k, v, documents, self.core_cp, p)
         if self.core_cp.size > 1:  # local queries, the whole sequence's keys and values
@@ -241,7 +246,7 @@ class Attention(nn.Module):
         heads_exchanged = self.cp.size > 1 and self.cp.comm_type == "a2a"
         if heads_exchanged:  # the whole sequence of 1/cp of the heads, in one all-to-all
             q, k, v = qkv_to_heads(q, k, v, self.cp.group)
-        elif self.cp.size > 1:  # one all-gather of k|v over cp, at the kv-head count
+        elif self.cp.size > 1 and self.cp.comm_type == "all_gather":  # one k|v all-gather
             kv = gather_sequence(torch.cat([k, v], dim=2), self.cp)
             k, v = kv.split([self.kv_heads, self.kv_heads], dim=2)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]

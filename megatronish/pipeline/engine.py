@@ -2,7 +2,7 @@
 
 The steps come from :mod:`megatronish.pipeline.grouping` (pure functions of pp, vpp, the
 schedule, the number of microbatches and the rank): before each compute, one group of sends and
-receives is posted through a :class:`~megatronish.pipeline.p2p.P2PCommunicator` (default:
+receives is posted through a :class:`~megatronish.distributed.p2p.P2PCommunicator` (default:
 batched isend/irecv on the pipeline group) and waited on as a unit. The executor keeps the input
 and output of every forward until its backward, frees the data of an output once its send is
 posted (the group keeps the sent buffer until it completes; the backward does not need the
@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from megatronish.config.pipeline_rules import resolve_pipeline_schedule
+from megatronish.distributed.p2p import BatchedP2P, P2PCommunicator
 from megatronish.distributed.timers import Timers
 from megatronish.distributed.topology import Topology
 from megatronish.model.build import chunk_ids_of_stage, stage_of_chunk
@@ -42,7 +43,6 @@ from megatronish.pipeline.grouping import (
 )
 from megatronish.pipeline.microbatch import Microbatch, microbatch_parts, run_chunk
 from megatronish.pipeline.no_pipeline import NO_PARAM_HOOKS, ParamHooks
-from megatronish.pipeline.p2p import BatchedP2P, P2PCommunicator
 from megatronish.pipeline.posting import GroupPoster, Posted
 from megatronish.pipeline.schedule import splits_backward, v_shape
 from megatronish.tensor_parallel.weight_grad import WeightGradStore, attach_weight_grad_store
@@ -155,7 +155,7 @@ def forward_backward_pipeline(
     per-microbatch losses on the rank that holds the last chunk.
 
     ``timers`` sums forward, backward and the p2p waits (see :mod:`~.posting`). ``comm`` posts
-    the p2p groups (default: :class:`~megatronish.pipeline.p2p.BatchedP2P` on the pipeline
+    the p2p groups (default: :class:`~megatronish.distributed.p2p.BatchedP2P` on the pipeline
     group). A zero-bubble schedule needs ``weight_grads``, the store the chunks' layers were
     given (:func:`attach_split_backward`);
     ``op_times`` plans its groups (:func:`~megatronish.pipeline.grouping.training_steps`).

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
+from megatronish.distributed.p2p import P2PCommunicator, P2PWork, Transfer
 from megatronish.distributed.timers import Timers
 from megatronish.pipeline.ops import Op, message
-from megatronish.pipeline.p2p import P2PCommunicator, P2PWork, Transfer
 
 Record = Callable[[str, float, float], None]  # (event name, start, end) in perf_counter seconds
 

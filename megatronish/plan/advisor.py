@@ -89,13 +89,23 @@ def advise(
     device_bytes: int,
     runtime_bytes: int,
     top: int = 10,
+    planner: Planner | None = None,
 ) -> Advice:
     """Rank the layouts of ``cfg``'s job on ``world_size`` ranks that fit ``device_bytes`` per
     rank; planning stops once the fastest layouts of ``top + 1`` (tp, cp, pp, ep) shapes are
-    known (the last listed one needs a runner-up)."""
+    known (the last listed one needs a runner-up). ``planner``: one of ``spec`` whose plans
+    earlier calls made (a device of another size or speed needs no new plans)."""
     layouts = valid_layouts(cfg, world_size, spec.vocab_size)
-    bounds = sorted((lower_bound(spec, lay, hw), i) for i, lay in enumerate(layouts))
-    planner = Planner(spec)
+    bound_of: dict[Layout, float] = {}  # the bound has no dp term: ZeRO stages share it
+
+    def bound(lay: Layout) -> float:
+        key = lay.with_(zero_stage=0)
+        if key not in bound_of:
+            bound_of[key] = lower_bound(spec, key, hw)
+        return bound_of[key]
+
+    bounds = sorted((bound(lay), i) for i, lay in enumerate(layouts))
+    planner = planner or Planner(spec)
     ranked: list[Ranked] = []
     best: dict[tuple, float] = {}  # fastest time of each shape
     bar = math.inf  # the (top + 1)-th fastest shape's time

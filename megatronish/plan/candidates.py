@@ -97,9 +97,10 @@ def dispatch_orders(tp: int, sp: bool, num_experts: int) -> tuple[str, ...]:
 
 
 def cp_comm_types(cp: int) -> tuple[str, ...]:
-    """The context-parallel exchanges a candidate may use: both under cp > 1 (the rules drop
-    all-to-all where the heads per tp rank do not divide by cp), else the default."""
-    return ("all_gather", "a2a") if cp > 1 else ("all_gather",)
+    """The context-parallel exchanges a candidate may use: every one under cp > 1 (the rules
+    drop all-to-all where the heads per tp rank do not divide by cp, and the ring with attention
+    dropout or documents), else the default."""
+    return ("all_gather", "a2a", "ring") if cp > 1 else ("all_gather",)
 
 
 def _shapes(

@@ -184,8 +184,9 @@ def advise_main(cfg: TrainConfig, overrides: list[str], options: dict) -> int:
         return _fail(
             [
                 f"no layout of {world} ranks is valid for this model and batch (tp must divide the "
-                f"heads and kv heads, pp*vpp the layers, and dp*micro batch the global batch "
-                f"{cfg.trainer.global_batch_size}); try another world_size or global batch",
+                f"heads and divide or be divided by the kv heads, pp*vpp the layers, and "
+                f"dp*micro batch the global batch {cfg.trainer.global_batch_size}); try another "
+                f"world_size or global batch",
             ]
         )
     if not advice.ranked:

@@ -18,12 +18,21 @@
   backward). Attention then runs causal over the whole sequence for ``a / cp`` heads: the same
   scores, no gathered K/V kept, and the exchanged q|k|v and output are what attention keeps
   (:func:`exchanged_bytes`).
+- **Ring** (``parallel.cp_comm_type=ring``): no K/V is gathered; each layer's forward (and every
+  rerun: full recompute's, and selective recompute's, which reruns the core) sends its
+  ``[b, 2g, s, d]`` K|V block on ``cp - 1`` times and receives as many; backward sends K|V
+  ``cp - 1`` times and the dK|dV accumulators ``cp`` times. Attention keeps what one
+  process's fused kernel keeps for its ``s`` tokens (causal, no mask tensor). Each step's
+  transfers overlap that step's block of attention (``1 / cp`` of the layer's attention work,
+  twice that in backward): :func:`ring_overlap_time` credits the shorter of the two per step
+  (none on shared CPU cores); backward's last hop of the accumulators is exposed.
 """
 
 from __future__ import annotations
 
+from megatronish.plan.hardware import Hardware, comm_time
 from megatronish.plan.layout import Layout
-from megatronish.plan.recompute import reruns
+from megatronish.plan.recompute import core_reruns, reruns
 from megatronish.spec import ModelSpec
 
 
@@ -37,11 +46,16 @@ def heads_exchanged(layout: Layout) -> bool:
     return layout.cp > 1 and layout.cp_comm_type == "a2a"
 
 
+def ring(layout: Layout) -> bool:
+    """Whether K/V blocks travel the cp ring (nothing gathered, attention per block)."""
+    return layout.cp > 1 and layout.cp_comm_type == "ring"
+
+
 def kv_length(spec: ModelSpec, layout: Layout) -> int:
     """Keys and values a rank's queries attend to, per head the rank holds: the whole sequence
     (``cp s``); under all-to-all ``s``, as the whole sequence of ``1 / cp`` of the heads is the
     same count as ``s`` of every head."""
-    if heads_exchanged(layout):
+    if heads_exchanged(layout) or ring(layout):
         return rank_seq_length(spec, layout)
     return layout.cp * rank_seq_length(spec, layout)
 
@@ -50,7 +64,7 @@ def attention_mask(layout: Layout) -> str:
     """The mask SDPA runs with: causal (one process, or the whole sequence under all-to-all),
     or under cp the rank's queries against the whole sequence (bottom-right aligned on CUDA, an
     explicit tensor on a CPU)."""
-    if layout.cp == 1 or heads_exchanged(layout):
+    if layout.cp == 1 or heads_exchanged(layout) or ring(layout):
         return "causal"
     return "lower_right" if layout.device_type == "cuda" else "tensor"
 
@@ -59,8 +73,8 @@ def gathered_kv_bytes(
     tokens: int, kv_heads: int, head_dim: int, element_bytes: int, layout: Layout
 ) -> int:
     """What attention keeps of the whole sequence's K and V gathered over cp (``tokens``: the
-    rank's ``s b``; ``kv_heads``: per tp rank); 0 without cp or under all-to-all."""
-    if layout.cp == 1 or heads_exchanged(layout):
+    rank's ``s b``; ``kv_heads``: per tp rank); 0 without cp, under all-to-all or a ring."""
+    if layout.cp == 1 or heads_exchanged(layout) or ring(layout):
         return 0
     return layout.cp * tokens * 2 * kv_heads * head_dim * element_bytes
 
@@ -83,15 +97,56 @@ def cp_volume(spec: ModelSpec, layout: Layout, pp_rank: int) -> dict[str, tuple[
     m = layout.num_microbatches
     if heads_exchanged(layout):
         local = rank_seq_length(spec, layout) * layout.micro_batch_size * spec.head_dim
-        a, g = spec.num_heads // layout.tp, spec.num_kv_heads // layout.tp
+        a, g = spec.num_heads // layout.tp, spec.kv_heads_per_rank(layout.tp)
         qkv, out = (local * n * layout.activation_bytes for n in (a + 2 * g, a))
         forwards = m * (n_layers + redo)
         calls = 2 * forwards + 2 * m * n_layers
         return {"cp/all_to_all": (calls, (forwards + m * n_layers) * (qkv + out))}
-    kv = spec.seq_length * layout.micro_batch_size * 2 * (spec.num_kv_heads // layout.tp)
+    if ring(layout):
+        block = ring_block_bytes(spec, layout)
+        sends = m * (ring_passes(layout, n_layers, redo) * (layout.cp - 1))
+        sends += m * n_layers * (2 * layout.cp - 1)
+        return {"cp/send": (sends, sends * block), "cp/recv": (sends, sends * block)}
+    kv = spec.seq_length * layout.micro_batch_size * 2 * spec.kv_heads_per_rank(layout.tp)
     kv_bytes = kv * spec.head_dim * layout.activation_bytes
     gathers = m * (n_layers + redo)
     return {
         "cp/all_gather": (gathers, gathers * kv_bytes),
         "cp/reduce_scatter": (m * n_layers, m * n_layers * kv_bytes),
     }
+
+
+def ring_block_bytes(spec: ModelSpec, layout: Layout) -> int:
+    """One K|V block (a rank's ``[b, 2g, s, d]``), which each ring step moves."""
+    tokens = rank_seq_length(spec, layout) * layout.micro_batch_size
+    return tokens * 2 * spec.kv_heads_per_rank(layout.tp) * spec.head_dim * layout.activation_bytes
+
+
+def ring_passes(layout: Layout, n_layers: int, redo: int) -> int:
+    """Ring forwards per microbatch: every layer's, full recompute's reruns (``redo``), and
+    selective recompute's rerun of every core."""
+    return n_layers + redo + core_reruns(layout, n_layers)
+
+
+def ring_overlap_time(
+    spec: ModelSpec, layout: Layout, hw: Hardware, pp_rank: int, rate: float
+) -> float:
+    """Seconds of ring transfers per step that the attention blocks hide (``rate``: the
+    stage's FLOP/s per rank): per step the shorter of its group's sends and its block's
+    attention (forward ``4 s b (cp s / 2) a d / cp`` FLOPs, causal; backward twice that).
+    None on shared cores (communication uses the cores compute needs)."""
+    if not ring(layout) or hw.shared_cores:
+        return 0.0
+    layers = layout.chunk_layers(spec.num_layers)
+    n_layers = sum(layers[c] for c in layout.stage_chunks(pp_rank))
+    redo, _ = reruns(spec, layout, pp_rank)
+    cp, s = layout.cp, rank_seq_length(spec, layout)
+    heads = spec.num_heads // layout.tp
+    flops = 4 * s * layout.micro_batch_size * (cp * s / 2) * heads * spec.head_dim / cp
+    forward_block = flops / rate
+    send = comm_time(layout, hw, "cp/send", 1, ring_block_bytes(spec, layout))
+    forward = ring_passes(layout, n_layers, redo) * (cp - 1) * min(send, forward_block)
+    # backward steps: K|V only at the first, K|V and dK|dV between, dK|dV only at the last
+    one, both = min(send, 2 * forward_block), min(2 * send, 2 * forward_block)
+    backward = n_layers * (2 * one + (cp - 2) * both)
+    return layout.num_microbatches * (forward + backward)

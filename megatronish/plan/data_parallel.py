@@ -113,13 +113,20 @@ def step_grad_numel(buckets_of: list[list[Bucket]]) -> int:
 
 
 def state_bytes(
-    spec: ModelSpec, layout: Layout, pp_rank: int, chunks: list[GPTChunk] | None = None
+    spec: ModelSpec,
+    layout: Layout,
+    pp_rank: int,
+    chunks: list[GPTChunk] | None = None,
+    buckets: list[list[Bucket]] | None = None,
+    units: list[ChunkUnits] | None = None,
 ) -> StateBytes:
     """Params, grads and Adam moments held by a rank of pipeline stage ``pp_rank`` (``chunks``:
-    that rank's :func:`~megatronish.plan.rank_model.meta_chunks`, when the caller has them)."""
+    that rank's :func:`~megatronish.plan.rank_model.meta_chunks`, ``buckets``: their
+    :func:`chunk_buckets`, ``units``: their :func:`rank_units`, when the caller has them)."""
     chunks = chunks if chunks is not None else meta_chunks(spec, layout, pp_rank)
     stage = zero_stage(layout)
-    buckets = [chunk_buckets(c, layout) for c in chunks]
+    if buckets is None:
+        buckets = [chunk_buckets(c, layout) for c in chunks]
     per_chunk = [[b.numel for b in bs] for bs in buckets]
     numel = sum(sum(n) for n in per_chunk)
     param_numel = sum(p.numel() for c in chunks for p in c.parameters())
@@ -133,7 +140,7 @@ def state_bytes(
     grads_at_peak = grads_step if peaks_in_backward(layout) else late
     params_step = 0
     if stage.shards_params:
-        units = rank_units(layout, chunks)
+        units = units if units is not None else rank_units(layout, chunks)
         params_step = rank_peak_gathered(units, layout.zero3_keep_gathered) * model
     return StateBytes(
         param_numel=param_numel,

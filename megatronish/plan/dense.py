@@ -80,7 +80,7 @@ def layer_shape(spec: ModelSpec, layout: Layout) -> LayerShape:
         h=spec.hidden_size,
         t=t,
         a=spec.num_heads // t,
-        g=spec.num_kv_heads // t,
+        g=spec.kv_heads_per_rank(t),
         d=spec.head_dim,
         f=spec.ffn_hidden_size // t,
         s_r=s // t if layout.sequence_parallel else s,
@@ -298,13 +298,17 @@ def tp_volume(
     else:
         ar = per_mb + 2 * redo - groups
         out["tp/all_reduce"] = (m * ar, m * ar * act)
-    if layout.sequence_parallel or spec.qk_norm:  # replicated weights with partial grads
+    # Partial grads summed over tp in one all-reduce per step: replicated params fed by
+    # sequence shards or per-head norms, and the whole k|v blocks where kv heads are replicated
+    # (each rank's copy placed at its head).
+    partial = replicated_kv_grad_numel(spec, layout) * n_layers
+    if layout.sequence_parallel or spec.qk_norm:
         if chunks is None:
             chunks = meta_chunks(spec, layout, pp_rank)
-        replicated = _partial_grad_numel(chunks)
-        if replicated:
-            calls, nbytes = out.get("tp/all_reduce", (0, 0))
-            out["tp/all_reduce"] = (calls + 1, nbytes + replicated * FP32)
+        partial += _partial_grad_numel(chunks)
+    if partial:
+        calls, nbytes = out.get("tp/all_reduce", (0, 0))
+        out["tp/all_reduce"] = (calls + 1, nbytes + partial * FP32)
     if last:  # the vocabulary-parallel cross entropy: max, target logit, sum of exp
         calls, nbytes = out.get("tp/all_reduce", (0, 0))
         out["tp/all_reduce"] = (calls + 3 * m, nbytes + 3 * m * s * b * 4)
@@ -313,8 +317,16 @@ def tp_volume(
 
 def _partial_grad_numel(chunks: list) -> int:
     """Elements of replicated params whose grads are partial on each tp rank (fed by sequence
-    shards, or per-head norms of each rank's heads): summed over tp once per step."""
+    shards, or per-head norms of each rank's heads)."""
     return sum(p.numel() for c in chunks for p in c.parameters() if param_info(p).sequence_parallel)
+
+
+def replicated_kv_grad_numel(spec: ModelSpec, layout: Layout) -> int:
+    """Per block, the elements of the k and v blocks (weights and biases) whose replicated
+    copies' grads are summed over tp; 0 unless there are fewer kv heads than tp ranks."""
+    if spec.num_kv_heads >= layout.tp:
+        return 0
+    return 2 * spec.num_kv_heads * spec.head_dim * (spec.hidden_size + int(spec.bias))
 
 
 def stage_flops_per_token(spec: ModelSpec, layers: list[int], head: bool) -> float:

@@ -203,11 +203,6 @@ class Planner:
         shape = layout.rank_key(spec.num_layers, pp_rank)
         run = (layout.micro_batch_size, layout.num_microbatches, recompute.policy(layout))
         chunks = self._chunks(layout, pp_rank)
-        st = self._cached(
-            "states",
-            (shape, data_parallel.states_key(layout)),
-            lambda: data_parallel.state_bytes(spec, layout, pp_rank, chunks),
-        )
         buckets = self._cached(
             "buckets",
             (shape, data_parallel.buckets_key(layout)),
@@ -217,6 +212,11 @@ class Planner:
             "units",
             (shape, data_parallel.units_key(layout)),
             lambda: data_parallel.rank_units(layout, chunks),
+        )
+        st = self._cached(
+            "states",
+            (shape, data_parallel.states_key(layout)),
+            lambda: data_parallel.state_bytes(spec, layout, pp_rank, chunks, buckets, units),
         )
         act = self._cached(
             "activations",

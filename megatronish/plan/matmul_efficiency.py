@@ -67,7 +67,7 @@ def block_matmuls(spec: ModelSpec, layout: Layout, layer: int) -> list[Matmul]:
     experts')."""
     h, d, tp = spec.hidden_size, spec.head_dim, layout.tp
     rows = token_rows(spec, layout)
-    qkv = (spec.num_heads + 2 * spec.num_kv_heads) * d // tp
+    qkv = (spec.num_heads // tp + 2 * spec.kv_heads_per_rank(tp)) * d
     out = [(rows, h, qkv, 1), (rows, spec.attention_width // tp, h, 1)]
     if not spec.is_moe_layer(layer):
         return out + _mlp(rows, h, spec.ffn_hidden_size, tp, spec.is_llama)

@@ -105,6 +105,11 @@ def reruns(spec: ModelSpec, layout: Layout, pp_rank: int) -> tuple[int, int]:
     return redo, groups
 
 
+def core_reruns(layout: Layout, n_layers: int) -> int:
+    """Attention cores rerun per microbatch by selective recompute (each of ``n_layers``)."""
+    return n_layers if layout.recompute == "selective" else 0
+
+
 def recompute_flops_per_token(spec: ModelSpec, layout: Layout) -> float:
     """Extra forward FLOPs per token that recompute adds (hardware, not model, FLOPs)."""
     L, s, h = spec.num_layers, spec.attention_span, spec.hidden_size

@@ -25,7 +25,10 @@ The model (symbols: ``N`` ranks, ``t`` tp, ``p`` pp, ``v`` vpp, ``d`` dp, ``m`` 
   consecutive ranks; a group within ``g`` consecutive ranks runs at the intra-node bandwidth
   (NVLink), a larger one at the inter-node bandwidth (the NIC per GPU).
 - **Overlap.** tp collectives sit between the matmuls that need them: never hidden; nor are
-  cp's K/V all-gathers (forward) and reduce-scatters (backward), one of each per layer, nor
+  cp's K/V all-gathers (forward) and reduce-scatters (backward), one of each per layer, or its
+  all-to-alls; ring attention's sends hide behind each step's block of attention as far as it
+  lasts (:func:`~megatronish.plan.context_parallel.ring_overlap_time`; a receive is its peer's
+  send and costs nothing more); nor are
   expert parallelism's all-to-alls (the ``ep`` term: a rank sends ``(n - 1) / n`` of each
   tensor; an ep group spans ``t ep`` ranks), except the part of each forward's rows exchange
   the shared experts' forward hides (:func:`~megatronish.plan.moe.overlapped_dispatch_time`).
@@ -134,9 +137,11 @@ def _stage_time(
     compute, recompute_s = (f * tokens / ranks / rate for f in (model, extra))
     times = {k: comm_time(layout, hw, k, c, b) * slow for k, (c, b) in volume.items()}
     tp, cp, ep = (
-        sum(t for k, t in times.items() if k.startswith(f"{group}/")) for group in BETWEEN_COMPUTES
-    )
+        sum(t for k, t in times.items() if k.startswith(f"{group}/") and not k.endswith("/recv"))
+        for group in BETWEEN_COMPUTES
+    )  # a receive is its peer's send
     ep -= moe.overlapped_dispatch_time(spec, layout, hw, pp_rank, rate)
+    cp -= context_parallel.ring_overlap_time(spec, layout, hw, pp_rank, rate)
     times, volume = moe.merge_expert_grads(times, volume, data_parallel.grad_group(layout))
     zero3, end = data_parallel.exposed_dp_time(
         spec, layout, hw, times, volume, compute, recompute_s, pipeline.embedding_time(times)

@@ -53,8 +53,10 @@ class ColumnParallelLinear(nn.Module):
     """``y = x W^T + b`` with ``W``'s output dim split over tp.
 
     The output dim may be a concatenation of ``blocks`` (fused q|k|v or gate|up), each split
-    over tp, so rank r computes its slice of every block. Input is replicated (or, with sequence
-    parallelism, a sequence shard that is all-gathered first); output stays split.
+    over tp, so rank r computes its slice of every block; a block of ``block_heads`` fewer than
+    tp has each head replicated on tp / heads ranks (see :class:`TPShard`). Input is replicated
+    (or, with sequence parallelism, a sequence shard that is all-gathered first); output stays
+    split.
     """
 
     def __init__(
@@ -66,27 +68,36 @@ class ColumnParallelLinear(nn.Module):
         bias: bool = False,
         sequence_parallel: bool = False,
         blocks: tuple[int, ...] | None = None,
+        block_heads: tuple[int, ...] | None = None,
         init_std: float = 0.02,
         device: torch.device | str | None = None,
     ):
         super().__init__()
         blocks = tuple(blocks or (out_features,))
-        if sum(blocks) != out_features or any(b % group.size for b in blocks):
-            raise ValueError(f"blocks {blocks} must sum to {out_features} and divide by tp")
+        shard = TPShard(dim=0, blocks=blocks, heads=tuple(block_heads or ()))
+        tp = group.size
+        parts = [shard.parts(i, tp) for i in range(len(blocks))]
+        if sum(blocks) != out_features or any(b % n or tp % n for b, n in zip(blocks, parts)):
+            raise ValueError(
+                f"blocks {blocks} (heads {block_heads}) must sum to {out_features} and each "
+                f"split over tp={tp}, or over heads that divide tp"
+            )
         self.group, self.sequence_parallel = group, sequence_parallel
-        shard = TPShard(dim=0, blocks=blocks)
+        replicated = shard.replicates(tp)
         self.weight = mark_param(
-            _empty(shard.local_size(group.size), in_features, device=device),
+            _empty(shard.local_size(tp), in_features, device=device),
             shard=shard,
             std=init_std,
+            replicated_heads=replicated,
         )
         self.bias = None
         if bias:
             self.bias = mark_param(
-                _empty(shard.local_size(group.size), device=device),
+                _empty(shard.local_size(tp), device=device),
                 shard=shard,
                 init="zeros",
                 weight_decay=False,
+                replicated_heads=replicated,
             )
         self.weight_grad_store: WeightGradStore | None = None
 

@@ -15,20 +15,44 @@ import torch
 
 @dataclass(frozen=True)
 class TPShard:
-    """Split of one parameter over a tensor-parallel group of ``tp`` ranks."""
+    """Split of one parameter over a tensor-parallel group of ``tp`` ranks.
+
+    ``heads``: the heads (indivisible pieces) of each block, or empty when every block splits
+    evenly over tp. A block of fewer heads than tp ranks is not split below one head: head
+    ``j`` of ``n`` is replicated on the ``tp / n`` consecutive ranks ``j tp / n ...`` (key and
+    value heads fewer than tp, as Megatron-Core places them).
+    """
 
     dim: int
     blocks: tuple[int, ...]
+    heads: tuple[int, ...] = ()
+
+    def parts(self, block: int, tp: int) -> int:
+        """Distinct pieces block ``block`` is cut into over ``tp`` ranks."""
+        return min(tp, self.heads[block]) if self.heads else tp
+
+    def piece(self, block: int, rank: int, tp: int) -> int:
+        """Which piece of block ``block`` rank ``rank`` holds."""
+        return rank * self.parts(block, tp) // tp
+
+    def first_copy(self, block: int, rank: int, tp: int) -> bool:
+        """Whether ``rank`` holds the first copy of its piece of ``block`` (every rank does
+        unless the block's heads are replicated)."""
+        return rank % (tp // self.parts(block, tp)) == 0
+
+    def replicates(self, tp: int) -> bool:
+        """Whether some block is replicated on several of ``tp`` ranks."""
+        return any(self.parts(i, tp) < tp for i in range(len(self.blocks)))
 
     def local_size(self, tp: int) -> int:
-        return sum(b // tp for b in self.blocks)
+        return sum(b // self.parts(i, tp) for i, b in enumerate(self.blocks))
 
     def ranges(self, rank: int, tp: int) -> list[tuple[int, int]]:
         """Global ``(start, length)`` ranges along ``dim`` whose concatenation is the shard."""
         out, offset = [], 0
-        for b in self.blocks:
-            n = b // tp
-            out.append((offset + rank * n, n))
+        for i, b in enumerate(self.blocks):
+            n = b // self.parts(i, tp)
+            out.append((offset + self.piece(i, rank, tp) * n, n))
             offset += b
         return out
 
@@ -38,13 +62,15 @@ class TPShard:
         return torch.cat(parts, dim=self.dim) if len(parts) > 1 else parts[0]
 
     def join(self, shards: list[torch.Tensor]) -> torch.Tensor:
-        """The global tensor from every rank's shard (in rank order)."""
+        """The global tensor from every rank's shard (in rank order); a replicated piece is
+        taken from its first copy."""
         tp = len(shards)
-        pieces = []
+        pieces, start = [], 0
         for i, b in enumerate(self.blocks):
-            n = b // tp
-            start = sum(x // tp for x in self.blocks[:i])
-            pieces.extend(s.narrow(self.dim, start, n) for s in shards)
+            parts = self.parts(i, tp)
+            n = b // parts
+            pieces.extend(shards[j * tp // parts].narrow(self.dim, start, n) for j in range(parts))
+            start += n
         return torch.cat(pieces, dim=self.dim)
 
 
@@ -79,6 +105,9 @@ class ParamInfo:
     weight_decay: bool = True  # False for norms and biases
     tied_to: str | None = None  # global name of the parameter this one is a copy of
     experts: ExpertShard | None = None  # a stack of experts, split over ep (dim 0)
+    # Some of its shard's blocks are heads replicated over tp ranks (``TPShard.heads``): each
+    # copy's grad is partial (its own queries' share), summed over the copies.
+    replicated_heads: bool = False
 
 
 UNMARKED = ParamInfo()
@@ -108,5 +137,5 @@ def global_shape(p: torch.nn.Parameter, tp: int) -> tuple[int, ...]:
         shape[shard.dim] = sum(shard.blocks)
     if experts is not None:
         shape[0] = experts.num_experts
-    assert shard is None or p.shape[shard.dim] * tp == shape[shard.dim]
+    assert shard is None or p.shape[shard.dim] == shard.local_size(tp)
     return tuple(shape)

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from megatronish.distributed.comm import CommStats, ParallelGroup
+from megatronish.distributed.p2p import Transfer
 from megatronish.distributed.parallel_grid import ParallelGrid
 from megatronish.distributed.topology import Topology
 from megatronish.model.build import chunk_ids_of_stage
@@ -23,7 +24,6 @@ from megatronish.pipeline.engine import (
     forward_only_pipeline,
 )
 from megatronish.pipeline.nccl_sim import P2P
-from megatronish.pipeline.p2p import Transfer
 from megatronish.tensor_parallel.weight_grad import WeightGradStore
 
 Groups = dict[int, list[list[P2P]]]  # pipeline rank -> the groups it posted, in order

@@ -122,7 +122,7 @@ def trainer_for(
     from megatronish.training.trainer import Trainer
 
     topo, d, spec, rng = layout_parts(cfg, rank, world, device)
-    chunks = build_model(cfg, topo, d, spec, rng)
+    chunks = build_model(cfg, topo, d, spec, rng, p2p=p2p)
     data = PatternTokens(spec.vocab_size, spec.seq_length, seed=cfg.trainer.seed)
     if any(getattr(cfg.data, key) for key in PACKING_OPTIONS):  # windows of packed documents
         data = PackedPatternTokens(
@@ -165,8 +165,8 @@ def train_layout(
     ``load`` resumes from a checkpoint first (any layout); ``save`` writes one to that
     ``checkpoint.dir`` at the end. ``params`` maps global names to full tensors for the stage
     this rank belongs to, from tp rank 0 of dp rank 0 (empty elsewhere), so merging every rank's
-    dict gives the whole model. ``strict_p2p``: pipeline sends complete only once the peer
-    received them, as on NCCL (:mod:`megatronish.testing.strict_p2p`).
+    dict gives the whole model. ``strict_p2p``: pipeline and ring attention sends complete only
+    once the peer received them, as on NCCL (:mod:`megatronish.testing.strict_p2p`).
     """
     from megatronish.checkpoint.gather import gather_tp_params
     from megatronish.checkpoint.load import load_into

@@ -5,7 +5,7 @@ On gloo, posting a send never blocks and its wait returns once the peer has post
 receive; nothing orders one group after the previous. Code that posts sends without waiting for
 them (as the engine once did) therefore runs on CPU in an order that hangs on NCCL, where the
 point-to-point calls of a rank run in order on one stream. :class:`StrictP2P` posts each group as
-:class:`~megatronish.pipeline.p2p.BatchedP2P` does, but only after the previous group completed
+:class:`~megatronish.distributed.p2p.BatchedP2P` does, but only after the previous group completed
 (waiting for it if the caller has not), and for every send it posts a receive of an
 acknowledgement (tag :data:`ACK_TAG`) that the peer sends once its matching receive has
 completed. Waiting for a group returns only when every send in it was acknowledged. The
@@ -21,10 +21,10 @@ import torch
 import torch.distributed as dist
 
 from megatronish.distributed.comm import CollectiveError, ParallelGroup, named_failures
-from megatronish.pipeline.p2p import BatchedP2P, GroupWork, Message, Transfer, describe
+from megatronish.distributed.p2p import BatchedP2P, GroupWork, Message, Transfer, describe
 
 ACK_TAG = 7
-_KINDS = ("act", "grad")
+_KINDS = ("act", "grad", "kv", "dkv")  # pipeline messages, ring attention's
 
 
 def _encode(message: Message) -> torch.Tensor:
@@ -89,7 +89,7 @@ class StrictWork:
 
 
 class StrictP2P:
-    """:class:`~megatronish.pipeline.p2p.BatchedP2P` with NCCL's ordering: a group starts when
+    """:class:`~megatronish.distributed.p2p.BatchedP2P` with NCCL's ordering: a group starts when
     the previous one completed, and a send completes when the peer's receive has run."""
 
     def __init__(self, group: ParallelGroup):

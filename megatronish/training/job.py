@@ -5,6 +5,7 @@ the :class:`Job` the entry point builds its Trainer from."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -16,8 +17,10 @@ from megatronish.config.validate import ConfigError, vocab_errors
 from megatronish.context_parallel.attention import CPContext
 from megatronish.data_parallel.stages import ZERO_STAGES
 from megatronish.distributed.agree import PeerError, agree
+from megatronish.distributed.comm import ParallelGroup
 from megatronish.distributed.cpus import default_threads, usable_cpus
 from megatronish.distributed.launch import LaunchEnv, init_process_group, pick_device
+from megatronish.distributed.p2p import P2PCommunicator
 from megatronish.distributed.parallel_grid import rank_map_table
 from megatronish.distributed.topology import Topology
 from megatronish.model.build import build_chunks
@@ -91,16 +94,23 @@ def check_memory_fits(cfg: TrainConfig, launch: LaunchEnv, topo: Topology, vocab
 
 
 def build_model(
-    cfg: TrainConfig, topo: Topology, derived: Derived, spec: ModelSpec, rng: RNGTracker
+    cfg: TrainConfig,
+    topo: Topology,
+    derived: Derived,
+    spec: ModelSpec,
+    rng: RNGTracker,
+    p2p: Callable[[ParallelGroup], P2PCommunicator] | None = None,
 ):
     """This rank's chunks; under ZeRO 3 with parameters on the meta device, their shards drawn
-    by ZeRO (:class:`~megatronish.model.init.DeferredInit`), so no rank holds its whole chunk."""
+    by ZeRO (:class:`~megatronish.model.init.DeferredInit`), so no rank holds its whole chunk.
+    ``p2p``: what posts ring attention's groups (default BatchedP2P)."""
     ctx = ParallelContext(
         tp=TPContext(group=topo.tp_group, sp=cfg.parallel.sp, rng=rng),
         cp=CPContext(
             group=topo.cp_group,
             seq_length=spec.seq_length,
             comm_type=cfg.parallel.cp_comm_type,
+            p2p=p2p,
         ),
         ep=EPContext(
             group=topo.ep_group,

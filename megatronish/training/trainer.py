@@ -32,6 +32,7 @@ from megatronish.data.documents import (
 )
 from megatronish.data_parallel.zero import ZeroDataParallel
 from megatronish.distributed.comm import all_reduce
+from megatronish.distributed.p2p import BatchedP2P
 from megatronish.distributed.timers import Timers, device_sync, max_min_over_ranks, timer_metrics
 from megatronish.distributed.topology import Topology
 from megatronish.model.build import holds_last_chunk
@@ -48,7 +49,6 @@ from megatronish.pipeline.engine import (
 )
 from megatronish.pipeline.microbatch import Microbatch, microbatch_parts, run_chunk
 from megatronish.pipeline.no_pipeline import forward_backward_no_pipeline
-from megatronish.pipeline.p2p import BatchedP2P
 from megatronish.spec import ModelSpec
 from megatronish.tensor_parallel.random import RNGTracker
 from megatronish.tensor_parallel.weight_grad import WeightGradStore

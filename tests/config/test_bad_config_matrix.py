@@ -40,8 +40,9 @@ CASES = [
     (["parallel.dp=4", "trainer.global_batch_size=32"], "tp*pp*dp = 1*1*4 = 4"),
     (["world_size=4"], "world_size=4 but the job was launched with 2"),
     (
-        ["parallel.tp=2", "model.num_query_groups=1"],
-        "num_query_groups=1 (kv heads) is not divisible",
+        ["parallel.tp=2", "model.num_attention_heads=6", "model.num_query_groups=3"]
+        + ["model.head_dim=16"],
+        "num_query_groups=3 (kv heads) and parallel.tp=2: one must divide the other",
     ),
     (["model.num_query_groups=3"], "num_query_groups=3 must divide model.num_attention_heads=4"),
     (["model.hidden_size=130"], "hidden_size=130 is not divisible by model.num_attention_heads=4"),

@@ -90,9 +90,19 @@ def test_only_gpu_experiments_train_on_a_corpus_of_their_own():
             "the 4 query and 2 kv heads per tp rank must be divisible by parallel.cp=4",
         ),
         (["parallel.cp_comm_type=p2p"], 1, "parallel.cp_comm_type='p2p' is not one of"),
+        (
+            ["parallel.cp=2", "parallel.cp_comm_type=ring", "model.attention_dropout=0.1"],
+            2,
+            "cp_comm_type=ring runs no attention dropout: set model.attention_dropout=0",
+        ),
         (["parallel.tp=8"], 8, "num_attention_heads=4 is not divisible by parallel.tp=8"),
         (["model.num_query_groups=3"], 1, "must divide model.num_attention_heads"),
-        (["parallel.tp=4"], 4, "(kv heads) is not divisible by parallel.tp=4"),
+        (
+            ["parallel.tp=2", "model.num_attention_heads=6", "model.num_query_groups=3"]
+            + ["model.head_dim=16"],
+            2,
+            "num_query_groups=3 (kv heads) and parallel.tp=2: one must divide the other",
+        ),
         (["parallel.tp=2", "model.ffn_hidden_size=353"], 2, "ffn hidden size 353"),
         (["parallel.tp=2", "parallel.sp=true", "model.seq_length=255"], 2, "sequence parallelism"),
         (["model.num_layers=5", "parallel.pp=2"], 2, "num_layers=5 is not divisible by pp*vpp"),

@@ -6,6 +6,7 @@ import time
 import pytest
 import torch
 
+from megatronish.distributed.p2p import BatchedP2P, Transfer
 from megatronish.distributed.topology import Topology
 from megatronish.pipeline.engine import (
     forward_backward_pipeline,
@@ -13,7 +14,6 @@ from megatronish.pipeline.engine import (
 )
 from megatronish.pipeline.grouping import training_steps
 from megatronish.pipeline.nccl_sim import P2P
-from megatronish.pipeline.p2p import BatchedP2P, Transfer
 from megatronish.testing.multiproc import WorldError, run_world
 from megatronish.testing.p2p_sequences import one_op_at_a_time, planned_groups
 from megatronish.testing.runs import build_trainer

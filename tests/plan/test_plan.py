@@ -38,6 +38,10 @@ LAYOUTS = [
     (4, ["parallel.cp=2", "parallel.pp=2", "model.arch=gpt2", "trainer.recompute=selective"]),
     # all-to-all cp: no gathered K/V, the exchanged q|k|v and the output brought back
     (2, ["parallel.cp=2", "parallel.cp_comm_type=a2a"]),
+    # ring attention: no gathered K/V; a block in flight, the rows' log-sum-exp kept
+    (2, ["parallel.cp=2", "parallel.cp_comm_type=ring"]),
+    # one kv head replicated on both tp ranks: its rows of qkv, their grads and moments twice
+    (4, ["parallel.tp=2", "model.num_query_groups=1", "parallel.zero_stage=1"]),
 ]
 
 
@@ -64,6 +68,8 @@ COMM_LAYOUTS = [
     (2, ["parallel.tp=2", "trainer.recompute=full", "trainer.recompute_num_layers=3"]),
     # the per-head Q/K norms' partial grads summed over tp without sp: one more all-reduce
     (2, ["parallel.tp=2", "model.qk_norm=true", "model.head_dim=48"]),
+    # kv heads fewer than tp: each copy's partial grads placed in whole blocks, summed with sp's
+    (4, ["parallel.tp=4", "parallel.sp=true", "model.num_query_groups=2", "model.bias=true"]),
     (2, ["parallel.tp=2", "parallel.sp=true", "model.arch=gpt2", "trainer.recompute=full"]),
     (
         2,
@@ -85,6 +91,18 @@ COMM_LAYOUTS = [
     (4, ["parallel.cp=2", "parallel.pp=2", "parallel.zero_stage=3", "model.arch=gpt2"]),
     # all-to-all cp: q|k|v and the output exchanged in forward, recompute and backward
     (4, ["parallel.cp=2", "parallel.cp_comm_type=a2a", "parallel.pp=2", "trainer.recompute=full"]),
+    # ring attention: K|V blocks on in forward and reruns (selective and full recompute's),
+    # K|V and dK|dV in backward
+    (
+        4,
+        [
+            "parallel.cp=2",
+            "parallel.cp_comm_type=ring",
+            "parallel.tp=2",
+            "trainer.recompute=selective",
+        ],
+    ),
+    (4, ["parallel.cp=4", "parallel.cp_comm_type=ring", "trainer.recompute=full"]),
     # packed documents: the same K/V all-gather, no collective for the masks or the loss count
     (2, ["parallel.cp=2", "data.reset_attention_mask=true", "data.eod_mask_loss=true"]),
     (
@@ -178,11 +196,13 @@ def test_plan_options_are_split_from_overrides():
         split_options(["device_memory_gb=lots"])
 
 
-def test_the_advisor_weighs_both_cp_exchanges():
-    """All-gather and all-to-all are both candidates wherever cp > 1 (all-to-all only where the
-    heads per tp rank divide by cp). For gpt_1b (16 heads, 8 kv heads) at 16k tokens the K/V
-    gather moves less at cp 2 and the head exchange less from cp 4 on (and much less once cp
-    crosses nodes), and the head exchange never keeps the whole sequence's K/V."""
+def test_the_advisor_weighs_every_cp_exchange():
+    """All-gather, all-to-all and the ring are candidates wherever cp > 1 (all-to-all only where
+    the heads per tp rank divide by cp). For gpt_1b (16 heads, 8 kv heads) at 16k tokens the
+    ring's transfers hide behind its attention blocks within a node (cp 2, 4), while across
+    nodes (cp 8) its blocks' attention is too short to hide them and the head exchange, which
+    moves the least, wins; neither the ring nor the head exchange keeps the whole sequence's
+    K/V."""
     from megatronish.config.compose import load_config
     from megatronish.plan.candidates import valid_layouts
     from megatronish.plan.report import parallel_values
@@ -192,11 +212,11 @@ def test_the_advisor_weighs_both_cp_exchanges():
     kinds: dict[int, set] = {}
     for x in valid_layouts(cfg, 8):
         kinds.setdefault(x.cp, set()).add(x.cp_comm_type)
-    both = {"all_gather", "a2a"}  # cp 8: 4 heads do not divide over 8 ranks
-    assert kinds == {1: {"all_gather"}, 2: both, 4: both, 8: {"all_gather"}}
+    every = {"all_gather", "a2a", "ring"}  # cp 8: 4 heads do not divide over 8 ranks
+    assert kinds == {1: {"all_gather"}, 2: every, 4: every, 8: {"all_gather", "ring"}}
 
     h100 = Hardware(peak_flops=989e12, gpus_per_node=8)
-    for cp, faster in ((2, "all_gather"), (4, "a2a"), (8, "a2a")):
+    for cp, faster in ((2, "ring"), (4, "ring"), (8, "a2a")):
         big = load_config(
             [
                 "+experiment=gpt_1b",
@@ -209,9 +229,50 @@ def test_the_advisor_weighs_both_cp_exchanges():
             ]
         )
         spec, base = spec_of(big), layout_from_config(big, 64)
-        plans = {t: make_plan(spec, base.with_(cp_comm_type=t)) for t in ("all_gather", "a2a")}
+        plans = {t: make_plan(spec, base.with_(cp_comm_type=t)) for t in sorted(every)}
         times = {t: step_time(p, h100).total for t, p in plans.items()}
         assert min(times, key=times.get) == faster, (cp, times)
-        assert plans["a2a"].peak_bytes < plans["all_gather"].peak_bytes, cp
+        gathered = plans["all_gather"].peak_bytes
+        assert plans["a2a"].peak_bytes < gathered and plans["ring"].peak_bytes < gathered, cp
     assert parallel_values(base.with_(cp_comm_type="a2a"))["cp_comm_type"] == "a2a"
     assert "cp_comm_type" not in parallel_values(base)
+
+
+def test_the_ring_hides_its_sends_behind_its_blocks_and_no_more():
+    """Long blocks on a fast link: every send but backward's last hop of the dK|dV accumulators
+    hides behind a block of attention. A link too slow to hide anything: the credit is the
+    blocks' attention time, below the sends. Shared cores: no credit."""
+    import dataclasses
+
+    from megatronish.plan.context_parallel import ring_block_bytes, ring_overlap_time
+    from megatronish.plan.hardware import comm_time
+    from megatronish.plan.step_time import Hardware, step_time
+
+    cfg = load_config(
+        [
+            "+experiment=gpt_1b",
+            "model.seq_length=65536",
+            "model.max_position_embeddings=65536",
+            "trainer.micro_batch_size=1",
+            "trainer.global_batch_size=16",
+            "trainer.precision=bf16",
+            "parallel.cp=4",
+            "parallel.cp_comm_type=ring",
+        ]
+    )
+    spec, layout = spec_of(cfg), layout_from_config(cfg, 16)
+    plan = make_plan(spec, layout)
+    fast = Hardware(peak_flops=989e12, gpus_per_node=8)
+    calls, nbytes = plan.stages[0].comm["cp/send"]
+    sends = comm_time(layout, fast, "cp/send", calls, nbytes)
+    one = comm_time(layout, fast, "cp/send", 1, ring_block_bytes(spec, layout))
+    last_hops = layout.num_microbatches * spec.num_layers  # one per layer and microbatch
+    assert step_time(plan, fast).cp == pytest.approx(last_hops * one, rel=1e-9)
+    rate = 1e15  # FLOP/s: blocks far longer than their sends
+    assert ring_overlap_time(spec, layout, fast, 0, rate) == pytest.approx(sends - last_hops * one)
+    slow = dataclasses.replace(fast, intra_node_bw=1e6)  # 1 MB/s: nothing short of the blocks
+    credit = ring_overlap_time(spec, layout, slow, 0, rate)
+    slow_sends = comm_time(layout, slow, "cp/send", calls, nbytes)
+    assert 0 < credit < 0.01 * slow_sends
+    shared = dataclasses.replace(fast, shared_cores=2)
+    assert ring_overlap_time(spec, layout, shared, 0, rate) == 0.0

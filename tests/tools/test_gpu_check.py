@@ -43,6 +43,7 @@ SECTIONS = [
     "moe_experts",
     "async_save",
     "documents",
+    "ring_kernels",
 ]
 # Imported by torch when installed, done without otherwise (torch.utils._import_utils).
 TORCH_USES_IF_PRESENT = {"dill"}
@@ -76,7 +77,7 @@ def test_smoke_run_reports_every_section(tmp_path):
     for name in SECTIONS:
         assert f"[{name}] ok in" in r.stdout or f"[{name}] not applicable in" in r.stdout, name
     assert "[flash] not applicable: flash attention is a CUDA kernel" in r.stdout
-    assert "bit-identical" in r.stdout and "9 of 9 sections passed" in r.stdout
+    assert "bit-identical" in r.stdout and "10 of 10 sections passed" in r.stdout
     report = out.read_text()
     assert report.startswith("# megatronish on one GPU (smoke run")
     for i in range(1, len(SECTIONS) + 1):

@@ -1,6 +1,6 @@
 """Context parallelism on CPU: activation memory per rank at cp = 1, 2, 4, with the K/V
-all-gather and with the heads' all-to-all, for a sequence whose activations do not fit one rank's
-budget, and cp = 2 steps of both exchanges against dp = 2 on the same tokens.
+all-gather, the heads' all-to-all and ring attention, for a sequence whose activations do not fit
+one rank's budget, and cp = 2 steps of each exchange against dp = 2 on the same tokens.
 Run alone: ``.venv/bin/python tools/bench/cp.py``.
 """
 
@@ -17,7 +17,7 @@ from megatronish.testing.multiproc import run_world
 from megatronish.testing.runs import build_trainer, test_config
 
 SEQ = 8192
-EXCHANGES = ("all_gather", "a2a")  # parallel.cp_comm_type
+EXCHANGES = ("all_gather", "a2a", "ring")  # parallel.cp_comm_type
 MODEL = [
     "model.num_layers=4",
     "model.hidden_size=128",
@@ -94,6 +94,7 @@ def _steps(rank: int, world: int, repeats: int) -> dict:
             "dp=2": [],
             "cp=2 all_gather": ["parallel.cp=2"],
             "cp=2 a2a": ["parallel.cp=2", "parallel.cp_comm_type=a2a"],
+            "cp=2 ring": ["parallel.cp=2", "parallel.cp_comm_type=ring"],
         }.items()
     }
     out = timed_world(
@@ -105,6 +106,10 @@ def _steps(rank: int, world: int, repeats: int) -> dict:
     )
     out["torch_cp"] = _torch_cp_on_cpu()
     return out
+
+
+def _peak(mem: list[dict], cp: int, exchange: str) -> float:
+    return next(m["activations"] for m in mem if m["cp"] == cp and m["exchange"] == exchange)
 
 
 def run(quick: bool) -> dict:
@@ -138,7 +143,7 @@ def run(quick: bool) -> dict:
     ]
     return {
         "title": f"Context parallelism: a {SEQ}-token sequence over 1, 2 and 4 ranks, K/V "
-        "all-gather and heads' all-to-all",
+        "all-gather, heads' all-to-all and ring attention",
         "config": {"model": MODEL, "budget_mib": BUDGET_MIB},
         "results": {
             "memory": mem,
@@ -176,6 +181,11 @@ def run(quick: bool) -> dict:
             "cp=2 a2a step time / all_gather's (median of per-repeat ratios)|.2fx": paired_ratio(
                 times["cp=2 a2a"], times["cp=2 all_gather"]
             ),
+            "cp=2 ring step time / all_gather's (median of per-repeat ratios)|.2fx": paired_ratio(
+                times["cp=2 ring"], times["cp=2 all_gather"]
+            ),
+            "cp=4 activation peak per rank, ring / all_gather|.2fx": _peak(mem, 4, "ring")
+            / _peak(mem, 4, "all_gather"),
             "torch.distributed.tensor.experimental.context_parallel on CPU|": ranks[0]["torch_cp"],
         },
     }

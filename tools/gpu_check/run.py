@@ -13,6 +13,7 @@ from gpu_check import (
     moe_experts,
     recompute,
     resume,
+    ring_kernels,
     syncs,
     throughput,
 )
@@ -29,6 +30,7 @@ SECTIONS = (
     moe_experts,
     async_save,
     documents,
+    ring_kernels,
 )
 
 

@@ -1,12 +1,14 @@
-"""Point-to-point transfers between pipeline stages, posted as groups (batched isend/irecv).
+"""Point-to-point transfers posted as groups (batched isend/irecv): the pipeline's stages and
+ring attention's K/V blocks.
 
 A rank's sends and receives between two computes go out as one group: one
 ``torch.distributed.batch_isend_irecv`` call (NCCL runs it as one ``ncclGroupStart/End``),
-waited on as a unit before the next compute. Which transfers share a group is decided in
-:mod:`megatronish.pipeline.grouping`; this module only posts them. Shapes are known from the
-config, so there is no shape handshake.
+waited on as a unit (by the pipeline before its next compute, by ring attention after the
+block the transfers overlap). Which transfers share a group is decided by the callers
+(:mod:`megatronish.pipeline.grouping`, :mod:`megatronish.context_parallel.ring`); this module
+only posts them. Shapes are known from the config, so there is no shape handshake.
 
-The engine talks to a :class:`P2PCommunicator`, so another one can be substituted: a recording
+Both talk to a :class:`P2PCommunicator`, so another one can be substituted: a recording
 one (tests replay the groups in :mod:`megatronish.pipeline.nccl_sim`) or a strict one that makes
 every send wait for the peer's receive (``megatronish.testing.strict_p2p``).
 """
@@ -22,7 +24,9 @@ import torch.distributed as dist
 
 from megatronish.distributed.comm import NamedWork, ParallelGroup, named_failures
 
-Message = tuple[str, int, int]  # ("act" | "grad", microbatch, chunk), named by its sender
+# ("act" | "grad", microbatch, chunk) between pipeline stages, ("kv" | "dkv", step, owner) in
+# ring attention; both ends name a message the same
+Message = tuple[str, int, int]
 KINDS = ("send", "recv")
 
 
@@ -62,7 +66,8 @@ def describe(transfers: Sequence[Transfer], group: ParallelGroup) -> str:
     for t in transfers:
         kind, mb, chunk = t.message
         way = "to" if t.kind == "send" else "from"
-        parts.append(f"{t.kind} {kind} mb{mb} c{chunk} {way} rank {group.global_rank(t.peer)}")
+        at = f"step {mb} of rank {chunk}'s block" if kind in ("kv", "dkv") else f"mb{mb} c{chunk}"
+        parts.append(f"{t.kind} {kind} {at} {way} rank {group.global_rank(t.peer)}")
     return f"p2p group [{', '.join(parts)}]"
 
 

@@ -104,12 +104,17 @@ def run_world(
     init: bool = True,
     **kwargs: Any,
 ) -> list[Any]:
-    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` forked gloo ranks.
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` forked gloo ranks
+    (``fn.prepare_in_parent(world_size, *args, **kwargs)``, where ``fn`` has it, runs first in
+    this process: what every rank would do alike, done once and inherited).
 
     Returns the per-rank return values in rank order. With ``init=False`` the ranks get
     torchrun's environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ...) but no process group:
     ``fn`` starts it, as the entry point does.
     """
+    prepare = getattr(fn, "prepare_in_parent", None)
+    if prepare is not None:  # work every rank would repeat, done once before the fork
+        prepare(world_size, *args, **kwargs)
     ctx = mp.get_context("fork")
     port = free_port()
     pipes = [ctx.Pipe(duplex=False) for _ in range(world_size)]

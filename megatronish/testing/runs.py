@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 import torch
@@ -76,11 +77,20 @@ class LayoutRun:
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)  # this rank's model buffers
 
 
+# Composed test configs of this process, by (overrides, steps): Hydra takes ~0.2 s per compose,
+# and every rank of a forked world would compose the same one (run_world composes it once in the
+# parent first, see train_layout.prepare_in_parent). Callers get copies.
+_COMPOSED: dict[tuple[tuple[str, ...], int], TrainConfig] = {}
+
+
 def test_config(overrides: list[str], steps: int):
     """The tiny test config with ``overrides`` (``model.arch=gpt2`` works too); no log file
     unless ``overrides`` names one."""
-    base = [*TINY_TEST_MODEL, f"trainer.max_steps={steps}", "logging.log_file=null"]
-    return load_config([*base, *overrides])
+    key = (tuple(overrides), steps)
+    if key not in _COMPOSED:
+        base = [*TINY_TEST_MODEL, f"trainer.max_steps={steps}", "logging.log_file=null"]
+        _COMPOSED[key] = load_config([*base, *overrides])
+    return copy.deepcopy(_COMPOSED[key])
 
 
 def build_trainer(
@@ -173,7 +183,7 @@ def train_layout(
     from megatronish.checkpoint.parts import model_buffers
     from megatronish.checkpoint.save import CheckpointSaver
 
-    extra = [f"checkpoint.dir={save}"] if save else []
+    extra = _save_overrides(save)
     p2p = None
     if strict_p2p:
         from megatronish.testing.strict_p2p import StrictP2P as p2p
@@ -209,6 +219,29 @@ def train_layout(
         state_bytes=held,
         buffers={n: b.detach().clone() for n, b in model_buffers(chunks).items()},
     )
+
+
+def _save_overrides(save: str | None) -> list[str]:
+    return [f"checkpoint.dir={save}"] if save else []
+
+
+def _compose_in_parent(
+    world: int,
+    overrides: list[str],
+    steps: int = PARITY_STEPS,
+    load: str | None = None,
+    save: str | None = None,
+    strict_p2p: bool = False,
+) -> None:
+    """Compose :func:`train_layout`'s config before the ranks fork, so they inherit it. A
+    config that does not compose is left to the ranks, which fail with it as before."""
+    try:
+        test_config([*overrides, *_save_overrides(save)], steps)
+    except Exception:  # noqa: BLE001 - each rank raises it itself
+        pass
+
+
+train_layout.prepare_in_parent = _compose_in_parent
 
 
 def merge_params(results) -> dict[str, torch.Tensor]:

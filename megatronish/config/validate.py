@@ -9,6 +9,7 @@ from __future__ import annotations
 from omegaconf import DictConfig, OmegaConf
 
 from megatronish.config.cli_errors import unknown_key_reason
+from megatronish.config.cp_rules import cp_exchange_errors
 from megatronish.config.data_rules import data_errors
 from megatronish.config.derived import default_ffn_hidden, pad_vocab
 from megatronish.config.moe_rules import moe_errors
@@ -247,19 +248,7 @@ def config_errors(
             f"{local} is not divisible by parallel.tp={p.tp}, "
             "which sequence parallelism (parallel.sp=true) needs"
         )
-    kv_local = max(1, kv // p.tp)
-    if p.cp > 1 and p.cp_comm_type == "a2a" and ((heads // p.tp) % p.cp or kv_local % p.cp):
-        errors.append(
-            f"parallel.cp_comm_type=a2a gives each cp rank 1/cp of the heads: the "
-            f"{heads // p.tp} query and {kv_local} kv heads per tp rank must be divisible by "
-            f"parallel.cp={p.cp}; use cp_comm_type=all_gather or a cp that divides both"
-        )
-    if p.cp > 1 and p.cp_comm_type == "ring" and m.attention_dropout > 0:
-        errors.append(
-            f"parallel.cp_comm_type=ring runs no attention dropout: set "
-            f"model.attention_dropout=0 (it is {m.attention_dropout}) or use "
-            f"cp_comm_type=all_gather"
-        )
+    errors += cp_exchange_errors(cfg)
     errors += vocab_errors(cfg, vocab_size)
     errors += moe_errors(cfg, dp)
     if m.max_position_embeddings is not None and m.seq_length > m.max_position_embeddings:

@@ -851,7 +851,12 @@ MUTANTS = [
         "planner-cache-ignores-the-cp-exchange",
         "the planner's cached blocks are shared by layouts of either cp exchange",
         "megatronish/plan/layout.py",
-        (("            self.cp_comm_type,\n            self.ep,", "            self.ep,"),),
+        (
+            (
+                "            self.cp_comm_type,\n            self.cp_a2a_size,",
+                "            self.cp_a2a_size,",
+            ),
+        ),
         ("tests/plan/test_advisor.py::test_one_planner_tells_layouts_of_the_same_shape_apart",),
     ),
     Mutant(
@@ -976,6 +981,29 @@ MUTANTS = [
         "megatronish/plan/context_parallel.py",
         (("* (cp - 1) * min(send, forward_block)", "* (cp - 1) * max(send, forward_block)"),),
         ("tests/plan/test_plan.py::test_the_ring_hides_its_sends_behind_its_blocks_and_no_more",),
+    ),
+    Mutant(
+        "a2a-ring-rings-the-a2a-group",
+        "a2a_ring passes K/V around its all-to-all group instead of the ring across the groups",
+        "megatronish/context_parallel/attention.py",
+        (("group=self.ring_group,", "group=self.a2a_group,"),),
+        ("tests/context_parallel/test_a2a_ring.py::test_a2a_ring_trains_like_one_process",),
+    ),
+    Mutant(
+        "a2a-ring-grid-order",
+        "a2a_ring's rings are cut from consecutive cp ranks and its all-to-all groups strided",
+        "megatronish/distributed/parallel_grid.py",
+        (('CP_ORDER = "tp-cp_a2a-cp_ring-dp-pp"', 'CP_ORDER = "tp-cp_ring-cp_a2a-dp-pp"'),),
+        (
+            "tests/distributed/test_parallel_grid.py::test_a2a_ring_cuts_each_cp_group_into_a2a_groups_and_rings",
+        ),
+    ),
+    Mutant(
+        "a2a-ring-plan-ring-size",
+        "the planner runs a2a_ring's ring over the whole cp group",
+        "megatronish/plan/context_parallel.py",
+        (("return layout.cp // layout.cp_a2a_size", "return layout.cp"),),
+        ("tests/plan/test_plan.py::test_planned_communication_matches_measured",),
     ),
 ]
 

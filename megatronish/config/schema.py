@@ -71,8 +71,11 @@ class ParallelConfig:
     cp: int = 1  # context parallel: each sequence split over cp ranks (2 chunks each)
     # all_gather: K/V gathered over cp for the local queries | a2a: heads exchanged for
     # sequence by all-to-all (DeepSpeed-Ulysses; heads per tp rank divisible by cp) | ring:
-    # K/V blocks passed around the cp ring, overlapped with attention (no attention dropout)
+    # K/V blocks passed around the cp ring, overlapped with attention (no attention dropout) |
+    # a2a_ring: a2a inside groups of cp_a2a_size consecutive cp ranks, ring across the groups
     cp_comm_type: str = "all_gather"
+    # a2a_ring only: cp ranks per all-to-all group (divides cp, 1 < size < cp; a node's share)
+    cp_a2a_size: int | None = None
     pp: int = 1  # pipeline parallel: the layers split over pp stages
     vpp: int = 1  # virtual pipeline: model chunks per pp stage (interleaved 1F1B)
     # 1f1b | interleaved | zb-h1 | zbv; null: 1f1b for vpp=1, interleaved above. zb-h1 (vpp=1)

@@ -32,7 +32,7 @@ CHOICES = {
     "optimizer.name": ("adamw",),
     "data.source": ("stdlib", "indexed"),
     "logging.timers": ("cheap", "detailed"),
-    "parallel.cp_comm_type": ("all_gather", "a2a", "ring"),
+    "parallel.cp_comm_type": ("all_gather", "a2a", "ring", "a2a_ring"),
 }
 NULLABLE_CHOICES = {"logging.wandb_mode": ("online", "offline", "disabled")}
 

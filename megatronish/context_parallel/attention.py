@@ -44,19 +44,56 @@ class CPContext:
     group: ParallelGroup = field(default_factory=lambda: single_group("cp"))
     seq_length: int = 0
     # parallel.cp_comm_type: all_gather (K/V gathered, local queries), a2a (heads exchanged
-    # for sequence, :mod:`~megatronish.context_parallel.head_exchange`) or ring (K/V blocks
-    # passed around the group, :mod:`~megatronish.context_parallel.ring`)
+    # for sequence, :mod:`~megatronish.context_parallel.head_exchange`), ring (K/V blocks
+    # passed around the group, :mod:`~megatronish.context_parallel.ring`) or a2a_ring (heads
+    # exchanged inside ``a2a_group``, then a ring over ``ring_group``)
     comm_type: str = "all_gather"
+    a2a_group: ParallelGroup | None = None  # a2a_ring: this rank's all-to-all group
+    ring_group: ParallelGroup | None = None  # a2a_ring: the ring across the a2a groups
     # What posts ring attention's p2p groups on ``group`` (None: BatchedP2P; tests pass a
     # recording or NCCL-strict one)
     p2p: Callable[[ParallelGroup], P2PCommunicator] | None = None
     _positions: dict = field(default_factory=dict, repr=False)
     _masks: dict = field(default_factory=dict, repr=False)
     _communicator: P2PCommunicator | None = field(default=None, repr=False)
+    _core: CPContext | None = field(default=None, repr=False)
 
     @property
     def size(self) -> int:
         return self.group.size
+
+    @property
+    def heads_group(self) -> ParallelGroup | None:
+        """The group that exchanges heads for sequence around attention: the cp group under
+        a2a, this rank's a2a group under a2a_ring; None when heads stay put."""
+        if self.size == 1 or self.comm_type not in ("a2a", "a2a_ring"):
+            return None
+        if self.comm_type == "a2a":
+            return self.group
+        if self.a2a_group is None or self.ring_group is None:
+            raise ValueError("cp_comm_type=a2a_ring needs the Topology's cp_a2a and cp_ring groups")
+        return self.a2a_group
+
+    def core_context(self) -> CPContext:
+        """The cp context attention itself runs in: one process's after a2a's exchange (it holds
+        the whole sequence), after a2a_ring's the ring over ``ring_group`` (a member of a2a
+        group ``g`` then holds, in order, the 2a chunks of its members, which are chunks ``g``
+        and ``2 cp / a - 1 - g`` of the load-balanced split over ``cp / a`` ranks), else this
+        one."""
+        if self.heads_group is None:
+            return self
+        if self._core is None:  # one for every layer: the ring's posts share one communicator
+            self._core = (
+                CPContext(seq_length=self.seq_length)
+                if self.comm_type == "a2a"
+                else CPContext(
+                    group=self.ring_group,
+                    seq_length=self.seq_length,
+                    comm_type="ring",
+                    p2p=self.p2p,
+                )
+            )
+        return self._core
 
     def communicator(self) -> P2PCommunicator:
         """The communicator of ring attention's groups, made once."""

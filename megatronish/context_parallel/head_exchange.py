@@ -9,6 +9,12 @@ head. Backward runs each exchange the other way. Query and kv heads are exchange
 group ``g`` of ``cp`` holding query heads ``[g a/cp, (g+1) a/cp)`` and the kv heads they use
 (``[g kv/cp, (g+1) kv/cp)``), so grouped-query attention stays grouped and needs no copy.
 
+Under ``parallel.cp_comm_type=a2a_ring`` the same exchange runs inside each group of
+``cp_a2a_size`` consecutive cp ranks: member ``i`` of group ``g`` holds chunks ``g a + i`` and
+``2cp - 1 - g a - i``, so the group's ``2a`` chunks in order are chunks ``g`` and
+``2 cp/a - 1 - g`` of the sequence cut for ``cp / a`` ranks, for ``1 / a`` of the heads: what a
+rank of a ring over ``cp / a`` ranks holds (:meth:`~.attention.CPContext.core_context`).
+
 Volume per layer and microbatch (CommStats counts each tensor sent, the rank's own part
 included): ``s/cp b (a + 2 kv) d`` before and ``s/cp b a d`` after attention, and the same in
 backward; nothing holds the whole sequence's K/V for every head.

@@ -6,7 +6,10 @@ is a run of consecutive ranks (one node on GPU clusters), a context-parallel gro
 and pipeline neighbours are ``tp * cp * dp`` apart. Expert parallelism is carved out of the
 ``dp x cp`` ranks that hold the same dense parameters (index ``cp_rank + cp * dp_rank``), ep
 fastest, as Megatron-LM carves it out of data parallelism: the expert view is the grid
-tp-ep-edp-pp over the same ranks. Pure; tests drive it for many shapes.
+tp-ep-edp-pp over the same ranks. Under ``parallel.cp_comm_type=a2a_ring`` the cp axis is cut in
+two (the cp view, tp-cp_a2a-cp_ring-dp-pp): all-to-all groups of ``cp_a2a_size`` consecutive cp
+ranks (a node's share), and rings of the ranks at the same place in every such group
+(Megatron-LM's hierarchical context-parallel groups). Pure; tests drive it for many shapes.
 """
 
 from __future__ import annotations
@@ -23,17 +26,22 @@ if TYPE_CHECKING:
 
 DENSE_ORDER = "tp-cp-dp-pp"
 EXPERT_ORDER = "tp-ep-edp-pp"
+CP_ORDER = "tp-cp_a2a-cp_ring-dp-pp"
 
 # The named groups, in the order every rank creates them: (view, axes spanned).
 # - tp, cp, dp, pp: one axis each; dp_cp: the ranks holding the same parameters (grads are
 #   reduced, ZeRO shards spread over them); mp (model parallel): tp x pp.
 # - ep: ranks of one dp_cp group holding different experts (they exchange tokens);
 #   edp (expert data parallel, dp * cp / ep ranks): those holding the same experts.
+# - cp_a2a, cp_ring: a2a_ring's cut of a cp group (consecutive cp ranks exchange heads; the
+#   ranks at the same place in each of those groups pass K/V around a ring).
 # - embedding: first and last pipeline stage of each pp group (the two copies of a tied word
 #   embedding; a single rank when pp == 1). world: everyone.
 GROUP_AXES = {
     "tp": ("dense", "tp"),
     "cp": ("dense", "cp"),
+    "cp_a2a": ("cp_view", "cp_a2a"),
+    "cp_ring": ("cp_view", "cp_ring"),
     "dp": ("dense", "dp"),
     "dp_cp": ("dense", "dp-cp"),
     "ep": ("expert", "ep"),
@@ -58,33 +66,49 @@ class Coords:
 
 @dataclass(frozen=True)
 class ParallelGrid:
-    """The dense grid (tp-cp-dp-pp) and its expert view (tp-ep-edp-pp) of the same world."""
+    """The dense grid (tp-cp-dp-pp), its expert view (tp-ep-edp-pp) and its cp view
+    (tp-cp_a2a-cp_ring-dp-pp) of the same world."""
 
     dense: RankGrid
     expert: RankGrid
+    cp_view: RankGrid
 
     @classmethod
-    def of(cls, *, tp: int = 1, cp: int = 1, dp: int = 1, pp: int = 1, ep: int = 1) -> ParallelGrid:
-        """The grid of these degrees; ``ep`` must divide ``dp * cp``."""
+    def of(
+        cls,
+        *,
+        tp: int = 1,
+        cp: int = 1,
+        dp: int = 1,
+        pp: int = 1,
+        ep: int = 1,
+        cp_a2a: int = 1,
+    ) -> ParallelGrid:
+        """The grid of these degrees; ``ep`` must divide ``dp * cp``, ``cp_a2a`` (the cp ranks
+        of an all-to-all group under a2a_ring; 1 otherwise) must divide ``cp``."""
         if ep < 1 or (dp * cp) % ep:
             raise ValueError(f"ep={ep} must divide dp * cp = {dp} * {cp}")
+        if cp_a2a < 1 or cp % cp_a2a:
+            raise ValueError(f"cp_a2a={cp_a2a} must divide cp = {cp}")
         dense = RankGrid(DENSE_ORDER, {"tp": tp, "cp": cp, "dp": dp, "pp": pp})
         expert = RankGrid(EXPERT_ORDER, {"tp": tp, "ep": ep, "edp": dp * cp // ep, "pp": pp})
-        return cls(dense=dense, expert=expert)
+        cut = {"tp": tp, "cp_a2a": cp_a2a, "cp_ring": cp // cp_a2a, "dp": dp, "pp": pp}
+        return cls(dense=dense, expert=expert, cp_view=RankGrid(CP_ORDER, cut))
 
     @classmethod
     def from_config(cls, parallel: ParallelConfig, world_size: int) -> ParallelGrid:
         """The grid of a config's validated ``parallel`` section in a world of ``world_size``."""
         p = parallel
         dp = data_parallel_size(p, world_size)
-        return cls.of(tp=p.tp, cp=p.cp, dp=dp, pp=p.pp, ep=p.ep)
+        cp_a2a = (getattr(p, "cp_a2a_size", None) or 1) if p.cp_comm_type == "a2a_ring" else 1
+        return cls.of(tp=p.tp, cp=p.cp, dp=dp, pp=p.pp, ep=p.ep, cp_a2a=cp_a2a)
 
     @cached_property
     def _sizes(self) -> dict[str, int]:
-        return {**self.dense.sizes, **self.expert.sizes}
+        return {**self.dense.sizes, **self.expert.sizes, **self.cp_view.sizes}
 
     def size(self, axis: str) -> int:
-        """The degree of ``axis`` (tp, cp, dp, pp, ep or edp)."""
+        """The degree of ``axis`` (tp, cp, dp, pp, ep, edp, cp_a2a or cp_ring)."""
         if axis not in self._sizes:
             raise ValueError(f"no axis {axis!r}: the axes are {', '.join(self._sizes)}")
         return self._sizes[axis]
@@ -95,10 +119,12 @@ class ParallelGrid:
 
     def communicator(self, name: str) -> str:
         """The group whose communicator group ``name`` shares (CommStats counts it under that
-        name): dp for dp_cp when cp = 1, dp_cp's for edp when ep = 1 (the same ranks); else
-        ``name``."""
+        name): dp for dp_cp when cp = 1, dp_cp's for edp when ep = 1, cp for cp_a2a or
+        cp_ring when it spans the whole cp group (the same ranks); else ``name``."""
         if name == "dp_cp" and self.size("cp") == 1:
             return "dp"
+        if name in ("cp_a2a", "cp_ring") and self.size(name) == self.size("cp"):
+            return "cp"
         if name == "edp" and self.size("ep") == 1:
             return self.communicator("dp_cp")
         return name
@@ -129,8 +155,12 @@ def rank_map_table(grid: ParallelGrid) -> str:
         shape += f" ep={ep}"
         order += "; ep carved out of dp x cp"
     columns = names + (["ep", "edp"] if ep > 1 else [])
+    if 1 < grid.size("cp_a2a") < cp:
+        shape += f" cp_a2a={grid.size('cp_a2a')}"
+        order += "; cp cut into a2a groups and rings"
+        columns += ["cp_a2a", "cp_ring"]
     lines = [f"rank map ({shape}; {order})", " rank | " + " | ".join(columns)]
     for rank in range(grid.world_size):
-        coords = grid.dense.coords(rank) | grid.expert.coords(rank)
+        coords = grid.dense.coords(rank) | grid.expert.coords(rank) | grid.cp_view.coords(rank)
         lines.append(f" {rank:4d} | " + " | ".join(f"{coords[a]:2d}" for a in columns))
     return "\n".join(lines)

@@ -176,9 +176,9 @@ class Attention(nn.Module):
             self.q_norm = Norm(spec, tp, device, size=d, per_head=True)
             self.k_norm = Norm(spec, tp, device, size=d, per_head=True)
         self.core_runner = None  # selective recompute wraps the attention core
-        # The core's view of the sequence: under all-to-all cp it holds the whole sequence
-        # (of fewer heads), as one process does.
-        self.core_cp = cp if cp.comm_type != "a2a" else CPContext(seq_length=cp.seq_length)
+        # The core's view of the sequence: after an all-to-all it holds the whole sequence
+        # (of fewer heads), as one process does, or (a2a_ring) a ring's share of it.
+        self.core_cp = cp.core_context()
 
     def core(
         self,
@@ -243,9 +243,9 @@ class Attention(nn.Module):
             qk = apply_rope(qk, rope[0][:s], rope[1][:s])
         q, k = qk.split([self.q_heads, self.kv_heads], dim=2)
         v = v.view(s, b, self.kv_heads, d)
-        heads_exchanged = self.cp.size > 1 and self.cp.comm_type == "a2a"
-        if heads_exchanged:  # the whole sequence of 1/cp of the heads, in one all-to-all
-            q, k, v = qkv_to_heads(q, k, v, self.cp.group)
+        heads_group = self.cp.heads_group
+        if heads_group is not None:  # more of the sequence for fewer heads, in one all-to-all
+            q, k, v = qkv_to_heads(q, k, v, heads_group)
         elif self.cp.size > 1 and self.cp.comm_type == "all_gather":  # one k|v all-gather
             kv = gather_sequence(torch.cat([k, v], dim=2), self.cp)
             k, v = kv.split([self.kv_heads, self.kv_heads], dim=2)
@@ -257,8 +257,8 @@ class Attention(nn.Module):
         else:
             out = self.core(q, k, v, documents)
         out = out.permute(2, 0, 1, 3)  # [s, b, heads, d]
-        if heads_exchanged:
-            out = heads_to_sequence(out, self.cp.group)
+        if heads_group is not None:
+            out = heads_to_sequence(out, heads_group)
         return self.proj(out.reshape(s, b, self.q_heads * d))
 
 

@@ -151,7 +151,12 @@ def _term_phrase(term: str, win: Ranked, lose: Ranked, hw: Hardware) -> str:
             return "tp inside a node"
         return "less tp communication"
     if term == "cp":
-        return "no cp communication" if w.cp == 1 else "less cp communication"
+        if w.cp == 1:
+            return "no cp communication"
+        if (w.cp_comm_type, w.cp_a2a_size) != (lo.cp_comm_type, lo.cp_a2a_size):
+            size = f"/{w.cp_a2a_size}" if w.cp_comm_type == "a2a_ring" else ""
+            return f"less exposed cp communication ({w.cp_comm_type}{size})"
+        return "less cp communication"
     if term == "pp":
         return "no pipeline transfers" if w.pp == 1 else "fewer exposed pipeline transfers"
     if term == "dp":

@@ -1,6 +1,7 @@
 """Every parallel layout of a job on N ranks that the trainer accepts (pure, no processes).
 
-A candidate varies tp, cp (and its exchange: K/V all-gather or all-to-all), pp, vpp, the pipeline
+A candidate varies tp, cp (and its exchange: K/V all-gather, all-to-all, ring, or all-to-all in
+groups of each proper divisor of cp with a ring across them), pp, vpp, the pipeline
 schedule, sp, ZeRO stage, recompute and micro batch size, and for a mixture-of-experts model ep
 (divisors of dp x cp that divide the experts); dp follows from the world size; a pipeline runs
 its vpp's default schedule (1F1B, interleaved 1F1B) or the zero-bubble one of its vpp
@@ -61,6 +62,7 @@ def _with_layout(view: SimpleNamespace, layout: Layout) -> SimpleNamespace:
     p.pipeline_schedule = layout.pipeline_schedule
     p.moe_dispatch_order = layout.moe_dispatch_order
     p.cp_comm_type = layout.cp_comm_type
+    p.cp_a2a_size = layout.cp_a2a_size if layout.cp_comm_type == "a2a_ring" else None
     t = SimpleNamespace(**vars(view.trainer))
     t.micro_batch_size, t.recompute = layout.micro_batch_size, layout.recompute
     t.recompute_method, t.recompute_num_layers = layout.recompute_method, 1
@@ -96,11 +98,15 @@ def dispatch_orders(tp: int, sp: bool, num_experts: int) -> tuple[str, ...]:
     return ("tp_first", "ep_first") if num_experts and tp > 1 and sp else ("tp_first",)
 
 
-def cp_comm_types(cp: int) -> tuple[str, ...]:
-    """The context-parallel exchanges a candidate may use: every one under cp > 1 (the rules
-    drop all-to-all where the heads per tp rank do not divide by cp, and the ring with attention
-    dropout or documents), else the default."""
-    return ("all_gather", "a2a", "ring") if cp > 1 else ("all_gather",)
+def cp_comm_types(cp: int) -> list[tuple[str, int]]:
+    """The context-parallel exchanges a candidate may use, with their ``cp_a2a_size`` (1 but
+    for a2a_ring): every one under cp > 1, a2a_ring once per divisor of cp strictly between 1
+    and cp (the rules drop head exchanges where the heads per tp rank do not divide, and the
+    rings with attention dropout), else the default."""
+    if cp == 1:
+        return [("all_gather", 1)]
+    groups = [("a2a_ring", k) for k in divisors(cp) if 1 < k < cp]
+    return [("all_gather", 1), ("a2a", 1), ("ring", 1), *groups]
 
 
 def _shapes(
@@ -117,7 +123,7 @@ def _shapes(
                     for mbs in (b for b in sizes if b * dp <= base.global_batch_size):
                         for sp in (False, True) if tp > 1 else (False,):
                             for ep in expert_parallel_sizes(num_experts, dp * cp):
-                                for schedule, order, exchange in itertools.product(
+                                for schedule, order, (exchange, a2a) in itertools.product(
                                     schedules(pp, vpp),
                                     dispatch_orders(tp, sp, num_experts),
                                     cp_comm_types(cp),
@@ -134,6 +140,7 @@ def _shapes(
                                         pipeline_schedule=schedule,
                                         moe_dispatch_order=order,
                                         cp_comm_type=exchange,
+                                        cp_a2a_size=a2a,
                                     )
 
 
@@ -180,6 +187,8 @@ def _base_config(cfg: TrainConfig):
         base.parallel.moe_dispatch_order = "tp_first"
     if "cp_comm_type" in base.parallel:
         base.parallel.cp_comm_type = "all_gather"
+    if "cp_a2a_size" in base.parallel:
+        base.parallel.cp_a2a_size = None
     return base
 
 

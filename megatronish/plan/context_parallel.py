@@ -26,6 +26,13 @@
   transfers overlap that step's block of attention (``1 / cp`` of the layer's attention work,
   twice that in backward): :func:`ring_overlap_time` credits the shorter of the two per step
   (none on shared CPU cores); backward's last hop of the accumulators is exposed.
+- **All-to-all, then a ring** (``parallel.cp_comm_type=a2a_ring``, ``cp_a2a_size = k``): the
+  all-to-all's exchange inside each group of ``k`` consecutive cp ranks (the ``cp_a2a`` group;
+  the same bytes per rank as a2a's, ``k`` ranks), then a ring over the ``cp / k`` groups (the
+  ``cp_ring`` group, spanning the whole cp group's ranks) whose member holds ``k s`` tokens of
+  ``1 / k`` of the heads: the same block bytes as the ring's, ``cp / k - 1`` forward steps and
+  ``2 cp / k - 1`` backward, each block ``k`` times the ring's attention. Memory: what the
+  all-to-all keeps (the exchanged q|k|v and the output brought back), no gathered K/V.
 """
 
 from __future__ import annotations
@@ -42,13 +49,31 @@ def rank_seq_length(spec: ModelSpec, layout: Layout) -> int:
 
 
 def heads_exchanged(layout: Layout) -> bool:
-    """Whether attention runs on the whole sequence of ``1 / cp`` of the heads (all-to-all)."""
-    return layout.cp > 1 and layout.cp_comm_type == "a2a"
+    """Whether attention runs on more of the sequence for fewer heads (all-to-all: the whole
+    sequence of ``1 / cp`` of them; a2a_ring: ``k s`` tokens of ``1 / k``)."""
+    return layout.cp > 1 and layout.cp_comm_type in ("a2a", "a2a_ring")
 
 
 def ring(layout: Layout) -> bool:
-    """Whether K/V blocks travel the cp ring (nothing gathered, attention per block)."""
-    return layout.cp > 1 and layout.cp_comm_type == "ring"
+    """Whether K/V blocks travel a ring (nothing gathered, attention per block)."""
+    return layout.cp > 1 and layout.cp_comm_type in ("ring", "a2a_ring")
+
+
+def exchange_group(layout: Layout) -> str:
+    """The CommStats name of the group that exchanges heads: cp's or a2a_ring's cp_a2a."""
+    return layout.group("cp_a2a") if layout.cp_comm_type == "a2a_ring" else "cp"
+
+
+def ring_group(layout: Layout) -> str:
+    """The CommStats name of the ring's group: cp's or a2a_ring's cp_ring."""
+    return layout.group("cp_ring") if layout.cp_comm_type == "a2a_ring" else "cp"
+
+
+def ring_size(layout: Layout) -> int:
+    """Ranks in the ring: cp, or ``cp / cp_a2a_size`` under a2a_ring."""
+    if layout.cp_comm_type == "a2a_ring":
+        return layout.cp // layout.cp_a2a_size
+    return layout.cp
 
 
 def kv_length(spec: ModelSpec, layout: Layout) -> int:
@@ -87,26 +112,31 @@ def exchanged_bytes(tokens: int, heads: int, head_dim: int, element_bytes: int) 
 
 
 def cp_volume(spec: ModelSpec, layout: Layout, pp_rank: int) -> dict[str, tuple[int, int]]:
-    """``{"cp/op": (calls, bytes)}`` of one step's K/V all-gathers and their grads'
-    reduce-scatters on pipeline rank ``pp_rank`` (see the module docstring)."""
+    """``{"cp/op": (calls, bytes)}`` of one step's context-parallel exchanges on pipeline rank
+    ``pp_rank`` (see the module docstring)."""
     if layout.cp == 1:
         return {}
     layers = layout.chunk_layers(spec.num_layers)
     n_layers = sum(layers[c] for c in layout.stage_chunks(pp_rank))
     redo, _ = reruns(spec, layout, pp_rank)
     m = layout.num_microbatches
+    out: dict[str, tuple[int, int]] = {}
     if heads_exchanged(layout):
         local = rank_seq_length(spec, layout) * layout.micro_batch_size * spec.head_dim
         a, g = spec.num_heads // layout.tp, spec.kv_heads_per_rank(layout.tp)
-        qkv, out = (local * n * layout.activation_bytes for n in (a + 2 * g, a))
+        qkv, back = (local * n * layout.activation_bytes for n in (a + 2 * g, a))
         forwards = m * (n_layers + redo)
         calls = 2 * forwards + 2 * m * n_layers
-        return {"cp/all_to_all": (calls, (forwards + m * n_layers) * (qkv + out))}
+        key = f"{exchange_group(layout)}/all_to_all"
+        out[key] = (calls, (forwards + m * n_layers) * (qkv + back))
     if ring(layout):
-        block = ring_block_bytes(spec, layout)
-        sends = m * (ring_passes(layout, n_layers, redo) * (layout.cp - 1))
-        sends += m * n_layers * (2 * layout.cp - 1)
-        return {"cp/send": (sends, sends * block), "cp/recv": (sends, sends * block)}
+        block, n = ring_block_bytes(spec, layout), ring_size(layout)
+        sends = m * (ring_passes(layout, n_layers, redo) * (n - 1))
+        sends += m * n_layers * (2 * n - 1)
+        group = ring_group(layout)
+        out[f"{group}/send"] = out[f"{group}/recv"] = (sends, sends * block)
+    if out:
+        return out
     kv = spec.seq_length * layout.micro_batch_size * 2 * spec.kv_heads_per_rank(layout.tp)
     kv_bytes = kv * spec.head_dim * layout.activation_bytes
     gathers = m * (n_layers + redo)
@@ -117,7 +147,8 @@ def cp_volume(spec: ModelSpec, layout: Layout, pp_rank: int) -> dict[str, tuple[
 
 
 def ring_block_bytes(spec: ModelSpec, layout: Layout) -> int:
-    """One K|V block (a rank's ``[b, 2g, s, d]``), which each ring step moves."""
+    """One K|V block (a rank's ``[b, 2g, s, d]``; under a2a_ring ``k s`` tokens of ``2g / k``
+    heads, the same bytes), which each ring step moves."""
     tokens = rank_seq_length(spec, layout) * layout.micro_batch_size
     return tokens * 2 * spec.kv_heads_per_rank(layout.tp) * spec.head_dim * layout.activation_bytes
 
@@ -133,18 +164,19 @@ def ring_overlap_time(
 ) -> float:
     """Seconds of ring transfers per step that the attention blocks hide (``rate``: the
     stage's FLOP/s per rank): per step the shorter of its group's sends and its block's
-    attention (forward ``4 s b (cp s / 2) a d / cp`` FLOPs, causal; backward twice that).
-    None on shared cores (communication uses the cores compute needs)."""
+    attention (forward ``4 s b (n s / 2) a d / n`` FLOPs, causal, for the ``n`` ranks of the
+    ring, ``s`` tokens and ``a`` heads a member holds; backward twice that). None on shared
+    cores (communication uses the cores compute needs)."""
     if not ring(layout) or hw.shared_cores:
         return 0.0
     layers = layout.chunk_layers(spec.num_layers)
     n_layers = sum(layers[c] for c in layout.stage_chunks(pp_rank))
     redo, _ = reruns(spec, layout, pp_rank)
-    cp, s = layout.cp, rank_seq_length(spec, layout)
-    heads = spec.num_heads // layout.tp
+    cp = ring_size(layout)
+    s, heads = spec.seq_length // cp, spec.num_heads // layout.tp // (layout.cp // cp)
     flops = 4 * s * layout.micro_batch_size * (cp * s / 2) * heads * spec.head_dim / cp
     forward_block = flops / rate
-    send = comm_time(layout, hw, "cp/send", 1, ring_block_bytes(spec, layout))
+    send = comm_time(layout, hw, f"{ring_group(layout)}/send", 1, ring_block_bytes(spec, layout))
     forward = ring_passes(layout, n_layers, redo) * (cp - 1) * min(send, forward_block)
     # backward steps: K|V only at the first, K|V and dK|dV between, dK|dV only at the last
     one, both = min(send, 2 * forward_block), min(2 * send, 2 * forward_block)

@@ -43,6 +43,10 @@ def group_size_and_span(group: str, layout: Layout) -> tuple[int, int]:
         return layout.tp, layout.tp
     if group == "cp":
         return layout.cp, layout.tp * layout.cp
+    if group == "cp_a2a":  # consecutive members of a cp group
+        return layout.cp_a2a_size, layout.tp * layout.cp_a2a_size
+    if group == "cp_ring":  # every cp_a2a_size-th member of a cp group
+        return layout.cp // layout.cp_a2a_size, layout.tp * layout.cp
     if group == "dp":
         return layout.dp, layout.tp * layout.cp * layout.dp
     if group == "dp_cp":

@@ -36,7 +36,8 @@ class Layout:
     # grads and Adam moments)
     grad_reduce_dtype: str = "fp32"  # fp32 | bf16: the dp grad reduction
     cp: int = 1  # context parallel: each sequence split over cp ranks
-    cp_comm_type: str = "all_gather"  # parallel.cp_comm_type: all_gather | a2a
+    cp_comm_type: str = "all_gather"  # parallel.cp_comm_type: all_gather | a2a | ring | a2a_ring
+    cp_a2a_size: int = 1  # parallel.cp_a2a_size under a2a_ring (1 otherwise)
     ep: int = 1  # expert parallel: experts split over ep ranks carved out of dp x cp
     device_type: str = "cuda"  # cuda | cpu: SDPA's kernels differ (plan/dense.py)
     # parallel.pipeline_schedule: None for the default of vpp (1f1b, interleaved), or a
@@ -57,7 +58,9 @@ class Layout:
     @cached_property
     def grid(self) -> ParallelGrid:
         """The runtime's rank grid of this layout (its named groups, the experts' view)."""
-        return ParallelGrid.of(tp=self.tp, cp=self.cp, dp=self.dp, pp=self.pp, ep=self.ep)
+        return ParallelGrid.of(
+            tp=self.tp, cp=self.cp, dp=self.dp, pp=self.pp, ep=self.ep, cp_a2a=self.cp_a2a_size
+        )
 
     @property
     def edp(self) -> int:
@@ -127,6 +130,7 @@ class Layout:
             self.sp,
             self.cp,
             self.cp_comm_type,
+            self.cp_a2a_size,
             self.ep,
             self.moe_dispatch_order,
             self.precision,
@@ -142,6 +146,8 @@ class Layout:
         cp = [f"cp={self.cp}"] if self.cp > 1 else []
         if self.cp > 1 and self.cp_comm_type != "all_gather":
             cp.append(f"cp-{self.cp_comm_type}")
+        if self.cp_comm_type == "a2a_ring":
+            cp[-1] += f"/{self.cp_a2a_size}"
         parts = [f"tp={self.tp}", *cp, f"pp={self.pp}"]
         if self.vpp > 1:
             parts.append(f"vpp={self.vpp}")
@@ -198,6 +204,7 @@ def layout_from_config(cfg: TrainConfig, world_size: int) -> Layout:
         moe_dispatch_order=getattr(p, "moe_dispatch_order", "tp_first"),
         moe_shared_expert_overlap=getattr(p, "moe_shared_expert_overlap", True),
         cp_comm_type=getattr(p, "cp_comm_type", "all_gather"),
+        cp_a2a_size=getattr(p, "cp_a2a_size", None) or 1,
     )
 
 

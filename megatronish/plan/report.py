@@ -251,8 +251,8 @@ LAYOUT_KEYS = ("parallel", "trainer.micro_batch_size", "trainer.recompute", "wor
 def parallel_values(layout: Layout, ep: bool = False) -> dict[str, object]:
     """The ``parallel`` keys of ``layout`` (``ep``: also ``ep``, which it has when > 1; and
     ``pipeline_schedule`` when it runs a zero-bubble one, ``moe_dispatch_order`` when it
-    dispatches ep first and ``cp_comm_type`` when it exchanges heads, or with ``ep``, the
-    defaults)."""
+    dispatches ep first, ``cp_comm_type`` when it is not the all-gather and ``cp_a2a_size``
+    under a2a_ring, or with ``ep``, the defaults)."""
     out = {
         "tp": layout.tp,
         "cp": layout.cp,
@@ -268,6 +268,8 @@ def parallel_values(layout: Layout, ep: bool = False) -> dict[str, object]:
         out["moe_dispatch_order"] = layout.moe_dispatch_order
     if ep or layout.cp_comm_type != "all_gather":
         out["cp_comm_type"] = layout.cp_comm_type
+    if ep or layout.cp_comm_type == "a2a_ring":
+        out["cp_a2a_size"] = layout.cp_a2a_size if layout.cp_comm_type == "a2a_ring" else None
     return {**out, "ep": layout.ep} if ep or layout.ep > 1 else out
 
 
@@ -330,6 +332,7 @@ def run_overrides(overrides: list[str], layout: Layout, name: str | None) -> lis
             "pipeline_schedule": None,
             "moe_dispatch_order": "tp_first",
             "cp_comm_type": "all_gather",
+            "cp_a2a_size": None,
         }
         if cfg is not None and all(
             cfg.parallel.get(k, defaults.get(k, 1)) == v
@@ -348,6 +351,8 @@ def run_overrides(overrides: list[str], layout: Layout, name: str | None) -> lis
         "all_gather"
     ):
         explicit.append("parallel.cp_comm_type=all_gather")
+    if layout.cp_comm_type != "a2a_ring" and composed.get("cp_a2a_size") is not None:
+        explicit.append("parallel.cp_a2a_size=null")
     return [*kept, *explicit]
 
 

@@ -80,6 +80,12 @@ TERMS = ("compute", "recompute", "bubble", "tp", "cp", "pp", "dp", "ep")
 BETWEEN_COMPUTES = ("tp", "cp", "ep")  # groups whose collectives are never hidden
 
 
+def _term(key: str) -> str:
+    """The step time term of a ``"group/op"`` key (a2a_ring's two cp groups count as cp)."""
+    group = key.partition("/")[0]
+    return "cp" if group in ("cp_a2a", "cp_ring") else group
+
+
 @dataclass(frozen=True)
 class StepTime:
     """Seconds per step by term; they add up to ``total``."""
@@ -137,8 +143,8 @@ def _stage_time(
     compute, recompute_s = (f * tokens / ranks / rate for f in (model, extra))
     times = {k: comm_time(layout, hw, k, c, b) * slow for k, (c, b) in volume.items()}
     tp, cp, ep = (
-        sum(t for k, t in times.items() if k.startswith(f"{group}/") and not k.endswith("/recv"))
-        for group in BETWEEN_COMPUTES
+        sum(t for k, t in times.items() if _term(k) == term and not k.endswith("/recv"))
+        for term in BETWEEN_COMPUTES
     )  # a receive is its peer's send
     ep -= moe.overlapped_dispatch_time(spec, layout, hw, pp_rank, rate)
     cp -= context_parallel.ring_overlap_time(spec, layout, hw, pp_rank, rate)

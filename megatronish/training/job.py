@@ -110,6 +110,8 @@ def build_model(
             group=topo.cp_group,
             seq_length=spec.seq_length,
             comm_type=cfg.parallel.cp_comm_type,
+            a2a_group=topo.group("cp_a2a"),
+            ring_group=topo.group("cp_ring"),
             p2p=p2p,
         ),
         ep=EPContext(

@@ -91,6 +91,35 @@ def test_only_gpu_experiments_train_on_a_corpus_of_their_own():
         ),
         (["parallel.cp_comm_type=p2p"], 1, "parallel.cp_comm_type='p2p' is not one of"),
         (
+            ["parallel.cp=4", "parallel.cp_comm_type=a2a_ring"],
+            4,
+            "a2a_ring needs parallel.cp_a2a_size, the cp ranks of each all-to-all group, to "
+            "divide parallel.cp=4 strictly between 1 and cp (it is None)",
+        ),
+        (
+            ["parallel.cp=4", "parallel.cp_comm_type=a2a_ring", "parallel.cp_a2a_size=4"],
+            4,
+            "(it is 4); size 1 is cp_comm_type=ring, size cp is a2a",
+        ),
+        (
+            ["parallel.cp=2", "parallel.cp_comm_type=ring", "parallel.cp_a2a_size=2"],
+            2,
+            "parallel.cp_a2a_size=2 sizes the all-to-all groups of cp_comm_type=a2a_ring, not "
+            "of cp_comm_type=ring",
+        ),
+        (
+            ["parallel.cp=4", "parallel.cp_comm_type=a2a_ring", "parallel.cp_a2a_size=2"]
+            + ["model.num_query_groups=1"],
+            4,
+            "the 4 query and 1 kv heads per tp rank must be divisible by parallel.cp_a2a_size=2",
+        ),
+        (
+            ["parallel.cp=4", "parallel.cp_comm_type=a2a_ring", "parallel.cp_a2a_size=2"]
+            + ["model.attention_dropout=0.1"],
+            4,
+            "cp_comm_type=a2a_ring runs no attention dropout",
+        ),
+        (
             ["parallel.cp=2", "parallel.cp_comm_type=ring", "model.attention_dropout=0.1"],
             2,
             "cp_comm_type=ring runs no attention dropout: set model.attention_dropout=0",

@@ -92,7 +92,9 @@ def test_out_of_range_is_rejected():
         ParallelGrid.of(tp=2).dense.rank(tp=2, cp=0, dp=0, pp=0)
     with pytest.raises(ValueError, match="ep=3 must divide dp \\* cp = 2 \\* 2"):
         ParallelGrid.of(dp=2, cp=2, ep=3)
-    with pytest.raises(ValueError, match="no group 'dp-cp': the groups are tp, cp, dp, dp_cp"):
+    with pytest.raises(
+        ValueError, match="no group .dp-cp.: the groups are tp, cp, cp_a2a, cp_ring, dp, dp_cp"
+    ):
         ParallelGrid.of().groups("dp-cp")
 
 
@@ -115,12 +117,15 @@ def test_rank_map_table_shows_expert_coordinates():
     ]
 
 
-def brute_force(tp, cp, dp, pp, ep):
+def brute_force(tp, cp, dp, pp, ep, a2a=1):
     """Every named group, enumerated from the layout's definition: ``rank = t + tp * (c + cp *
-    (d + dp * p))``; experts split ``i = c + cp * d``, ep fastest (ep rank ``i % ep``)."""
+    (d + dp * p))``; experts split ``i = c + cp * d``, ep fastest (ep rank ``i % ep``); cp rank
+    ``c = j + a2a * g``: a2a groups share ``g``, rings share ``j``."""
     what_a_group_shares = {  # (t, c, d, p, ep rank, edp rank) -> the group's key
         "tp": lambda t, c, d, p, e, f: (c, d, p),
         "cp": lambda t, c, d, p, e, f: (t, d, p),
+        "cp_a2a": lambda t, c, d, p, e, f: (t, c // a2a, d, p),
+        "cp_ring": lambda t, c, d, p, e, f: (t, c % a2a, d, p),
         "dp": lambda t, c, d, p, e, f: (t, c, p),
         "dp_cp": lambda t, c, d, p, e, f: (t, p),
         "ep": lambda t, c, d, p, e, f: (t, p, f),
@@ -202,7 +207,26 @@ REFERENCE = {
 def test_groups_are_the_ones_the_layout_always_made(shape):
     tp, cp, dp, pp, ep = shape
     grid = ParallelGrid.of(tp=tp, cp=cp, dp=dp, pp=pp, ep=ep)
-    assert {name: grid.groups(name) for name in GROUP_NAMES} == REFERENCE[shape]
+    assert {name: grid.groups(name) for name in REFERENCE[shape]} == REFERENCE[shape]
+
+
+@pytest.mark.parametrize("tp,cp,dp,pp,a2a", [(1, 4, 1, 1, 2), (2, 4, 2, 1, 2), (2, 8, 1, 2, 4)])
+def test_a2a_ring_cuts_each_cp_group_into_a2a_groups_and_rings(tp, cp, dp, pp, a2a):
+    """Consecutive cp ranks exchange heads; the ranks at the same place in each a2a group form
+    a ring, ordered by their group; every other group is as without the cut."""
+    grid = ParallelGrid.of(tp=tp, cp=cp, dp=dp, pp=pp, cp_a2a=a2a)
+    want = brute_force(tp, cp, dp, pp, 1, a2a)
+    assert {n: grid.groups(n) for n in GROUP_NAMES} == want
+    for g in grid.groups("cp_a2a"):
+        assert g == list(range(g[0], g[0] + tp * a2a, tp))  # consecutive cp ranks
+    assert grid.size("cp_a2a") == a2a and grid.size("cp_ring") == cp // a2a
+    assert grid.communicator("cp_a2a") == "cp_a2a" and grid.communicator("cp_ring") == "cp_ring"
+    assert "cp_a2a | cp_ring" in rank_map_table(grid)
+    plain = ParallelGrid.of(tp=tp, cp=cp, dp=dp, pp=pp)
+    assert plain.communicator("cp_ring") == "cp"  # one group of a2a_size 1: the cp ranks
+    assert "cp_a2a" not in rank_map_table(plain)
+    with pytest.raises(ValueError, match="cp_a2a=3 must divide cp = 4"):
+        ParallelGrid.of(cp=4, cp_a2a=3)
 
 
 @pytest.mark.parametrize(
@@ -212,6 +236,11 @@ def test_groups_are_the_ones_the_layout_always_made(shape):
         (ParallelConfig(tp=2, pp=2), 8, dict(tp=2, cp=1, dp=2, pp=2, ep=1, edp=2)),
         (ParallelConfig(tp=2, cp=2, ep=4), 16, dict(tp=2, cp=2, dp=4, pp=1, ep=4, edp=2)),
         (ParallelConfig(dp=3, ep=3), 3, dict(tp=1, cp=1, dp=3, pp=1, ep=3, edp=1)),
+        (
+            ParallelConfig(cp=4, cp_comm_type="a2a_ring", cp_a2a_size=2),
+            8,
+            dict(tp=1, cp=4, dp=2, cp_a2a=2, cp_ring=2),
+        ),
     ],
 )
 def test_the_grid_of_a_config(parallel, world, degrees):

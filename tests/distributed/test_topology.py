@@ -19,7 +19,9 @@ def test_one_process_from_config():
         assert group.ranks == (0,) and group.pg is None and group.timeout_s == 5.0
     assert topo.dp_cp_group is topo.group("dp_cp") is topo.group("dp")  # no second communicator
     assert topo.edp_group is topo.group("dp_cp")
-    with pytest.raises(KeyError, match="no group 'dp-cp' in this Topology: it has tp, cp, dp"):
+    with pytest.raises(
+        KeyError, match="no group 'dp-cp' in this Topology: it has tp, cp, cp_a2a, cp_ring, dp"
+    ):
         topo.group("dp-cp")
     with pytest.raises(ValueError, match="rank 1 is outside a world of 1"):
         Topology.from_config(ParallelConfig(), rank=1, world_size=1)
@@ -30,6 +32,7 @@ CONFIGS = [
     ParallelConfig(cp=2, pp=2),
     ParallelConfig(dp=4, ep=2),
     ParallelConfig(tp=2, cp=2, ep=2),
+    ParallelConfig(cp=4, cp_comm_type="a2a_ring", cp_a2a_size=2),
 ]
 
 

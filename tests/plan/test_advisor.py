@@ -93,11 +93,11 @@ def test_one_planner_tells_layouts_of_the_same_shape_apart():
     moe = ["model.moe.num_experts=4", "model.moe.top_k=2", "model.num_query_groups=4"]
     cfg = tiny_config([*moe, "trainer.global_batch_size=8"], 1)
     spec = spec_of(cfg)
-    base = layout_from_config(cfg, 8).with_(tp=2, cp=2, dp=2, sp=True, ep=2)
+    base = layout_from_config(cfg, 8).with_(tp=2, cp=4, dp=1, sp=True, ep=2)
     planner = Planner(spec)
-    exchanges = ("all_gather", "a2a", "ring")
-    for cp_type, order in itertools.product(exchanges, ("tp_first", "ep_first")):
-        layout = base.with_(cp_comm_type=cp_type, moe_dispatch_order=order)
+    exchanges = (("all_gather", 1), ("a2a", 1), ("ring", 1), ("a2a_ring", 2))
+    for (cp_type, a2a), order in itertools.product(exchanges, ("tp_first", "ep_first")):
+        layout = base.with_(cp_comm_type=cp_type, cp_a2a_size=a2a, moe_dispatch_order=order)
         assert planner.plan(layout).stages == make_plan(spec, layout).stages, layout.describe()
 
 
@@ -251,6 +251,12 @@ def test_reason_names_the_terms_that_win():
     assert reason(win, same, hw) == "as fast as the next, fits with zero 1"
     full = _ranked(StepTime(**zero), recompute="full", dp=4)
     assert reason(full, None, hw) == "fits with zero 0 and full recompute"
+    hier = dict(cp=8, dp=1, cp_comm_type="a2a_ring", cp_a2a_size=4)
+    a2a_ring = _ranked(StepTime(**{**zero, "compute": 1.0, "cp": 0.1}), **hier)
+    a2a = _ranked(StepTime(**{**zero, "compute": 1.0, "cp": 0.2}), cp=8, dp=1, cp_comm_type="a2a")
+    assert reason(a2a_ring, a2a, hw) == (
+        "less exposed cp communication (a2a_ring/4), fits with zero 0"
+    )
 
 
 def test_advisor_ranks_what_fits_by_the_model(tiny):

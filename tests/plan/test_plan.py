@@ -40,6 +40,8 @@ LAYOUTS = [
     (2, ["parallel.cp=2", "parallel.cp_comm_type=a2a"]),
     # ring attention: no gathered K/V; a block in flight, the rows' log-sum-exp kept
     (2, ["parallel.cp=2", "parallel.cp_comm_type=ring"]),
+    # a2a_ring: the exchanged q|k|v and output, a ring's block in flight
+    (4, ["parallel.cp=4", "parallel.cp_comm_type=a2a_ring", "parallel.cp_a2a_size=2"]),
     # one kv head replicated on both tp ranks: its rows of qkv, their grads and moments twice
     (4, ["parallel.tp=2", "model.num_query_groups=1", "parallel.zero_stage=1"]),
 ]
@@ -103,6 +105,17 @@ COMM_LAYOUTS = [
         ],
     ),
     (4, ["parallel.cp=4", "parallel.cp_comm_type=ring", "trainer.recompute=full"]),
+    # a2a_ring: q|k|v and the output exchanged in pairs of cp ranks (not rerun by selective
+    # recompute), K|V blocks around the two pairs (rerun with the core)
+    (
+        4,
+        [
+            "parallel.cp=4",
+            "parallel.cp_comm_type=a2a_ring",
+            "parallel.cp_a2a_size=2",
+            "trainer.recompute=selective",
+        ],
+    ),
     # packed documents: the same K/V all-gather, no collective for the masks or the loss count
     (2, ["parallel.cp=2", "data.reset_attention_mask=true", "data.eod_mask_loss=true"]),
     (
@@ -197,12 +210,13 @@ def test_plan_options_are_split_from_overrides():
 
 
 def test_the_advisor_weighs_every_cp_exchange():
-    """All-gather, all-to-all and the ring are candidates wherever cp > 1 (all-to-all only where
-    the heads per tp rank divide by cp). For gpt_1b (16 heads, 8 kv heads) at 16k tokens the
-    ring's transfers hide behind its attention blocks within a node (cp 2, 4), while across
-    nodes (cp 8) its blocks' attention is too short to hide them and the head exchange, which
-    moves the least, wins; neither the ring nor the head exchange keeps the whole sequence's
-    K/V."""
+    """All-gather, all-to-all, the ring and a2a_ring (in groups of each divisor of cp between 1
+    and cp) are candidates wherever cp > 1 (the head exchanges only where the heads per tp rank
+    divide). For gpt_1b (16 heads, 8 kv heads, tp 2) at 16k tokens the ring's transfers hide
+    behind its attention blocks within a node (cp 2, 4); across two nodes (cp 8) its blocks'
+    attention is too short to hide them, and a2a_ring wins: its all-to-all inside each node
+    (groups of 4), its ring of two across the nodes, hidden behind blocks four times the
+    ring's. None of them keeps the whole sequence's K/V."""
     from megatronish.config.compose import load_config
     from megatronish.plan.candidates import valid_layouts
     from megatronish.plan.report import parallel_values
@@ -211,12 +225,17 @@ def test_the_advisor_weighs_every_cp_exchange():
     cfg = tiny_config(["model.num_query_groups=4", "trainer.global_batch_size=8"], 1)
     kinds: dict[int, set] = {}
     for x in valid_layouts(cfg, 8):
-        kinds.setdefault(x.cp, set()).add(x.cp_comm_type)
-    every = {"all_gather", "a2a", "ring"}  # cp 8: 4 heads do not divide over 8 ranks
-    assert kinds == {1: {"all_gather"}, 2: every, 4: every, 8: {"all_gather", "ring"}}
+        kinds.setdefault(x.cp, set()).add((x.cp_comm_type, x.cp_a2a_size))
+    every = {("all_gather", 1), ("a2a", 1), ("ring", 1)}
+    assert kinds == {
+        1: {("all_gather", 1)},
+        2: every,
+        4: every | {("a2a_ring", 2)},
+        8: every - {("a2a", 1)} | {("a2a_ring", 2), ("a2a_ring", 4)},  # 4 heads over 8: no
+    }
 
     h100 = Hardware(peak_flops=989e12, gpus_per_node=8)
-    for cp, faster in ((2, "ring"), (4, "ring"), (8, "a2a")):
+    for cp, faster in ((2, ("ring", 1)), (4, ("ring", 1)), (8, ("a2a_ring", 4))):
         big = load_config(
             [
                 "+experiment=gpt_1b",
@@ -229,22 +248,41 @@ def test_the_advisor_weighs_every_cp_exchange():
             ]
         )
         spec, base = spec_of(big), layout_from_config(big, 64)
-        plans = {t: make_plan(spec, base.with_(cp_comm_type=t)) for t in sorted(every)}
-        times = {t: step_time(p, h100).total for t, p in plans.items()}
+        exchanges = sorted(kinds[cp] | ({("a2a", 1)} if cp == 8 else set()))
+        plans = {
+            (t, k): make_plan(spec, base.with_(cp_comm_type=t, cp_a2a_size=k)) for t, k in exchanges
+        }
+        times = {x: step_time(p, h100).total for x, p in plans.items()}
         assert min(times, key=times.get) == faster, (cp, times)
-        gathered = plans["all_gather"].peak_bytes
-        assert plans["a2a"].peak_bytes < gathered and plans["ring"].peak_bytes < gathered, cp
+        gathered = plans["all_gather", 1].peak_bytes
+        assert all(p.peak_bytes < gathered for x, p in plans.items() if x[0] != "all_gather"), cp
     assert parallel_values(base.with_(cp_comm_type="a2a"))["cp_comm_type"] == "a2a"
+    a2a_ring = parallel_values(base.with_(cp_comm_type="a2a_ring", cp_a2a_size=4))
+    assert (a2a_ring["cp_comm_type"], a2a_ring["cp_a2a_size"]) == ("a2a_ring", 4)
     assert "cp_comm_type" not in parallel_values(base)
+    assert "cp_a2a_size" not in parallel_values(base)
 
 
-def test_the_ring_hides_its_sends_behind_its_blocks_and_no_more():
+RINGS = {
+    "ring": ["parallel.cp_comm_type=ring"],
+    "a2a_ring": ["parallel.cp_comm_type=a2a_ring", "parallel.cp_a2a_size=2"],
+}
+
+
+@pytest.mark.parametrize("exchange", list(RINGS))
+def test_the_ring_hides_its_sends_behind_its_blocks_and_no_more(exchange):
     """Long blocks on a fast link: every send but backward's last hop of the dK|dV accumulators
-    hides behind a block of attention. A link too slow to hide anything: the credit is the
-    blocks' attention time, below the sends. Shared cores: no credit."""
+    hides behind a block of attention (a2a_ring: its ring of 2 across the pairs; the pairs'
+    all-to-alls stay exposed). A link too slow to hide anything: the credit is the blocks'
+    attention time, below the sends. Shared cores: no credit."""
     import dataclasses
 
-    from megatronish.plan.context_parallel import ring_block_bytes, ring_overlap_time
+    from megatronish.plan.context_parallel import (
+        ring_block_bytes,
+        ring_group,
+        ring_overlap_time,
+        ring_size,
+    )
     from megatronish.plan.hardware import comm_time
     from megatronish.plan.step_time import Hardware, step_time
 
@@ -257,22 +295,27 @@ def test_the_ring_hides_its_sends_behind_its_blocks_and_no_more():
             "trainer.global_batch_size=16",
             "trainer.precision=bf16",
             "parallel.cp=4",
-            "parallel.cp_comm_type=ring",
+            *RINGS[exchange],
         ]
     )
     spec, layout = spec_of(cfg), layout_from_config(cfg, 16)
+    assert ring_size(layout) == (2 if exchange == "a2a_ring" else 4)
     plan = make_plan(spec, layout)
     fast = Hardware(peak_flops=989e12, gpus_per_node=8)
-    calls, nbytes = plan.stages[0].comm["cp/send"]
-    sends = comm_time(layout, fast, "cp/send", calls, nbytes)
-    one = comm_time(layout, fast, "cp/send", 1, ring_block_bytes(spec, layout))
+    send = f"{ring_group(layout)}/send"
+    calls, nbytes = plan.stages[0].comm[send]
+    sends = comm_time(layout, fast, send, calls, nbytes)
+    one = comm_time(layout, fast, send, 1, ring_block_bytes(spec, layout))
     last_hops = layout.num_microbatches * spec.num_layers  # one per layer and microbatch
-    assert step_time(plan, fast).cp == pytest.approx(last_hops * one, rel=1e-9)
+    exposed = sum(  # a2a_ring's all-to-alls
+        comm_time(layout, fast, k, *v) for k, v in plan.stages[0].comm.items() if "all_to_all" in k
+    )
+    assert step_time(plan, fast).cp == pytest.approx(exposed + last_hops * one, rel=1e-9)
     rate = 1e15  # FLOP/s: blocks far longer than their sends
     assert ring_overlap_time(spec, layout, fast, 0, rate) == pytest.approx(sends - last_hops * one)
     slow = dataclasses.replace(fast, intra_node_bw=1e6)  # 1 MB/s: nothing short of the blocks
     credit = ring_overlap_time(spec, layout, slow, 0, rate)
-    slow_sends = comm_time(layout, slow, "cp/send", calls, nbytes)
+    slow_sends = comm_time(layout, slow, send, calls, nbytes)
     assert 0 < credit < 0.01 * slow_sends
     shared = dataclasses.replace(fast, shared_cores=2)
     assert ring_overlap_time(spec, layout, shared, 0, rate) == 0.0

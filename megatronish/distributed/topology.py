@@ -152,9 +152,10 @@ class Topology:
         timeout_s: float | None = None,
         cp: int = 1,
         ep: int = 1,
+        cp_a2a: int = 1,
     ) -> Topology:
-        """:meth:`create` on the grid of these degrees."""
-        grid = ParallelGrid.of(tp=tp, cp=cp, dp=dp, pp=pp, ep=ep)
+        """:meth:`create` on the grid of these degrees (``cp_a2a``: a2a_ring's cp_a2a_size)."""
+        grid = ParallelGrid.of(tp=tp, cp=cp, dp=dp, pp=pp, ep=ep, cp_a2a=cp_a2a)
         return cls.create(grid, rank, device, timeout_s)
 
     @classmethod

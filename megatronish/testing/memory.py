@@ -3,7 +3,7 @@
 States are the storages of the ZeRO buffers and Adam moments (each storage counted once).
 The activation peak is the highest net allocation, over one step's forward and backward,
 above the memory held when it started: every allocation and free of the CPU (or CUDA)
-allocator recorded by ``torch.profiler`` with ``profile_memory``. Under ZeRO 3 the most full
+allocator recorded by torch's profiler with ``profile_memory``. Under ZeRO 3 the most full
 params the step held gathered at once are subtracted (they are states, planned separately).
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from torch.profiler import ProfilerActivity, profile
+from torch.autograd.profiler import profile
 
 from megatronish.testing.multiproc import WorldError, run_world
 
@@ -57,7 +57,7 @@ def _peak_net_bytes(prof) -> tuple[int | None, int]:
     the buffers of finished collectives, a little later from one run to the next); None when
     the profiler recorded no allocation at all; and the number of allocation events (a forked
     process's profile occasionally misses most of them: compare counts across steps)."""
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    events = [e for e in prof.kineto_results.events() if e.name() == "[memory]"]
     if not events:
         return None, 0
     live = peak = 0
@@ -86,10 +86,10 @@ def measure_step(trainer) -> MeasuredMemory:
     peaks = []
 
     def profiled(*args, **kwargs):
-        activities = [ProfilerActivity.CPU]
-        if trainer.topo.device.type == "cuda":
-            activities.append(ProfilerActivity.CUDA)
-        with profile(activities=activities, profile_memory=True) as prof:
+        # The autograd profiler itself: torch.profiler.profile's start imports torch._inductor
+        # (~1.5 s of CPU in every process that profiles), which a memory profile does not need.
+        device = "cuda" if trainer.topo.device.type == "cuda" else None
+        with profile(use_cpu=True, use_device=device, profile_memory=True) as prof:
             out = inner(*args, **kwargs)
             # Let no collective run on a gloo thread while the profiler stops (see
             # run_profiled_world); the reductions complete here instead of just after.

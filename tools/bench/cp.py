@@ -204,9 +204,7 @@ def run(quick: bool) -> dict:
             ),
             "cp=4 activation peak per rank, ring / all_gather|.2fx": _peak(mem, 4, "ring")
             / _peak(mem, 4, "all_gather"),
-            "cp=4 activation peak per rank, a2a_ring / all_gather|.2fx": _peak(
-                mem, 4, "a2a_ring"
-            )
+            "cp=4 activation peak per rank, a2a_ring / all_gather|.2fx": _peak(mem, 4, "a2a_ring")
             / _peak(mem, 4, "all_gather"),
             "cp=4 a2a_ring step time / ring's (median of per-repeat ratios)|.2fx": paired_ratio(
                 times["cp=4 a2a_ring"], times["cp=4 ring"]

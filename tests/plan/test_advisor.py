@@ -311,6 +311,22 @@ def test_written_parallel_file_composes(config_copy, tiny):
     assert [getattr(ran, f) for f in fields] == [getattr(layout, f) for f in fields]
 
 
+def test_an_advised_a2a_ring_layout_runs_as_written(config_copy, tiny):
+    """The group file and the explicit command carry the exchange and its group size."""
+    layout = layout_from_config(tiny[0], 8).with_(
+        cp=4, dp=2, cp_comm_type="a2a_ring", cp_a2a_size=2, zero_stage=1
+    )
+    path = config_copy / "parallel" / "advised.yaml"
+    command = write_parallel_file(path, layout, ["model.num_layers=8"], "test")
+    assert "parallel=advised" in command
+    p = load_config(["parallel=advised"]).parallel
+    assert (p.cp, p.cp_comm_type, p.cp_a2a_size) == (4, "a2a_ring", 2)
+    command = write_parallel_file(path, layout, ["+experiment=gpt_1b"], "test")
+    assert "parallel.cp_a2a_size=2" in command
+    ran = layout_from_config(load_config(command.split("   ")[0].split()[3:]), 8)
+    assert (ran.cp, ran.cp_comm_type, ran.cp_a2a_size) == (4, "a2a_ring", 2)
+
+
 GPT_1B = ["+experiment=gpt_1b", "model.vocab_size=32000", "world_size=8", "peak_tflops=989"]
 
 

@@ -38,7 +38,8 @@ test: $(STAMP)
 	WANDB_MODE=disabled $(PY) -m pytest tests $(XDIST) $(PYTEST_ARGS)
 
 # The inner loop (under 3 minutes): every test that starts no process (pure functions, config,
-# planner, single-process runs); tests that fork worlds or run the entry point are skipped.
+# planner, single-process runs); tests that fork worlds or run the entry point are skipped, and
+# so are those marked slow (several seconds in one process: the largest planner sweeps).
 test-fast: $(STAMP)
 	$(BYTECODE)
 	MEGATRONISH_TESTS=fast WANDB_MODE=disabled $(PY) -m pytest tests $(XDIST) $(PYTEST_ARGS)

@@ -19,12 +19,30 @@ torch.set_num_threads(1)
 
 
 # The fast tier (``make test-fast``): tests that start processes (forked gloo worlds, the entry
-# point or torchrun in a subprocess, worker pools) are skipped at their first process start;
-# everything else (pure functions, config, planner, single-process runs) runs. ``make test``
-# runs all of them. The guard is installed in the process that runs the tests (a pytest-xdist
-# worker, not its controller, which starts the workers).
+# point or torchrun in a subprocess, worker pools) are skipped at their first process start, and
+# tests marked ``slow`` (several seconds in one process) are not run; everything else (pure
+# functions, config, planner, single-process runs) runs. ``make test`` runs all of them. The
+# guard is installed in the process that runs the tests (a pytest-xdist worker, not its
+# controller, which starts the workers).
 FAST_TIER = os.environ.get("MEGATRONISH_TESTS") == "fast"
 FAST_TIER_REASON = "fast tier: this test starts processes (make test runs it)"
+
+
+def pytest_collection_modifyitems(config, items):
+    if not FAST_TIER:
+        return
+    slow = pytest.mark.skip(reason="fast tier: a multi-second test (make test runs it)")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(slow)
+
+
+@pytest.fixture(scope="session")
+def starts_processes():
+    """For fixtures that prepare work for forked worlds: the fast tier skips before the
+    preparation, not at the fork after it."""
+    if FAST_TIER:
+        pytest.skip(FAST_TIER_REASON)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -166,7 +166,7 @@ def _main_with_every_config(rank, world, configs):
 
 
 @pytest.fixture(scope="module")
-def every_rank():
+def every_rank(starts_processes):
     configs = [load_config(overrides) for overrides, _ in CASES]  # composed once, forked twice
     return run_world(_main_with_every_config, 2, configs)
 

@@ -187,6 +187,7 @@ def _max_over_mean_load(cache, router: list[str], steps: int) -> list[float]:
     return (loads.max(1).values / loads.mean(1)).tolist()
 
 
+@pytest.mark.slow
 def test_the_expert_bias_balances_the_load_without_the_balancing_loss(stdlib_cache):
     """Without any balancing the router collapses within 50 steps (max/mean load over steps
     31-50: 3.1 and 4.0 in the two blocks, most or all tokens on the same two experts); with a

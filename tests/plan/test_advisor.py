@@ -58,6 +58,7 @@ def _real_config(cfg, layout):
     return new
 
 
+@pytest.mark.slow
 def test_candidates_are_exactly_the_layouts_the_trainer_accepts():
     cfg = tiny_config([], 1)  # 4 layers, 8 heads / 4 kv heads, global batch 8
     layouts = valid_layouts(cfg, 4)
@@ -259,6 +260,7 @@ def test_reason_names_the_terms_that_win():
     )
 
 
+@pytest.mark.slow
 def test_advisor_ranks_what_fits_by_the_model(tiny):
     cfg, spec = tiny
     planner = Planner(spec)  # the three calls plan the same layouts

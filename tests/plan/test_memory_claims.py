@@ -179,6 +179,7 @@ def row_numbers(plan: Plan, device_gib: float) -> list[str]:
     ]
 
 
+@pytest.mark.slow
 def test_planning_doc_tables_are_the_planners():
     text = (ROOT / "docs" / "planning.md").read_text()
     tables = doc_tables(text)

@@ -20,6 +20,7 @@ from megatronish.testing.runs import test_config as tiny_config
 GiB = 2**30
 
 
+@pytest.mark.slow
 def test_fitting_layouts_pass_and_the_options_listed_really_fit():
     cfg = load_config(["+experiment=gpt_7b", "model.vocab_size=32000", "parallel.tp=2"])
     plan = make_plan(spec_of(cfg), layout_from_config(cfg, 8))

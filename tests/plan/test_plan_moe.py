@@ -80,6 +80,7 @@ def test_flops_count_active_parameters_and_the_total_counts_every_expert(
     assert sum(p.numel() for p in model.parameters()) == total
 
 
+@pytest.mark.slow
 def test_expert_parallel_candidates_divide_dp_cp_and_the_experts():
     assert expert_parallel_sizes(0, 8) == [1]
     assert expert_parallel_sizes(8, 4) == [1, 2, 4]
@@ -329,6 +330,7 @@ def test_the_start_up_check_offers_expert_parallelism():
     assert options["parallel.ep=2"] == with_ep.peak_bytes < plan.peak_bytes
 
 
+@pytest.mark.slow
 def test_moe_plans_share_blocks_and_bound_the_step_time():
     cfg = tiny_config(
         [*MOE, "model.num_layers=8", "model.moe.layer_freq=2", "trainer.global_batch_size=16"], 1

@@ -251,6 +251,7 @@ def test_candidates_hold_every_valid_zero_bubble_schedule(eight_layers):
         assert explicit not in listed
 
 
+@pytest.mark.slow
 def test_advisor_picks_a_zero_bubble_schedule_where_it_is_faster_and_fits(eight_layers):
     cfg, spec = eight_layers
     roomy = advise(cfg, spec, 8, H100, 2**40, 0, top=10_000)

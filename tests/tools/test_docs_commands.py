@@ -330,6 +330,7 @@ def test_every_documented_training_launch_composes_and_validates(check, launch):
         assert not errors, f"{check.command.doc}:{check.command.line}: {errors}"
 
 
+@pytest.mark.slow
 def test_no_documented_launch_is_refused_by_or_complete_in_the_run_of_make_train():
     """After ``make train`` outputs/tiny holds the default job complete: a launch continuing it
     must be that run and say it exits 7; any other launch needs its own ``name=``."""

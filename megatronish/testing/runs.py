@@ -43,6 +43,9 @@ TINY_TEST_MODEL = [
 # Steps of a parity run: the LR warm-up (2 steps), four steps of decay, Adam past its first
 # moments and clipping; a layout that differs from one process shows it from the first step.
 PARITY_STEPS = 6
+# Every packed-document option on (each token attends within its document, positions restart,
+# the loss skips the tokens whose target starts the next document).
+PACKED_DOCUMENTS = tuple(f"data.{option}=true" for option in PACKING_OPTIONS)
 
 # A real run of the entry point small enough for many subprocess and multi-rank tests: the
 # built-in corpus cut to 0.5 MB with a 512-piece tokenizer (built once per cache directory).
@@ -258,3 +261,15 @@ def losses_of(results) -> list[float]:
         if run.losses and run.losses[0] == run.losses[0]:  # not nan
             return run.losses
     raise AssertionError("no rank reported a loss")
+
+
+_REFERENCES: dict[tuple[str, ...], LayoutRun] = {}
+
+
+def one_process_reference(overrides: list[str], steps: int = PARITY_STEPS) -> list[LayoutRun]:
+    """The one-process run of ``overrides`` that parity tests compare layouts with, trained once
+    per test process (``[run]``, as :func:`~megatronish.testing.multiproc.run_world` returns)."""
+    key = (*overrides, f"steps={steps}")
+    if key not in _REFERENCES:
+        _REFERENCES[key] = train_layout(0, 1, list(overrides), steps)
+    return [_REFERENCES[key]]

@@ -8,7 +8,12 @@ from megatronish.context_parallel.attention import reorder_chunks
 from megatronish.context_parallel.split import local_positions, natural_order
 from megatronish.testing.compare import assert_parity
 from megatronish.testing.multiproc import run_world
-from megatronish.testing.runs import PARITY_STEPS, train_layout
+from megatronish.testing.runs import (
+    PACKED_DOCUMENTS,
+    PARITY_STEPS,
+    one_process_reference,
+    train_layout,
+)
 
 
 @pytest.mark.parametrize("cp,a2a", [(4, 2), (8, 2), (8, 4), (6, 3)])
@@ -24,27 +29,14 @@ def test_an_a2a_group_holds_a_rings_share_of_the_sequence(cp, a2a):
         assert held.tolist() == local_positions(seq, cp // a2a, g), (cp, a2a, g)
 
 
-REF: dict[str, list] = {}
 ARGS = ["trainer.micro_batch_size=4"]
 
 
-def reference(model: tuple[str, ...]) -> list:
-    key = " ".join(model)
-    if key not in REF:
-        REF[key] = [train_layout(0, 1, [*ARGS, *model], PARITY_STEPS)]
-    return REF[key]
-
-
 A2A_RING = ["parallel.cp=4", "parallel.cp_comm_type=a2a_ring", "parallel.cp_a2a_size=2"]
-DOCUMENTS = (
-    "data.reset_attention_mask=true",
-    "data.reset_position_ids=true",
-    "data.eod_mask_loss=true",
-)
 CASES = {
     # GQA 2: each a2a member attends 2 query heads over 1 kv head; posted with NCCL's ordering
     "gqa-cp4-a2-strict": ((), 4, [], True),
-    "gpt2-documents-cp4-a2-strict": (("model.arch=gpt2", *DOCUMENTS), 4, [], True),
+    "gpt2-documents-cp4-a2-strict": (("model.arch=gpt2", *PACKED_DOCUMENTS), 4, [], True),
     # MHA: 2 query and 2 kv heads per tp rank, one of each per a2a member
     "mha-tp2-sp-cp4-a2-zero1-selective": (
         ("model.num_query_groups=4",),
@@ -71,13 +63,13 @@ def test_a2a_ring_trains_like_one_process(case):
     model, world, layout, strict = CASES[case]
     args = [*ARGS, *model, *A2A_RING, *layout]
     got = run_world(train_layout, world, args, PARITY_STEPS, strict_p2p=strict)
-    assert_parity(reference(model), got)
+    assert_parity(one_process_reference([*ARGS, *model]), got)
 
 
 MOE = ["model.moe.num_experts=4", "model.moe.top_k=2"]
 
 
 def test_a2a_ring_with_expert_parallelism_trains_like_one_process():
-    ref = [train_layout(0, 1, [*ARGS, *MOE], PARITY_STEPS)]
+    ref = one_process_reference([*ARGS, *MOE])
     got = run_world(train_layout, 4, [*ARGS, *MOE, *A2A_RING, "parallel.ep=2"], PARITY_STEPS)
     assert_parity(ref, got)

@@ -28,7 +28,12 @@ from megatronish.pipeline.nccl_sim import P2P, run_groups
 from megatronish.testing.compare import assert_parity
 from megatronish.testing.multiproc import run_world
 from megatronish.testing.recording_p2p import RecordingP2P
-from megatronish.testing.runs import PARITY_STEPS, train_layout
+from megatronish.testing.runs import (
+    PACKED_DOCUMENTS,
+    PARITY_STEPS,
+    one_process_reference,
+    train_layout,
+)
 
 
 @pytest.mark.parametrize("cp", [2, 3, 4, 8])
@@ -169,23 +174,10 @@ def test_the_recorded_posts_are_the_plan_and_replay_under_nccl_order(cp):
     run_groups(groups)
 
 
-REF: dict[str, list] = {}
 ARGS = ["trainer.micro_batch_size=4"]
 
 
-def reference(model: tuple[str, ...]) -> list:
-    key = " ".join(model)
-    if key not in REF:
-        REF[key] = [train_layout(0, 1, [*ARGS, *model], PARITY_STEPS)]
-    return REF[key]
-
-
 RING = ["parallel.cp_comm_type=ring"]
-DOCUMENTS = (
-    "data.reset_attention_mask=true",
-    "data.reset_position_ids=true",
-    "data.eod_mask_loss=true",
-)
 CASES = [
     (("model.arch=gpt2",), 2, ["parallel.cp=2"], False),
     # GQA 2 over 4 cp ranks, posted with NCCL's ordering (a send completes at its receive)
@@ -204,8 +196,8 @@ CASES = [
     ),
     # packed documents: each block masked to the queries' own documents (rows that see none
     # of a block's keys merge nothing)
-    (DOCUMENTS, 2, ["parallel.cp=2"], False),
-    (DOCUMENTS, 4, ["parallel.cp=4"], True),
+    (PACKED_DOCUMENTS, 2, ["parallel.cp=2"], False),
+    (PACKED_DOCUMENTS, 4, ["parallel.cp=4"], True),
 ]
 
 
@@ -225,13 +217,13 @@ def test_ring_attention_trains_like_one_process(model, world, layout, strict):
     got = run_world(
         train_layout, world, [*ARGS, *model, *layout, *RING], PARITY_STEPS, strict_p2p=strict
     )
-    assert_parity(reference(model), got)
+    assert_parity(one_process_reference([*ARGS, *model]), got)
 
 
 MOE = ["model.moe.num_experts=4", "model.moe.top_k=2"]
 
 
 def test_ring_attention_with_expert_parallelism_trains_like_one_process():
-    ref = [train_layout(0, 1, [*ARGS, *MOE], PARITY_STEPS)]
+    ref = one_process_reference([*ARGS, *MOE])
     layout = ["parallel.cp=2", "parallel.ep=2", *RING]
     assert_parity(ref, run_world(train_layout, 2, [*ARGS, *MOE, *layout], PARITY_STEPS))

@@ -1005,6 +1005,57 @@ MUTANTS = [
         (("return layout.cp // layout.cp_a2a_size", "return layout.cp"),),
         ("tests/plan/test_plan.py::test_planned_communication_matches_measured",),
     ),
+    Mutant(
+        "hybrid-norm-counts-replicas",
+        "hybrid sharding counts every replica's shard in the grad norm",
+        "megatronish/data_parallel/zero.py",
+        (
+            (
+                "b.norm_ranges = []  # hybrid sharding: the first replica of the shard counts",
+                "pass  # hybrid sharding: the first replica of the shard counts",
+            ),
+        ),
+        (
+            "tests/data_parallel/test_hybrid_shard.py::test_shard_groups_of_two_on_four_dp_ranks_match_one_process",
+        ),
+    ),
+    Mutant(
+        "hybrid-every-replica-writes",
+        "every hybrid-sharding replica writes its shard to the checkpoint",
+        "megatronish/checkpoint/pieces.py",
+        (("bucket.replicas is not None and bucket.replicas.rank != 0", "False"),),
+        ("tests/checkpoint/test_checkpoint.py::test_format_each_shard_once_with_checksums",),
+    ),
+    Mutant(
+        "hybrid-replica-reduce-at-step-end",
+        "hybrid sharding all-reduces every shard over the replicas only when the step ends",
+        "megatronish/data_parallel/zero.py",
+        (("then = self._replica_reducer(b) if last", "then = None if last"),),
+        (
+            "tests/data_parallel/test_hybrid_shard.py::test_each_shard_is_all_reduced_over_the_replicas_during_the_last_backward",
+        ),
+    ),
+    Mutant(
+        "hybrid-plan-replica-whole-buckets",
+        "the planner all-reduces whole buckets over the replicas, not the shards",
+        "megatronish/plan/data_parallel.py",
+        (("sum(b.numel // b.dp for b in dense_flat)", "sum(b.numel for b in dense_flat)"),),
+        ("tests/plan/test_plan.py::test_planned_communication_matches_measured",),
+    ),
+    Mutant(
+        "hybrid-grid-order",
+        "hybrid sharding's shard groups are strided and its replicas consecutive",
+        "megatronish/distributed/parallel_grid.py",
+        (
+            (
+                'ZERO_ORDER = "tp-cp-dp_shard-dp_replica-pp"',
+                'ZERO_ORDER = "tp-cp-dp_replica-dp_shard-pp"',
+            ),
+        ),
+        (
+            "tests/distributed/test_parallel_grid.py::test_hybrid_sharding_cuts_each_dp_cp_group_into_shard_groups_and_replicas",
+        ),
+    ),
 ]
 
 

@@ -133,9 +133,12 @@ def writes(name: str, p: nn.Parameter, bucket: Bucket, offset: int, tp_rank: int
     """Whether this rank writes ``p``: each unique shard exactly once.
 
     Tied head copies are never written (the embedding is); tp-replicated params by tp rank 0;
-    among dp replicas, the rank whose ZeRO shard holds the param's first element.
+    among dp replicas, the rank whose ZeRO shard holds the param's first element (of the first
+    shard group under hybrid sharding).
     """
     if param_info(p).tied_to:
+        return False
+    if bucket.replicas is not None and bucket.replicas.rank != 0:
         return False
     if param_info(p).shard is None and tp_rank != 0:
         return False

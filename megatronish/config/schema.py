@@ -91,6 +91,9 @@ class ParallelConfig:
     dp: int | None = None  # null: world_size / (tp * cp * pp)
     sp: bool = False  # sequence parallel: norms and dropout on sequence shards over tp
     zero_stage: int = 0  # ZeRO: 1 shards optimizer states over dp, 2 also grads, 3 also params
+    # hybrid sharding (HSDP): ZeRO shards over groups of this many consecutive dp ranks (a node)
+    # and the groups replicate each other (grads all-reduced across them); null: all dp ranks
+    zero_shard_size: int | None = None
     bucket_size_mb: float = 25.0  # MiB of fp32 grads per dp reduction bucket
     zero3_keep_gathered: bool = False  # zero 3: keep params gathered until the step ends
     overlap_param_gather: bool = True  # zero 1/2: updated params gathered during the next forward

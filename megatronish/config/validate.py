@@ -12,6 +12,7 @@ from megatronish.config.cli_errors import unknown_key_reason
 from megatronish.config.cp_rules import cp_exchange_errors
 from megatronish.config.data_rules import data_errors
 from megatronish.config.derived import default_ffn_hidden, pad_vocab
+from megatronish.config.dp_rules import data_parallel_errors
 from megatronish.config.moe_rules import moe_errors
 from megatronish.config.pipeline_rules import (
     PIPELINE_SCHEDULES,
@@ -139,6 +140,7 @@ def config_errors(
             "trainer.recompute_num_layers",
             "parallel.bucket_size_mb",
             "parallel.collective_timeout_s",
+            "parallel.zero_shard_size",
         ],
         errors,
     )
@@ -251,6 +253,7 @@ def config_errors(
     errors += cp_exchange_errors(cfg)
     errors += vocab_errors(cfg, vocab_size)
     errors += moe_errors(cfg, dp)
+    errors += data_parallel_errors(cfg, dp)
     if m.max_position_embeddings is not None and m.seq_length > m.max_position_embeddings:
         errors.append(
             f"model.seq_length={m.seq_length} exceeds model.max_position_embeddings="

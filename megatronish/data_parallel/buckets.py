@@ -44,6 +44,7 @@ class Bucket:
     device: torch.device
     expert: bool = False  # holds experts: reduced and sharded over the expert-data-parallel ranks
     group: ParallelGroup | None = None  # the ranks that reduce and shard it (set by its owner)
+    replicas: ParallelGroup | None = None  # hybrid sharding: the ranks holding the same shard
     param_flat: torch.Tensor | None = None  # full (zero 0-2) params; None under zero 3
     param_shard: torch.Tensor | None = None  # this rank's slice (a view, or owned under zero 3)
     main_shard: torch.Tensor | None = None  # fp32 values of the owned slice the optimizer updates

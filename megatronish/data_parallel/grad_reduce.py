@@ -7,12 +7,14 @@ Under ZeRO 2/3, whose full-size grad buffers are freed after their reduction, at
 so full grads live for the bucket being filled and the one in flight, not for the whole model;
 the one in flight when a backward ends is finished there (``ZeroDataParallel.after_compute``).
 On NCCL a ``wait`` only orders the compute stream after the reduction; the host does not block.
-ZeRO 0/1 keep their grad buffers and finish every reduction at the end of the step.
+ZeRO 0/1 keep their grad buffers and finish every reduction at the end of the step (under hybrid
+sharding, as ZeRO 2/3, so that each shard's all-reduce over the replicas starts behind it).
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +33,7 @@ class Reduction:
     out: torch.Tensor  # where the collective writes
     into: torch.Tensor  # the owned grad that receives the result
     accumulate: bool  # add into ``into`` (a later microbatch's reduction) instead of copying
+    then: Callable[[], None] | None = None  # run once ``into`` holds the result
 
     def finish(self) -> None:
         if self.work is not None:
@@ -40,6 +43,8 @@ class Reduction:
                 self.into.add_(self.out)
             else:
                 self.into.copy_(self.out)
+        if self.then is not None:
+            self.then()
 
 
 class GradReducer:
@@ -51,10 +56,14 @@ class GradReducer:
         zero_stage: ZeroStage,
         reduce_dtype: torch.dtype,
         timers: Timers | None = None,
+        bounded: bool = False,
     ):
         self.group, self.zero_stage, self.reduce_dtype = group, zero_stage, reduce_dtype
         self.timers = timers or Timers.off()
-        self.max_in_flight = MAX_IN_FLIGHT if zero_stage.shards_grads else None
+        # ``bounded``: finish reductions in flight as zero 2/3 do (hybrid sharding's replica
+        # all-reduce starts when its shard's reduction is finished)
+        bounded = bounded or zero_stage.shards_grads
+        self.max_in_flight = MAX_IN_FLIGHT if bounded else None
         self.in_flight: deque[Reduction] = deque()
         self.in_flight_numel = 0  # elements of the full buffers the reductions in flight hold
 
@@ -64,10 +73,11 @@ class GradReducer:
         into: torch.Tensor,
         accumulate: bool = False,
         group: ParallelGroup | None = None,
+        then: Callable[[], None] | None = None,
     ) -> None:
         """Reduce ``full`` over dp (or ``group``: the expert-data-parallel ranks of an expert
         bucket) into ``into`` (the whole buffer under zero 0, this rank's shard otherwise), added
-        to it when ``accumulate``."""
+        to it when ``accumulate``; ``then`` runs when it is finished."""
         group, wire = group or self.group, full
         if self.reduce_dtype != full.dtype and group.size > 1:  # reduced in a narrower dtype
             wire = full.to(self.reduce_dtype)
@@ -80,7 +90,7 @@ class GradReducer:
             out = into if direct else wire.new_empty(into.numel())
             with self.timers.region(None, "reduce-scatter grads"):
                 work = reduce_scatter_into(out, wire, group, async_op=True)
-        self.in_flight.append(Reduction(work, wire, out, into, accumulate))
+        self.in_flight.append(Reduction(work, wire, out, into, accumulate, then))
         self.in_flight_numel += wire.numel()
         while self.max_in_flight is not None and len(self.in_flight) > self.max_in_flight:
             with self.timers.region("grad_reduce_wait", "wait grads"):
@@ -96,3 +106,25 @@ class GradReducer:
         reduction = self.in_flight.popleft()
         self.in_flight_numel -= reduction.full.numel()
         reduction.finish()
+
+
+@dataclass
+class ReplicaReduction:
+    """An all-reduce of a reduced shard over hybrid sharding's replicas, in flight."""
+
+    work: NamedWork | None
+    wire: torch.Tensor  # the shard, or its copy in the reduction dtype
+    shard: torch.Tensor
+
+    @classmethod
+    def launch(
+        cls, shard: torch.Tensor, group: ParallelGroup, reduce_dtype: torch.dtype
+    ) -> ReplicaReduction:
+        wire = shard if shard.dtype == reduce_dtype else shard.to(reduce_dtype)
+        return cls(all_reduce(wire, group, async_op=True), wire, shard)
+
+    def finish(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+        if self.wire is not self.shard:
+            self.shard.copy_(self.wire)

@@ -22,6 +22,15 @@ received its grad (zero 0/1: of all microbatches of the step, zero 2/3: of the m
 reductions overlap the rest of backward (:mod:`~megatronish.data_parallel.grad_reduce` bounds
 how many are in flight). Buckets holding params that need a model-parallel sum first
 (sequence-parallel replicas, replicated heads, tied embeddings) are reduced at the end of the step.
+
+Hybrid sharding (``parallel.zero_shard_size``, FSDP2's HSDP): dense buckets are sharded,
+reduce-scattered and gathered over the ZeRO shard group only (cp x zero_shard_size consecutive
+dp ranks: a node), and the shard groups hold the same shards. Once per step, as soon as a
+bucket's last reduce-scatter of the step is finished (during the last microbatch's backward),
+its reduced shard is all-reduced across the replicas, overlapping the rest of the backward
+(shards accumulate over the microbatches, so the slow link carries each shard once per step).
+Experts keep their own expert-data-parallel group. The first replica of a shard counts it in
+the grad norm and writes it to checkpoints.
 """
 
 from __future__ import annotations
@@ -35,7 +44,7 @@ from megatronish.data_parallel.bucket_storage import allocate_params, owned_elem
 from megatronish.data_parallel.buckets import Bucket, is_expert, plan_chunk_buckets
 from megatronish.data_parallel.grad_hooks import make_grad_hook, make_main_grad_adder, note_arrival
 from megatronish.data_parallel.grad_norm import global_grad_norm
-from megatronish.data_parallel.grad_reduce import GradReducer
+from megatronish.data_parallel.grad_reduce import GradReducer, ReplicaReduction
 from megatronish.data_parallel.grads import (
     counts_in_norm,
     flat_all_reduce,
@@ -82,7 +91,10 @@ class ZeroDataParallel:
         self.world_norm = zs.norm_over_world or any(
             is_expert(p) for chunk in chunks for p in chunk.parameters()
         )
-        dp = topo.dp_cp_group  # the ranks holding the same params: dp x cp
+        # The ranks dense params are sharded over: dp x cp, or a hybrid-sharding group of it
+        # (whose replicas then all-reduce the reduced shards); experts over their own group.
+        dp = topo.zero_shard_group
+        self.replicas = topo.zero_replica_group
         edp = topo.edp_group  # those holding the same experts: dp x cp / ep
         self.is_tied = tied_rule(bool(chunks) and chunks[0].spec.tie_embeddings, topo.pp)
         self.buckets_of: list[list[Bucket]] = []
@@ -101,6 +113,7 @@ class ZeroDataParallel:
             deferred = getattr(chunk, "deferred_init", None)  # a meta build (zero 3)
             for b in buckets:
                 b.group = edp if b.expert else dp
+                b.replicas = None if b.expert else self.replicas
                 self._allocate(b, deferred)
             if deferred is not None:  # drawn: a later owner of the chunk takes it as it is
                 del chunk.deferred_init
@@ -111,12 +124,19 @@ class ZeroDataParallel:
                 u.buckets = list({id(b): b for p in u.params for b in [bucket_of[id(p)]]}.values())
             units_of.append(units)
             visits_of.append(visits)
-        self.reducer = GradReducer(dp, zs, reduce_dtype, self.timers)
+        self.hybrid = self.replicas.size > 1
+        self.reducer = GradReducer(dp, zs, reduce_dtype, self.timers, bounded=self.hybrid)
+        self.num_microbatches = 1
+        # hybrid sharding: the shards' all-reduces over the replicas in flight, and the buckets
+        # whose all-reduce this step has started
+        self.replica_reductions: list[ReplicaReduction] = []
+        self.replica_started: set[int] = set()
         # Zero 2/3 accounting: full-grad elements of buffers being filled, and the most alive at
         # once (those plus the ones reductions in flight hold).
         self.filling_numel = self.peak_grad_numel = 0
         self.gatherer = None
-        if zs.shards_params or (zs.gathers_after_update and overlap_param_gather and dp.size > 1):
+        sharded = dp.size > 1 or edp.size > 1
+        if zs.shards_params or (zs.gathers_after_update and overlap_param_gather and sharded):
             self.gatherer = ParamGatherer(units_of, visits_of, dp, zs, keep_gathered, self.timers)
         self.units_of = units_of
 
@@ -153,6 +173,8 @@ class ZeroDataParallel:
         b.norm_ranges = b.ranges(lambda n, p: counts_in_norm(n, p, self.topo), lo, hi)
         if not self.zero_stage.shards_optimizer_state and b.group.rank != 0 and self.world_norm:
             b.norm_ranges = []  # zero 0 keeps whole replicas: the first one counts
+        if b.replicas is not None and b.replicas.rank != 0:
+            b.norm_ranges = []  # hybrid sharding: the first replica of the shard counts
         for _, p in b.params:
             p.register_hook(note_arrival(p))
             p.register_post_accumulate_grad_hook(make_grad_hook(self, b))
@@ -220,6 +242,8 @@ class ZeroDataParallel:
     # -- gradients --------------------------------------------------------------------------
     def start_step(self, num_microbatches: int) -> None:
         """Zero grads and arm the hooks for a step of ``num_microbatches``."""
+        self.num_microbatches = num_microbatches
+        self.replica_started.clear()
         for b in self.buckets:
             b.extra["rounds"] = 0
             if self._per_microbatch(b):
@@ -238,14 +262,27 @@ class ZeroDataParallel:
         """Start ``b``'s reduction (zero 2/3: into its shard, re-armed for the next microbatch)."""
         rounds = b.extra["rounds"]
         b.extra["rounds"] = rounds + 1
+        last = not self._per_microbatch(b) or rounds + 1 == self.num_microbatches
+        then = self._replica_reducer(b) if last and b.replicas is not None and self.hybrid else None
         if self.zero_stage.reduces_per_microbatch:
             full = b.grad_flat
             self._drop_grad_buffer(b)  # the reduction holds it until done
             if not b.late:
                 b.pending = len(b.params)
-            self.reducer.launch(full, b.grad_shard, accumulate=rounds > 0, group=b.group)
+            self.reducer.launch(full, b.grad_shard, accumulate=rounds > 0, group=b.group, then=then)
         else:
-            self.reducer.launch(b.grad_flat, self.owned_grad(b), group=b.group)
+            self.reducer.launch(b.grad_flat, self.owned_grad(b), group=b.group, then=then)
+
+    def _replica_reducer(self, b: Bucket):
+        """Hybrid sharding: start the all-reduce of ``b``'s reduced shard over the replicas
+        (called when the step's last reduction of ``b`` is finished)."""
+
+        def start() -> None:
+            self.replica_started.add(id(b))
+            launched = ReplicaReduction.launch(self.owned_grad(b), self.replicas, self.reduce_dtype)
+            self.replica_reductions.append(launched)
+
+        return start
 
     def finish_reduction(self) -> None:
         """Wait for every reduction; sum late buckets over tp / the embedding group first."""
@@ -268,6 +305,13 @@ class ZeroDataParallel:
         for b in late:
             self.launch_reduction(b)
         self.reducer.finish_all()
+        if self.hybrid:  # each shard once per step, those not yet started (no grad last) too
+            for b in self.buckets:
+                if b.replicas is not None and id(b) not in self.replica_started:
+                    self._replica_reducer(b)()
+            reductions, self.replica_reductions = self.replica_reductions, []
+            for reduction in reductions:
+                reduction.finish()
         scale = 1.0 / self.topo.dp_cp  # each rank's loss is its own tokens' mean
         for b in self.buckets:
             self.owned_grad(b).mul_(scale)

@@ -97,6 +97,17 @@ class Topology:
         return self.group("dp_cp")
 
     @property
+    def zero_shard_group(self) -> ParallelGroup:
+        """The ranks ZeRO shards the dense params' state over: dp x cp, or under hybrid
+        sharding cp x ``zero_shard_size`` consecutive dp ranks."""
+        return self.group("zero_shard")
+
+    @property
+    def zero_replica_group(self) -> ParallelGroup:
+        """The ranks holding the same ZeRO shard (hybrid sharding; one rank otherwise)."""
+        return self.group("zero_replica")
+
+    @property
     def tp_group(self) -> ParallelGroup:
         return self.group("tp")
 
@@ -153,9 +164,13 @@ class Topology:
         cp: int = 1,
         ep: int = 1,
         cp_a2a: int = 1,
+        zero_shard: int | None = None,
     ) -> Topology:
-        """:meth:`create` on the grid of these degrees (``cp_a2a``: a2a_ring's cp_a2a_size)."""
-        grid = ParallelGrid.of(tp=tp, cp=cp, dp=dp, pp=pp, ep=ep, cp_a2a=cp_a2a)
+        """:meth:`create` on the grid of these degrees (``cp_a2a``: a2a_ring's cp_a2a_size,
+        ``zero_shard``: hybrid sharding's zero_shard_size)."""
+        grid = ParallelGrid.of(
+            tp=tp, cp=cp, dp=dp, pp=pp, ep=ep, cp_a2a=cp_a2a, zero_shard=zero_shard
+        )
         return cls.create(grid, rank, device, timeout_s)
 
     @classmethod

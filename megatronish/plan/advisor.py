@@ -95,11 +95,11 @@ def advise(
     rank; planning stops once the fastest layouts of ``top + 1`` (tp, cp, pp, ep) shapes are
     known (the last listed one needs a runner-up). ``planner``: one of ``spec`` whose plans
     earlier calls made (a device of another size or speed needs no new plans)."""
-    layouts = valid_layouts(cfg, world_size, spec.vocab_size)
+    layouts = valid_layouts(cfg, world_size, spec.vocab_size, hw.gpus_per_node)
     bound_of: dict[Layout, float] = {}  # the bound has no dp term: ZeRO stages share it
 
     def bound(lay: Layout) -> float:
-        key = lay.with_(zero_stage=0)
+        key = lay.with_(zero_stage=0, zero_shard_size=None)
         if key not in bound_of:
             bound_of[key] = lower_bound(spec, key, hw)
         return bound_of[key]
@@ -160,7 +160,11 @@ def _term_phrase(term: str, win: Ranked, lose: Ranked, hw: Hardware) -> str:
     if term == "pp":
         return "no pipeline transfers" if w.pp == 1 else "fewer exposed pipeline transfers"
     if term == "dp":
-        return "no dp communication" if w.dp == 1 else "less exposed dp communication"
+        if w.dp == 1:
+            return "no dp communication"
+        if w.zero_replicas > 1 and lo.zero_replicas == 1:
+            return "less exposed dp communication (ZeRO inside a node)"
+        return "less exposed dp communication"
     if term == "ep":
         return "no all-to-all" if w.ep == 1 else "less all-to-all time"
     if term == "recompute":
@@ -174,7 +178,8 @@ def fit_phrase(r: Ranked) -> str:
     """How the layout fits: its ZeRO stage and recompute, e.g. ``fits with zero 1``."""
     lay = r.layout
     extra = f" and {lay.recompute} recompute" if lay.recompute != "none" else ""
-    return f"fits with zero {lay.zero_stage}{extra}"
+    hybrid = f" over {lay.zero_shard_size} dp ranks" if lay.zero_replicas > 1 else ""
+    return f"fits with zero {lay.zero_stage}{hybrid}{extra}"
 
 
 def reason(win: Ranked, runner_up: Ranked | None, hw: Hardware) -> str:

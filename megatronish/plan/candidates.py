@@ -63,6 +63,7 @@ def _with_layout(view: SimpleNamespace, layout: Layout) -> SimpleNamespace:
     p.moe_dispatch_order = layout.moe_dispatch_order
     p.cp_comm_type = layout.cp_comm_type
     p.cp_a2a_size = layout.cp_a2a_size if layout.cp_comm_type == "a2a_ring" else None
+    p.zero_shard_size = layout.zero_shard_size
     t = SimpleNamespace(**vars(view.trainer))
     t.micro_batch_size, t.recompute = layout.micro_batch_size, layout.recompute
     t.recompute_method, t.recompute_num_layers = layout.recompute_method, 1
@@ -109,6 +110,16 @@ def cp_comm_types(cp: int) -> list[tuple[str, int]]:
     return [("all_gather", 1), ("a2a", 1), ("ring", 1), *groups]
 
 
+def node_shard_size(layout: Layout, gpus_per_node: int | None) -> int | None:
+    """Hybrid sharding's candidate ``zero_shard_size``: the dp ranks of a dp x cp group inside
+    one node of ``gpus_per_node`` (None when the group fits in a node, or nodes do not hold a
+    whole number of its tp x cp blocks)."""
+    if gpus_per_node is None or gpus_per_node % layout.stage_ranks:
+        return None
+    per_node = gpus_per_node // layout.stage_ranks
+    return per_node if per_node < layout.dp and layout.dp % per_node == 0 else None
+
+
 def _shapes(
     base: Layout, world_size: int, num_layers: int, num_experts: int = 0
 ) -> Iterator[Layout]:
@@ -144,12 +155,19 @@ def _shapes(
                                     )
 
 
-def valid_layouts(cfg: TrainConfig, world_size: int, vocab_size: int | None = None) -> list[Layout]:
+def valid_layouts(
+    cfg: TrainConfig,
+    world_size: int,
+    vocab_size: int | None = None,
+    gpus_per_node: int | None = None,
+) -> list[Layout]:
     """Every layout of ``cfg``'s model and batch on ``world_size`` ranks that passes
     ``config_errors`` (``cfg`` is a composed config; its own parallel values are ignored).
 
     The rules run once per shape (tp, pp, vpp, schedule, sp, micro batch, ep): none of them
     depends on the ZeRO stage or the recompute policy, which take every value they allow.
+    With ``gpus_per_node``, a ZeRO stage whose dp x cp group spans nodes is also a candidate
+    with hybrid sharding inside each node (:func:`node_shard_size`).
     """
     from megatronish.plan.layout import layout_from_config
 
@@ -166,9 +184,13 @@ def valid_layouts(cfg: TrainConfig, world_size: int, vocab_size: int | None = No
     for shape in _shapes(base, world_size, cfg.model.num_layers, experts):
         if layout_errors(view, shape, vocab_size):
             continue
+        shard = node_shard_size(shape, gpus_per_node)
         for zero in ZERO_STAGES if shape.dp_cp > 1 else (0,):
             for recompute in RECOMPUTE:
                 out.append(shape.with_(zero_stage=zero, recompute=recompute))
+                if zero > 0 and shard is not None:
+                    hybrid = dict(zero_shard_size=shard)
+                    out.append(shape.with_(zero_stage=zero, recompute=recompute, **hybrid))
     return out
 
 
@@ -189,6 +211,8 @@ def _base_config(cfg: TrainConfig):
         base.parallel.cp_comm_type = "all_gather"
     if "cp_a2a_size" in base.parallel:
         base.parallel.cp_a2a_size = None
+    if "zero_shard_size" in base.parallel:
+        base.parallel.zero_shard_size = None
     return base
 
 

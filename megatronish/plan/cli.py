@@ -35,6 +35,7 @@ ADVISE_OPTIONS = {
     "gpus_per_node": int,
     "intra_node_gbps": float,
     "inter_node_gbps": float,
+    "network_gbps": float,
     "latency_us": float,
     "efficiency": float,
     "memory_gbps": float,
@@ -52,6 +53,7 @@ OPTION_HINTS = {
     "efficiency": "a fraction of peak, e.g. efficiency=0.5",
     "latency_us": "microseconds, e.g. latency_us=5",
     "memory_gbps": "GB/s of memory bandwidth per device, e.g. memory_gbps=3350",
+    "network_gbps": "Gb/s per GPU across nodes, e.g. network_gbps=100 (Ethernet)",
 }
 # Options that must be > 0 (all numeric options must be finite).
 POSITIVE = (
@@ -62,6 +64,7 @@ POSITIVE = (
     "top",
     "intra_node_gbps",
     "inter_node_gbps",
+    "network_gbps",
     "efficiency",
     "memory_gbps",
 )
@@ -97,13 +100,16 @@ def peak_tflops_of(options: dict, cfg: TrainConfig) -> float | None:
 def hardware(options: dict, peak_tflops: float) -> Hardware:
     """The model's inputs from the command line (defaults: an H100-class node)."""
     default = Hardware(peak_flops=peak_tflops * 1e12)
+    inter_node = default.inter_node_bw
+    if "network_gbps" in options:  # bits per second of the link
+        inter_node = options["network_gbps"] * 1e9 / 8
     return Hardware(
         peak_flops=default.peak_flops,
         efficiency=options.get("efficiency", default.efficiency),
         memory_bw=options.get("memory_gbps", default.memory_bw / 1e9) * 1e9,
         gpus_per_node=options.get("gpus_per_node", default.gpus_per_node),
         intra_node_bw=options.get("intra_node_gbps", default.intra_node_bw / 1e9) * 1e9,
-        inter_node_bw=options.get("inter_node_gbps", default.inter_node_bw / 1e9) * 1e9,
+        inter_node_bw=options.get("inter_node_gbps", inter_node / 1e9) * 1e9,
         latency_s=options.get("latency_us", default.latency_s * 1e6) * 1e-6,
     )
 
@@ -122,6 +128,12 @@ def option_errors(options: dict) -> list[str]:
             errors.append(f"{key}={value} must be > 0; give {_hint(key)}")
     if options.get("efficiency", 0.5) > 1:
         errors.append(f"efficiency={options['efficiency']} is a fraction of peak: at most 1")
+    if "network_gbps" in options and "inter_node_gbps" in options:
+        errors.append(
+            f"network_gbps={options['network_gbps']:g} and inter_node_gbps="
+            f"{options['inter_node_gbps']:g} both set the inter-node bandwidth (Gb/s of the link, "
+            "GB/s per direction): give one"
+        )
     if options.get("latency_us", 0) < 0:
         errors.append(f"latency_us={options['latency_us']} must be >= 0")
     out = options.get("advise_out")
@@ -250,7 +262,8 @@ def world_size_errors(cfg: TrainConfig) -> list[str]:
 
 def with_device(options: dict, precision: str, tf32: bool = False) -> tuple[dict, GPUModel | None]:
     """``options`` with ``device_memory_gb``, ``peak_tflops`` (for ``precision``; ``tf32``:
-    fp32 matmuls may use TF32) and ``memory_gbps`` taken from ``device=NAME`` where not given
+    fp32 matmuls may use TF32), ``memory_gbps`` and ``network_gbps`` (unless the inter-node
+    bandwidth is given as ``inter_node_gbps``) taken from ``device=NAME`` where not given
     explicitly, and the named GPU. Raises :class:`~megatronish.plan.devices.UnknownDevice`."""
     if "device" not in options:
         return options, None
@@ -260,6 +273,8 @@ def with_device(options: dict, precision: str, tf32: bool = False) -> tuple[dict
         "peak_tflops": gpu.peak_tflops(precision, tf32),
         "memory_gbps": gpu.memory_tbps * 1e3,
     }
+    if "inter_node_gbps" not in options:
+        filled["network_gbps"] = gpu.network_gbps
     return {**filled, **options}, gpu
 
 

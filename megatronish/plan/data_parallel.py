@@ -6,8 +6,9 @@ holds, ZeRO 3's gathered params, the dp collectives, and how much of them a step
   padding, tied copies and replicated norms are counted exactly as the trainer allocates them.
   What each stage shards is the trainer's table (:mod:`~megatronish.data_parallel.stages`).
   Grads and both Adam moments are fp32; under bf16 the model's params are bf16 and the optimizer
-  keeps fp32 main params of its shard. ZeRO shards over dp x cp; expert buckets over the
-  expert-data-parallel ranks (``dp * cp / ep``, :mod:`~megatronish.plan.moe`).
+  keeps fp32 main params of its shard. ZeRO shards over dp x cp (hybrid sharding: over cp x
+  ``zero_shard_size`` of them); expert buckets over the expert-data-parallel ranks (``dp * cp /
+  ep``, :mod:`~megatronish.plan.moe`).
 - **ZeRO 3's gathered params** replay :class:`~megatronish.data_parallel.param_gather.
   ParamGatherer`'s rules on a chunk's units (pure arithmetic on their bucket sizes): in forward a
   unit is gathered with the next one prefetched and freed after its last module; the loss's unit
@@ -15,7 +16,8 @@ holds, ZeRO 3's gathered params, the dp collectives, and how much of them a step
   checkpointed segment's recompute gathers all of its units, and a unit is freed once its grads
   are in (after its first module in forward order).
 - **Communication** (:func:`dp_volume`, CommStats' bytes): grad reductions and param gathers,
-  one call per bucket, over dp (``dp_cp`` under context parallelism; expert grads over ``edp``).
+  one call per bucket, over dp (``dp_cp`` under context parallelism; expert grads over ``edp``;
+  under hybrid sharding ``zero_shard``, then one all-reduce of each shard over ``zero_replica``).
 - **Step time** (:func:`exposed_dp_time`): ZeRO 3 prefetches, so only the first unit of each
   forward and backward waits: exposed = ``max(gathers / units per chunk, gathers - compute)``.
   ZeRO 1/2's gather of the updated params runs during the next step's first forward: exposed =
@@ -23,7 +25,10 @@ holds, ZeRO 3's gathered params, the dp collectives, and how much of them a step
   the backward that fills it and hides behind it, except the last bucket: ZeRO 0/1 reduce in the
   last microbatch's backward, exposed = ``max(one bucket, all reductions - that backward)``;
   ZeRO 2/3 in every backward, each waiting for its last bucket, exposed = ``max(m v buckets,
-  all reductions - all backwards)``. On shared cores nothing overlaps.
+  all reductions - all backwards)``. Hybrid sharding's all-reduce of each reduced shard over the
+  replicas starts when the shard's last reduction of the step is done and hides behind the last
+  microbatch's backward as ZeRO 0/1's reductions do (on another link: the shard group is inside
+  a node). On shared cores nothing overlaps.
 """
 
 from __future__ import annotations
@@ -54,8 +59,14 @@ def zero_stage(layout: Layout) -> ZeroStage:
 
 
 def grad_group(layout: Layout) -> str:
-    """The CommStats name of the group grads are reduced over: dp, or dp x cp."""
-    return layout.group("dp_cp")
+    """The CommStats name of the group dense grads are reduced over: dp, dp x cp, or hybrid
+    sharding's shard group."""
+    return layout.group("zero_shard")
+
+
+def replica_group(layout: Layout) -> str | None:
+    """The CommStats name of hybrid sharding's replica group (None without replicas)."""
+    return layout.group("zero_replica") if layout.zero_replicas > 1 else None
 
 
 # -- states -----------------------------------------------------------------------------------
@@ -92,7 +103,7 @@ def chunk_buckets(chunk: GPTChunk, layout: Layout) -> list[Bucket]:
     return plan_chunk_buckets(
         chunk,
         int(layout.bucket_size_mb * 2**20),
-        layout.dp_cp,
+        layout.zero_shard_ranks,
         0,
         tied_params(chunk.spec, layout),
         torch.device("meta"),
@@ -179,6 +190,7 @@ def states_key(layout: Layout) -> tuple:
     full = stage.shards_grads and peaks_in_backward(layout)
     return (
         layout.dp_cp,
+        layout.zero_shard_ranks,
         layout.zero_stage,
         layout.bucket_size_mb,
         layout.zero3_keep_gathered,
@@ -189,7 +201,8 @@ def states_key(layout: Layout) -> tuple:
 
 def buckets_key(layout: Layout) -> tuple:
     """The layout fields :func:`chunk_buckets` reads besides the chunk."""
-    return layout.dp_cp, layout.bucket_size_mb, zero_stage(layout).shards_grads
+    shards = layout.zero_shard_ranks
+    return layout.dp_cp, shards, layout.bucket_size_mb, zero_stage(layout).shards_grads
 
 
 def rank_units(layout: Layout, chunks: list[GPTChunk]) -> list[ChunkUnits] | None:
@@ -203,7 +216,7 @@ def units_key(layout: Layout) -> tuple | None:
     """The layout fields :func:`rank_units` reads besides the chunks."""
     if not zero_stage(layout).shards_params:
         return None
-    return layout.dp_cp, layout.bucket_size_mb, policy(layout)
+    return layout.dp_cp, layout.zero_shard_ranks, layout.bucket_size_mb, policy(layout)
 
 
 def optimizer_workspace(layout: Layout, states: StateBytes) -> int:
@@ -238,7 +251,7 @@ def chunk_units(chunk: GPTChunk, layout: Layout, is_tied) -> ChunkUnits:
     buckets = plan_chunk_buckets(
         chunk,
         int(layout.bucket_size_mb * 2**20),
-        layout.dp_cp,
+        layout.zero_shard_ranks,
         0,
         is_tied,
         torch.device("meta"),
@@ -329,6 +342,8 @@ def dp_volume(
     With context parallelism the group is dp x cp, reported as ``dp_cp/op``; expert buckets
     under expert parallelism are reduced over ``edp`` (none when each expert is on one rank).
 
+    Under hybrid sharding the dense buckets are reduced and gathered over the shard group
+    (``zero_shard``), and each reduced shard is all-reduced once per step over ``zero_replica``.
     Zero 0/1 reduce each bucket once per step, zero 2/3 once per microbatch (the buckets reduced
     after a model-parallel sum once per step). Zero 1/2 gather the updated params once after the
     step; zero 3 gathers each unit before its forward and its backward (the loss's unit once),
@@ -336,12 +351,18 @@ def dp_volume(
     """
     if layout.dp_cp == 1:
         return {}
-    group = grad_group(layout)
+    group, experts = grad_group(layout), expert_group(layout)
     flat = [b for bs in buckets for b in bs]
-    if layout.ep == 1:  # experts, if any, are reduced over dp x cp too
+    if experts == group:  # experts, if any, are reduced with the dense buckets
         return _reduce_volume(layout, group, flat, units, None)
-    experts = expert_group(layout)
-    dense = _reduce_volume(layout, group, [b for b in flat if not b.expert], units, False)
+    dense_flat = [b for b in flat if not b.expert]
+    dense = {}
+    if layout.zero_shard_ranks > 1:
+        dense = _reduce_volume(layout, group, dense_flat, units, False)
+    replicas = replica_group(layout)
+    if replicas is not None and dense_flat:  # each reduced shard once per step
+        shards = sum(b.numel // b.dp for b in dense_flat) * layout.grad_reduce_bytes
+        dense = add_volumes(dense, {f"{replicas}/all_reduce": (len(dense_flat), shards)})
     if experts is None:  # each expert on one rank of the dp x cp group: nothing to reduce
         return dense
     mine = [b for b in flat if b.expert]
@@ -420,5 +441,13 @@ def exposed_dp_time(
             computes = chunk_computes(layout)
             end += max(computes * one, reduce - backward_all)
         else:
+            end += max(one, reduce - backward_all / layout.num_microbatches)
+    replica_key = f"{replica_group(layout)}/all_reduce"
+    if replica_key in times:  # behind the shards' last reductions, in the last backward
+        reduce = times[replica_key]
+        if hw.shared_cores:
+            end += reduce
+        else:
+            one = reduce / volume[replica_key][0]
             end += max(one, reduce - backward_all / layout.num_microbatches)
     return zero3, end

@@ -35,6 +35,9 @@ class GPUModel:
     memory_tbps: float  # memory bandwidth on the datasheet, TB/s (the matmul efficiency model)
     words: tuple[str, ...]  # all appear in torch.cuda.get_device_name() (lower case)
     aliases: tuple[str, ...] = ()
+    # Gb/s per GPU across nodes in the usual cluster of this class: one 400 Gb/s NDR NIC per
+    # H100/H200/B200 (DGX/HGX), 200 Gb/s HDR per A100, 100 Gb/s Ethernet for PCIe/NVL and L40S
+    network_gbps: float = 400.0
 
     def peak_tflops(self, precision: str, tf32: bool = False) -> float:
         """Dense peak for ``trainer.precision`` (``bf16``, ``fp16``, ``fp32`` or ``tf32``);
@@ -54,16 +57,26 @@ class GPUModel:
 # rounded down to a whole GiB, to plan against.
 GPUS: tuple[GPUModel, ...] = (
     GPUModel("h100", "H100 SXM 80GB", 989.0, 494.5, 67.0, 80, 79.0, 3.35, ("h100",), ("h100-sxm",)),
-    GPUModel("h100-pcie", "H100 PCIe 80GB", 756.0, 378.0, 51.0, 80, 79.0, 2.0, ("h100", "pcie")),
-    GPUModel("h100-nvl", "H100 NVL 94GB", 835.5, 417.5, 60.0, 94, 93.0, 3.9, ("h100", "nvl")),
+    GPUModel(
+        "h100-pcie", "H100 PCIe 80GB", 756.0, 378.0, 51.0, 80, 79.0, 2.0, ("h100", "pcie"), (), 100
+    ),
+    GPUModel(
+        "h100-nvl", "H100 NVL 94GB", 835.5, 417.5, 60.0, 94, 93.0, 3.9, ("h100", "nvl"), (), 100
+    ),
     GPUModel(
         "h200", "H200 SXM 141GB", 989.0, 494.5, 67.0, 141, 139.0, 4.8, ("h200",), ("h200-sxm",)
     ),
-    GPUModel("h200-nvl", "H200 NVL 141GB", 835.5, 417.5, 60.0, 141, 139.0, 4.8, ("h200", "nvl")),
-    GPUModel("a100", "A100 80GB", 312.0, 156.0, 19.5, 80, 79.0, 2.039, ("a100",), ("a100-80gb",)),
-    GPUModel("a100-40gb", "A100 40GB", 312.0, 156.0, 19.5, 40, 39.0, 1.555, ("a100", "40gb")),
+    GPUModel(
+        "h200-nvl", "H200 NVL 141GB", 835.5, 417.5, 60.0, 141, 139.0, 4.8, ("h200", "nvl"), (), 100
+    ),
+    GPUModel(
+        "a100", "A100 80GB", 312.0, 156.0, 19.5, 80, 79.0, 2.039, ("a100",), ("a100-80gb",), 200
+    ),
+    GPUModel(
+        "a100-40gb", "A100 40GB", 312.0, 156.0, 19.5, 40, 39.0, 1.555, ("a100", "40gb"), (), 200
+    ),
     GPUModel("b200", "B200 (HGX) 180GB", 2250.0, 1100.0, 75.0, 180, 178.0, 8.0, ("b200",)),
-    GPUModel("l40s", "L40S 48GB", 362.0, 183.0, 91.6, 48, 44.0, 0.864, ("l40s",)),
+    GPUModel("l40s", "L40S 48GB", 362.0, 183.0, 91.6, 48, 44.0, 0.864, ("l40s",), (), 100),
 )
 
 

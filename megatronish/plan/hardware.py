@@ -51,6 +51,10 @@ def group_size_and_span(group: str, layout: Layout) -> tuple[int, int]:
         return layout.dp, layout.tp * layout.cp * layout.dp
     if group == "dp_cp":
         return layout.dp_cp, layout.tp * layout.dp_cp
+    if group == "zero_shard":  # consecutive members of a dp x cp group
+        return layout.zero_shard_ranks, layout.tp * layout.zero_shard_ranks
+    if group == "zero_replica":  # every zero_shard_ranks-th member of a dp x cp group
+        return layout.zero_replicas, layout.tp * layout.dp_cp
     if group == "ep":  # consecutive members of a dp x cp group
         return layout.ep, layout.tp * layout.ep
     if group == "edp":  # every ep-th member of a dp x cp group

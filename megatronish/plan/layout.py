@@ -45,6 +45,7 @@ class Layout:
     pipeline_schedule: str | None = None
     moe_dispatch_order: str = "tp_first"  # parallel.moe_dispatch_order (tp > 1 only)
     moe_shared_expert_overlap: bool = True  # parallel.moe_shared_expert_overlap
+    zero_shard_size: int | None = None  # parallel.zero_shard_size: hybrid sharding's dp ranks
 
     @property
     def world_size(self) -> int:
@@ -55,11 +56,28 @@ class Layout:
         """Ranks holding the same params: grads are reduced and ZeRO shards spread over them."""
         return self.dp * self.cp
 
+    @property
+    def zero_shard_ranks(self) -> int:
+        """Ranks ZeRO shards the dense params' state over: dp x cp, or cp x zero_shard_size
+        under hybrid sharding."""
+        return self.cp * (self.zero_shard_size or self.dp)
+
+    @property
+    def zero_replicas(self) -> int:
+        """Shard groups holding the same shards (hybrid sharding; 1 otherwise)."""
+        return self.dp_cp // self.zero_shard_ranks
+
     @cached_property
     def grid(self) -> ParallelGrid:
         """The runtime's rank grid of this layout (its named groups, the experts' view)."""
         return ParallelGrid.of(
-            tp=self.tp, cp=self.cp, dp=self.dp, pp=self.pp, ep=self.ep, cp_a2a=self.cp_a2a_size
+            tp=self.tp,
+            cp=self.cp,
+            dp=self.dp,
+            pp=self.pp,
+            ep=self.ep,
+            cp_a2a=self.cp_a2a_size,
+            zero_shard=self.zero_shard_size,
         )
 
     @property
@@ -157,6 +175,8 @@ class Layout:
         if self.ep > 1:
             parts.append(f"ep={self.ep}")
         parts.append(f"zero={self.zero_stage}")
+        if self.zero_replicas > 1:
+            parts[-1] += f"/shard{self.zero_shard_size}"
         if self.sequence_parallel:
             parts.append("sp")
             if self.moe_dispatch_order == "ep_first":
@@ -205,7 +225,13 @@ def layout_from_config(cfg: TrainConfig, world_size: int) -> Layout:
         moe_shared_expert_overlap=getattr(p, "moe_shared_expert_overlap", True),
         cp_comm_type=getattr(p, "cp_comm_type", "all_gather"),
         cp_a2a_size=getattr(p, "cp_a2a_size", None) or 1,
+        zero_shard_size=_hybrid_shard(getattr(p, "zero_shard_size", None), d.dp),
     )
+
+
+def _hybrid_shard(zero_shard_size: int | None, dp: int) -> int | None:
+    """``parallel.zero_shard_size``, None when it shards over every dp rank (plain ZeRO)."""
+    return None if zero_shard_size == dp else zero_shard_size
 
 
 def spec_of(cfg: TrainConfig, vocab_size: int | None = None) -> ModelSpec:

@@ -344,9 +344,10 @@ def _ep_first_tp_volume(
 
 
 def expert_dp(layout: Layout) -> dict:
-    """The buckets' ``expert_dp`` argument: experts sharded over ``dp * cp / ep`` ranks (the
-    default, dp x cp, without expert parallelism)."""
-    return {"expert_dp": (layout.edp, 0)} if layout.ep > 1 else {}
+    """The buckets' ``expert_dp`` argument: experts sharded over ``dp * cp / ep`` ranks (as
+    the trainer passes it, also without expert parallelism: dp x cp, which hybrid sharding
+    does not cut for them)."""
+    return {"expert_dp": (layout.edp, 0)}
 
 
 def expert_group(layout: Layout) -> str | None:
@@ -355,14 +356,17 @@ def expert_group(layout: Layout) -> str | None:
     return layout.group("edp") if layout.edp > 1 else None
 
 
-def merge_expert_grads(times: dict, volume: dict, group: str) -> tuple[dict, dict]:
-    """``times`` and ``volume`` with the expert-data-parallel group's entries added to those of
-    ``group`` (dp's): expert grads are reduced and gathered with the dense ones and overlap as
-    they do."""
-    if not any(k.startswith("edp/") for k in volume):
+def merge_expert_grads(times: dict, volume: dict, layout: Layout, group: str) -> tuple[dict, dict]:
+    """``times`` and ``volume`` with the entries of the group expert grads are reduced over
+    added to those of ``group`` (the dense ones'): expert grads are reduced and gathered with
+    the dense ones and overlap as they do."""
+    experts = expert_group(layout)
+    ops = ("reduce_scatter", "all_gather", "all_reduce")
+    keys = [f"{experts}/{op}" for op in ops if experts != group and f"{experts}/{op}" in volume]
+    if not keys:
         return times, volume
     times, volume = dict(times), dict(volume)
-    for key in [k for k in volume if k.startswith("edp/")]:
+    for key in keys:
         op = f"{group}/{key.partition('/')[2]}"
         times[op] = times.get(op, 0.0) + times.pop(key)
         (calls, nbytes), (more, extra) = volume.get(op, (0, 0)), volume.pop(key)

@@ -71,6 +71,13 @@ ADVISOR_OPTION_DOCS = (
         "GB/s per device and direction across nodes (400 Gb/s InfiniBand per GPU = 50)",
     ),
     OptionDoc(
+        "network_gbps",
+        "float",
+        f"{_HW.inter_node_bw * 8 / 1e9:g} (device=NAME: its class's)",
+        "the same as Gb/s of the link per GPU (100 for 100 Gb/s Ethernet, 400 for NDR "
+        "InfiniBand); not with inter_node_gbps",
+    ),
+    OptionDoc(
         "latency_us",
         "float",
         f"{_HW.latency_s * 1e6:g}",

@@ -251,8 +251,9 @@ LAYOUT_KEYS = ("parallel", "trainer.micro_batch_size", "trainer.recompute", "wor
 def parallel_values(layout: Layout, ep: bool = False) -> dict[str, object]:
     """The ``parallel`` keys of ``layout`` (``ep``: also ``ep``, which it has when > 1; and
     ``pipeline_schedule`` when it runs a zero-bubble one, ``moe_dispatch_order`` when it
-    dispatches ep first, ``cp_comm_type`` when it is not the all-gather and ``cp_a2a_size``
-    under a2a_ring, or with ``ep``, the defaults)."""
+    dispatches ep first, ``cp_comm_type`` when it is not the all-gather, ``cp_a2a_size``
+    under a2a_ring and ``zero_shard_size`` under hybrid sharding, or with ``ep``, the
+    defaults)."""
     out = {
         "tp": layout.tp,
         "cp": layout.cp,
@@ -270,6 +271,8 @@ def parallel_values(layout: Layout, ep: bool = False) -> dict[str, object]:
         out["cp_comm_type"] = layout.cp_comm_type
     if ep or layout.cp_comm_type == "a2a_ring":
         out["cp_a2a_size"] = layout.cp_a2a_size if layout.cp_comm_type == "a2a_ring" else None
+    if ep or layout.zero_shard_size is not None:
+        out["zero_shard_size"] = layout.zero_shard_size
     return {**out, "ep": layout.ep} if ep or layout.ep > 1 else out
 
 
@@ -333,6 +336,7 @@ def run_overrides(overrides: list[str], layout: Layout, name: str | None) -> lis
             "moe_dispatch_order": "tp_first",
             "cp_comm_type": "all_gather",
             "cp_a2a_size": None,
+            "zero_shard_size": None,
         }
         if cfg is not None and all(
             cfg.parallel.get(k, defaults.get(k, 1)) == v
@@ -353,6 +357,8 @@ def run_overrides(overrides: list[str], layout: Layout, name: str | None) -> lis
         explicit.append("parallel.cp_comm_type=all_gather")
     if layout.cp_comm_type != "a2a_ring" and composed.get("cp_a2a_size") is not None:
         explicit.append("parallel.cp_a2a_size=null")
+    if layout.zero_shard_size is None and composed.get("zero_shard_size") is not None:
+        explicit.append("parallel.zero_shard_size=null")
     return [*kept, *explicit]
 
 

@@ -148,7 +148,7 @@ def _stage_time(
     )  # a receive is its peer's send
     ep -= moe.overlapped_dispatch_time(spec, layout, hw, pp_rank, rate)
     cp -= context_parallel.ring_overlap_time(spec, layout, hw, pp_rank, rate)
-    times, volume = moe.merge_expert_grads(times, volume, data_parallel.grad_group(layout))
+    times, volume = moe.merge_expert_grads(times, volume, layout, data_parallel.grad_group(layout))
     zero3, end = data_parallel.exposed_dp_time(
         spec, layout, hw, times, volume, compute, recompute_s, pipeline.embedding_time(times)
     )

@@ -19,6 +19,7 @@ from megatronish.testing.runs import build_trainer, losses_of, merge_params, tra
 STOP, END = 3, 6
 SCHED = [f"scheduler.decay_steps={END}"]
 THREE_D = ["parallel.tp=2", "parallel.pp=2", "parallel.vpp=2", "parallel.sp=true"]
+HYBRID = ["parallel.zero_shard_size=2"]  # on 4 ranks: two shard groups of 2 dp ranks
 _REF = {}
 
 
@@ -55,6 +56,8 @@ def stop_and_resume(tmp_path, first, second):
         ((4, ["parallel.cp=2", "parallel.zero_stage=1"]), (1, [])),
         ((2, ["parallel.cp=2", "parallel.zero_stage=3"]), (4, ["parallel.cp=4"])),
         ((1, []), (4, ["parallel.cp=2", "parallel.tp=2", "parallel.zero_stage=2"])),
+        ((4, [*HYBRID, "parallel.zero_stage=3"]), (2, ["parallel.zero_stage=1"])),
+        ((2, ["parallel.zero_stage=2"]), (4, [*HYBRID, "parallel.zero_stage=1"])),
     ],
     ids=[
         "tp2-tp1",
@@ -67,6 +70,8 @@ def stop_and_resume(tmp_path, first, second):
         "cp2dp2-1",
         "cp2zero3-cp4",
         "1-tp2cp2",
+        "hybrid-zero1dp2",
+        "zero2dp2-hybrid",
     ],
 )
 def test_reshard_on_load_continues_the_run(tmp_path, first, second):
@@ -96,12 +101,18 @@ def test_exact_resume_3d_layout_is_bit_identical(tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_format_each_shard_once_with_checksums(tmp_path):
-    run(4, ["parallel.tp=2", "parallel.zero_stage=1"], 2, save=str(tmp_path))
+@pytest.mark.parametrize(
+    "layout",
+    [["parallel.tp=2", "parallel.zero_stage=1"], [*HYBRID, "parallel.zero_stage=3"]],
+    ids=["tp2-zero1", "hybrid-zero3"],
+)
+def test_format_each_shard_once_with_checksums(tmp_path, layout):
+    run(4, layout, 2, save=str(tmp_path))
     step_dir = resolve_step_dir(str(tmp_path))
     assert (tmp_path / "latest").read_text() == "step_0000002"
     meta = read_metadata(step_dir)
-    assert meta.step == 2 and meta.consumed_samples == 16 and meta.layout["tp"] == 2
+    assert meta.step == 2 and meta.consumed_samples == 16
+    assert meta.layout["tp"] == (2 if "parallel.tp=2" in layout else 1)
     assert meta.config["model"]["hidden_size"] == 64
     for name, entry in meta.tensors.items():
         covered = sum(int(torch.tensor([n for _, n in s.offsets]).prod()) for s in entry.shards)

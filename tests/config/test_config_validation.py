@@ -124,6 +124,19 @@ def test_only_gpu_experiments_train_on_a_corpus_of_their_own():
             2,
             "cp_comm_type=ring runs no attention dropout: set model.attention_dropout=0",
         ),
+        (
+            ["parallel.zero_shard_size=2"],
+            4,
+            "parallel.zero_shard_size=2 sizes the groups ZeRO shards over, but "
+            "parallel.zero_stage=0 shards nothing",
+        ),
+        (
+            ["parallel.zero_stage=1", "parallel.zero_shard_size=4"],
+            6,
+            "parallel.zero_shard_size=4 must divide the data-parallel size dp=6 (shard groups of "
+            "consecutive dp ranks, replicated across): use one of 1, 2, 3, 6",
+        ),
+        (["parallel.zero_stage=1", "parallel.zero_shard_size=0"], 2, "zero_shard_size=0 must be"),
         (["parallel.tp=8"], 8, "num_attention_heads=4 is not divisible by parallel.tp=8"),
         (["model.num_query_groups=3"], 1, "must divide model.num_attention_heads"),
         (

@@ -55,9 +55,21 @@ def _descriptions(rank, world):
     described = {}
     # every group kind has two or more members once
     shapes = ((2, 1, 1, 2, 1, 1), (1, 1, 2, 2, 1, 1), (1, 2, 1, 2, 1, 1), (1, 1, 4, 1, 2, 1))
-    for tp, cp, dp, pp, ep, a2a in (*shapes, (1, 4, 1, 1, 1, 2)):
+    for tp, cp, dp, pp, ep, a2a, shard in (
+        *((*s, None) for s in shapes),
+        (1, 4, 1, 1, 1, 2, None),
+        (1, 1, 4, 1, 1, 1, 2),
+    ):
         topo = Topology.build(
-            tp=tp, dp=dp, pp=pp, rank=rank, timeout_s=30.0, cp=cp, ep=ep, cp_a2a=a2a
+            tp=tp,
+            dp=dp,
+            pp=pp,
+            rank=rank,
+            timeout_s=30.0,
+            cp=cp,
+            ep=ep,
+            cp_a2a=a2a,
+            zero_shard=shard,
         )
         for name, group in topo.groups.items():
             if group.pg is not None:
@@ -68,14 +80,17 @@ def _descriptions(rank, world):
 
 def test_every_group_is_described_by_its_name():
     """NCCL's reports carry the description: ``[PG ID 2 PG GUID 5(tp) Rank 1] ...``."""
-    names = {n: {n} for n in ("tp", "cp", "dp", "pp", "mp", "embedding", "ep", "cp_a2a")}
+    names = {
+        n: {n} for n in ("tp", "cp", "dp", "pp", "mp", "embedding", "ep", "cp_a2a", "zero_replica")
+    }
     for described in run_world(_descriptions, 4, timeout=120):
         # without cp the dp x cp group is the dp group itself (no second communicator), without
         # ep the expert-data-parallel group is the dp x cp group, and without a2a_ring the ring
-        # is the cp group
+        # is the cp group, and without hybrid sharding the shard group is the dp x cp group
         assert described == {
             **names,
             "dp_cp": {"dp", "dp_cp"},
+            "zero_shard": {"dp", "dp_cp", "zero_shard"},
             "edp": {"dp", "dp_cp", "edp"},
             "cp_ring": {"cp", "cp_ring"},
             "world": {"default_pg"},

@@ -93,7 +93,8 @@ def test_out_of_range_is_rejected():
     with pytest.raises(ValueError, match="ep=3 must divide dp \\* cp = 2 \\* 2"):
         ParallelGrid.of(dp=2, cp=2, ep=3)
     with pytest.raises(
-        ValueError, match="no group .dp-cp.: the groups are tp, cp, cp_a2a, cp_ring, dp, dp_cp"
+        ValueError,
+        match="no group .dp-cp.: the groups are tp, cp, cp_a2a, cp_ring, dp, dp_cp, zero_shard",
     ):
         ParallelGrid.of().groups("dp-cp")
 
@@ -117,10 +118,12 @@ def test_rank_map_table_shows_expert_coordinates():
     ]
 
 
-def brute_force(tp, cp, dp, pp, ep, a2a=1):
+def brute_force(tp, cp, dp, pp, ep, a2a=1, shard=None):
     """Every named group, enumerated from the layout's definition: ``rank = t + tp * (c + cp *
     (d + dp * p))``; experts split ``i = c + cp * d``, ep fastest (ep rank ``i % ep``); cp rank
-    ``c = j + a2a * g``: a2a groups share ``g``, rings share ``j``."""
+    ``c = j + a2a * g``: a2a groups share ``g``, rings share ``j``; dp rank ``d = s + shard *
+    r``: ZeRO shard groups (with every cp rank) share ``r``, their replicas ``s`` and ``c``."""
+    shard = shard or dp
     what_a_group_shares = {  # (t, c, d, p, ep rank, edp rank) -> the group's key
         "tp": lambda t, c, d, p, e, f: (c, d, p),
         "cp": lambda t, c, d, p, e, f: (t, d, p),
@@ -128,6 +131,8 @@ def brute_force(tp, cp, dp, pp, ep, a2a=1):
         "cp_ring": lambda t, c, d, p, e, f: (t, c % a2a, d, p),
         "dp": lambda t, c, d, p, e, f: (t, c, p),
         "dp_cp": lambda t, c, d, p, e, f: (t, p),
+        "zero_shard": lambda t, c, d, p, e, f: (t, p, d // shard),
+        "zero_replica": lambda t, c, d, p, e, f: (t, c, d % shard, p),
         "ep": lambda t, c, d, p, e, f: (t, p, f),
         "edp": lambda t, c, d, p, e, f: (t, p, e),
         "pp": lambda t, c, d, p, e, f: (t, c, d),
@@ -230,6 +235,33 @@ def test_a2a_ring_cuts_each_cp_group_into_a2a_groups_and_rings(tp, cp, dp, pp, a
 
 
 @pytest.mark.parametrize(
+    "tp,cp,dp,pp,ep,shard",
+    [(1, 1, 4, 1, 1, 2), (2, 2, 4, 2, 2, 2), (1, 2, 6, 1, 3, 3), (2, 2, 2, 1, 1, 1)],
+)
+def test_hybrid_sharding_cuts_each_dp_cp_group_into_shard_groups_and_replicas(
+    tp, cp, dp, pp, ep, shard
+):
+    """A shard group is cp x zero_shard_size consecutive ranks of a dp x cp group, in the order
+    of dp x cp (so a rank's shard is its place there, cp fastest); the replicas are the ranks
+    at the same place in every shard group; every other group is as without the cut."""
+    grid = ParallelGrid.of(tp=tp, cp=cp, dp=dp, pp=pp, ep=ep, zero_shard=shard)
+    want = brute_force(tp, cp, dp, pp, ep, shard=shard)
+    assert {n: grid.groups(n) for n in GROUP_NAMES} == want
+    for g in grid.groups("zero_shard"):
+        assert g == list(range(g[0], g[0] + tp * cp * shard, tp))  # consecutive: a node
+    assert grid.size("dp_shard") == shard and grid.size("dp_replica") == dp // shard
+    assert grid.communicator("zero_shard") == "zero_shard"
+    assert grid.communicator("zero_replica") == "zero_replica"
+    assert "dp_shard | dp_replica" in rank_map_table(grid)
+    plain = ParallelGrid.of(tp=tp, cp=cp, dp=dp, pp=pp, ep=ep)
+    assert plain.communicator("zero_shard") == plain.communicator("dp_cp")  # no new group
+    assert plain.groups("zero_shard") == plain.groups("dp_cp")
+    assert "dp_shard" not in rank_map_table(plain)
+    with pytest.raises(ValueError, match="zero_shard=4 must divide dp = 6"):
+        ParallelGrid.of(dp=6, zero_shard=4)
+
+
+@pytest.mark.parametrize(
     "parallel, world, degrees",
     [
         (ParallelConfig(), 1, dict(tp=1, cp=1, dp=1, pp=1, ep=1, edp=1)),
@@ -240,6 +272,11 @@ def test_a2a_ring_cuts_each_cp_group_into_a2a_groups_and_rings(tp, cp, dp, pp, a
             ParallelConfig(cp=4, cp_comm_type="a2a_ring", cp_a2a_size=2),
             8,
             dict(tp=1, cp=4, dp=2, cp_a2a=2, cp_ring=2),
+        ),
+        (
+            ParallelConfig(cp=2, zero_stage=1, zero_shard_size=2),
+            16,
+            dict(cp=2, dp=8, dp_shard=2, dp_replica=4),
         ),
     ],
 )

@@ -33,6 +33,7 @@ CONFIGS = [
     ParallelConfig(dp=4, ep=2),
     ParallelConfig(tp=2, cp=2, ep=2),
     ParallelConfig(cp=4, cp_comm_type="a2a_ring", cp_a2a_size=2),
+    ParallelConfig(cp=2, zero_stage=2, zero_shard_size=1),
 ]
 
 

@@ -294,6 +294,13 @@ LAYOUTS = {
     "ep2-recompute-selective": (2, 4, ["parallel.ep=2", "trainer.recompute=selective"], ()),
     "ep4-cp2-dp2": (4, 4, ["parallel.ep=4", "parallel.cp=2"], ()),
     "ep2-capacity": (2, 4, ["parallel.ep=2"], ("model.moe.capacity_factor=1.0",)),
+    # hybrid sharding: dense states in shard groups of 2 dp ranks, experts over their edp group
+    "ep2-hybrid-zero3": (
+        4,
+        2,
+        ["parallel.ep=2", "parallel.zero_stage=3", "parallel.zero_shard_size=2"],
+        (),
+    ),
     "ep2-shared-freq2": (
         2,
         4,

@@ -44,6 +44,8 @@ LAYOUTS = [
     (4, ["parallel.cp=4", "parallel.cp_comm_type=a2a_ring", "parallel.cp_a2a_size=2"]),
     # one kv head replicated on both tp ranks: its rows of qkv, their grads and moments twice
     (4, ["parallel.tp=2", "model.num_query_groups=1", "parallel.zero_stage=1"]),
+    # hybrid sharding: states sharded over 2 of the 4 dp ranks, units gathered over those 2
+    (4, ["parallel.zero_stage=3", "parallel.zero_shard_size=2"]),
 ]
 
 
@@ -115,6 +117,22 @@ COMM_LAYOUTS = [
             "parallel.cp_a2a_size=2",
             "trainer.recompute=selective",
         ],
+    ),
+    # hybrid sharding: reduce-scatters and gathers in shard groups of 2 dp ranks, each reduced
+    # shard all-reduced once per step across the 2 replicas (in bf16 here)
+    (
+        4,
+        [
+            "trainer.precision=bf16",
+            "parallel.zero_stage=2",
+            "parallel.zero_shard_size=2",
+            "parallel.grad_reduce_dtype=bf16",
+        ],
+    ),
+    # shard groups of cp ranks only (zero_shard_size 1), replicated over dp
+    (
+        4,
+        ["parallel.cp=2", "parallel.zero_stage=3", "parallel.zero_shard_size=1", "model.arch=gpt2"],
     ),
     # packed documents: the same K/V all-gather, no collective for the masks or the loss count
     (2, ["parallel.cp=2", "data.reset_attention_mask=true", "data.eod_mask_loss=true"]),

@@ -175,6 +175,18 @@ COMM_LAYOUTS = [
             "trainer.recompute_num_layers=2",
         ],
     ),
+    # hybrid sharding: dense buckets in shard groups of 2 dp ranks with their replica
+    # all-reduce, the experts sharded over their own group (all 4 dp ranks; 2 under ep 2)
+    (4, ["parallel.zero_stage=1", "parallel.zero_shard_size=2", "trainer.global_batch_size=8"]),
+    (
+        4,
+        [
+            "parallel.ep=2",
+            "parallel.zero_stage=3",
+            "parallel.zero_shard_size=2",
+            "trainer.global_batch_size=8",
+        ],
+    ),
     # Megatron-LM's order: the all-to-all of each tp rank's own tokens, then the rows gathered
     (
         4,

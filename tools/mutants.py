@@ -152,7 +152,7 @@ MUTANTS = [
         "rng-restore",
         "RNG streams not restored on resume",
         "megatronish/checkpoint/load.py",
-        (("    if same and os.path.exists(path):", "    if False:"),),
+        (("    if _same_layout(meta, topo, vpp) and os.path.exists(path):", "    if False:"),),
         (
             "tests/checkpoint/test_resume_dropout.py::test_same_layout_resume_with_dropout_is_bit_identical",
         ),
@@ -1055,6 +1055,52 @@ MUTANTS = [
         (
             "tests/distributed/test_parallel_grid.py::test_hybrid_sharding_cuts_each_dp_cp_group_into_shard_groups_and_replicas",
         ),
+    ),
+    Mutant(
+        "int8-no-error-feedback",
+        "int8 compression forgets what its rounding lost",
+        "megatronish/data_parallel/int8_reduce.py",
+        (("error.view(members, shard).copy_(x - dequantize(q, scales))", "error.zero_()"),),
+        (
+            "tests/data_parallel/test_grad_compression.py::test_error_feedback_keeps_the_sum_of_what_was_sent_next_to_the_sum_of_the_grads",
+        ),
+    ),
+    Mutant(
+        "powersgd-no-error-feedback",
+        "PowerSGD forgets what its low rank lost",
+        "megatronish/data_parallel/powersgd.py",
+        (("self.state.errors[i].copy_(m - total / members)", "self.state.errors[i].zero_()"),),
+        (
+            "tests/data_parallel/test_grad_compression.py::test_error_feedback_keeps_the_sum_of_what_was_sent_next_to_the_sum_of_the_grads",
+        ),
+    ),
+    Mutant(
+        "compression-state-not-restored",
+        "a resume keeps the error feedback it started with instead of the checkpoint's",
+        "megatronish/checkpoint/load.py",
+        (
+            (
+                "    if zero.compressor is not None:\n        _restore",
+                "    if False:\n        _restore",
+            ),
+        ),
+        (
+            "tests/data_parallel/test_grad_compression.py::test_resume_on_the_same_layout_is_bit_identical",
+        ),
+    ),
+    Mutant(
+        "plan-int8-without-scales",
+        "the planner sends int8 shards without their scales",
+        "megatronish/plan/grad_compression.py",
+        (("r * b.dp * packed_bytes(b.numel // b.dp)", "r * b.numel"),),
+        ("tests/plan/test_plan.py::test_planned_communication_matches_measured",),
+    ),
+    Mutant(
+        "plan-powersgd-one-call",
+        "the planner counts one all-reduce per PowerSGD bucket, not two",
+        "megatronish/plan/grad_compression.py",
+        (("calls += rounds_b * (1 + bool(mats))", "calls += rounds_b"),),
+        ("tests/plan/test_plan.py::test_planned_communication_matches_measured",),
     ),
 ]
 

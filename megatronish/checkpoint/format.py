@@ -14,6 +14,9 @@ published one. A step directory holds:
 - ``optim-rankNNNNN.safetensors``: Adam moments (``exp_avg/<name>``, ``exp_avg_sq/<name>``) in
   the same rectangles as the params, whatever the ZeRO stage that wrote them.
 - ``rng-rankNNNNN.safetensors``: that rank's RNG states (restored when the layout is unchanged).
+- ``compression-rankNNNNN.safetensors``: that rank's gradient-compression state (error feedback,
+  PowerSGD's Q) under ``parallel.grad_compression``; restored when the layout is unchanged, else
+  the run starts it from zero.
 
 Tensors are keyed by global names (global layer indices), so any layout can read any checkpoint
 by intersecting the rectangles it needs with the stored ones. Nothing is pickled.
@@ -35,6 +38,7 @@ LATEST = "latest"
 STEP_PREFIX = "step_"
 TMP_PREFIX = ".tmp_"
 BUFFER = "buffer/"  # the prefix of the model's buffers (not parameters) in ``tensors``
+COMPRESSION = "compression"  # the per-rank file of the gradient compression's state
 
 
 class CheckpointError(RuntimeError):

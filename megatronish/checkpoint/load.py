@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 
 from megatronish.checkpoint.format import (
     BUFFER,
+    COMPRESSION,
     CheckpointError,
     Metadata,
     read_metadata,
@@ -26,6 +27,7 @@ from megatronish.checkpoint.parts import CheckpointParts, model_buffers
 from megatronish.checkpoint.pieces import copy_threads, range_requests, saved_name
 from megatronish.checkpoint.shard_reader import READ_THREADS, ShardReader
 from megatronish.config.schema import FUNCTION_KEYS
+from megatronish.data_parallel.compression import load_state
 from megatronish.distributed.topology import Topology
 from megatronish.spec import ModelSpec
 from megatronish.tensor_parallel.random import RNGTracker
@@ -217,7 +219,41 @@ def load_into(
     if parts.rng is not None:
         cfg = parts.cfg
         _restore_rng(parts.rng, step_dir, meta, topo, cfg.parallel.vpp, cfg.trainer.seed)
+    if zero.compressor is not None:
+        _restore_compression(parts, step_dir, meta)
     return meta
+
+
+def _same_layout(meta: Metadata, topo: Topology, vpp: int) -> bool:
+    """Whether the checkpoint was written by this layout (tp, cp, pp, dp, vpp)."""
+    layout = meta.layout
+    saved = (
+        layout.get("tp"),
+        layout.get("cp", 1),
+        layout.get("pp"),
+        layout.get("dp"),
+        layout.get("vpp"),
+    )
+    return saved == (topo.tp, topo.cp, topo.pp, topo.dp, vpp)
+
+
+def _restore_compression(parts: CheckpointParts, step_dir: str, meta: Metadata) -> None:
+    """This rank's error feedback (and PowerSGD's Q) when the layout is unchanged; else it
+    starts from zero, said in the log (rank 0)."""
+    topo, compressor = parts.topo, parts.zero.compressor
+    path = os.path.join(step_dir, f"{COMPRESSION}-rank{topo.rank:05d}.safetensors")
+    saved = load_file(path) if os.path.exists(path) else {}
+    if not _same_layout(meta, topo, parts.cfg.parallel.vpp):
+        why = "the checkpoint was written by another layout"
+    else:
+        why = load_state(compressor, saved)
+    if why is not None:
+        for t in compressor.state_dict().values():
+            t.zero_()
+        if topo.rank == 0:
+            parts.log(
+                f"grad_compression={compressor.kind}: {why}; its error feedback starts from zero"
+            )
 
 
 def _fill(reader: ShardReader, ranges: list[tuple], topo: Topology) -> None:
@@ -259,17 +295,8 @@ def _read_buffers(reader: ShardReader, parts: CheckpointParts, meta: Metadata, w
 def _restore_rng(
     rng: RNGTracker, step_dir: str, meta: Metadata, topo: Topology, vpp: int, seed: int
 ) -> None:
-    layout = meta.layout
-    saved = (
-        layout.get("tp"),
-        layout.get("cp", 1),
-        layout.get("pp"),
-        layout.get("dp"),
-        layout.get("vpp"),
-    )
-    same = saved == (topo.tp, topo.cp, topo.pp, topo.dp, vpp)
     path = os.path.join(step_dir, f"rng-rank{topo.rank:05d}.safetensors")
-    if same and os.path.exists(path):
+    if _same_layout(meta, topo, vpp) and os.path.exists(path):
         rng.load_state_dict(load_file(path))
     else:  # a new layout cannot replay the old masks; continue from a fresh, seeded stream
         rng.seed(

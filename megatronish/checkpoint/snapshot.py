@@ -47,7 +47,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatronish.checkpoint.format import BUFFER
+from megatronish.checkpoint.format import BUFFER, COMPRESSION
 from megatronish.checkpoint.host_copies import (
     CopyEvent,
     HostCopies,
@@ -62,6 +62,7 @@ from megatronish.checkpoint.pieces import (
     saved_name,
     writes,
 )
+from megatronish.data_parallel.compression import Compressor
 from megatronish.data_parallel.zero import ZeroDataParallel
 from megatronish.distributed.topology import Topology
 from megatronish.optim.sharded_adamw import ShardedAdamW
@@ -95,6 +96,8 @@ def start_snapshot(parts: CheckpointParts, copies: HostCopies) -> Snapshot:
     with copy_threads():
         buffers = _snapshot_buckets(parts.zero, parts.optimizer, parts.topo, copies, tensors, index)
     buffers += _snapshot_model_buffers(parts, copies, tensors, index)
+    if parts.zero.compressor is not None:
+        buffers += _snapshot_compression(parts.zero.compressor, copies, tensors)
     event = copies.record()
     parts.optimizer.before_next_update(functools.partial(copies.training_waits, event))
     if parts.rng is not None:
@@ -140,6 +143,17 @@ def _snapshot_model_buffers(
         )
         clones.append(clone)
     return clones
+
+
+def _snapshot_compression(
+    compressor: Compressor, copies: HostCopies, tensors: dict[str, dict[str, torch.Tensor]]
+) -> list[torch.Tensor]:
+    """Queue the copies of this rank's gradient-compression state (error feedback, PowerSGD's
+    Q), layout-specific like the RNG streams: cloned on the training stream first (the next
+    backward updates it in place), then copied out; returns the clones."""
+    clones = {k: v.detach().clone() for k, v in compressor.state_dict().items()}
+    tensors[COMPRESSION] = {k: copies.to_host(v, k) for k, v in clones.items()}
+    return list(clones.values())
 
 
 class GatherRing:

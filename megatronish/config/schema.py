@@ -94,6 +94,10 @@ class ParallelConfig:
     # hybrid sharding (HSDP): ZeRO shards over groups of this many consecutive dp ranks (a node)
     # and the groups replicate each other (grads all-reduced across them); null: all dp ranks
     zero_shard_size: int | None = None
+    # null | powersgd (low-rank, error feedback; ZeRO 0/1) | int8 (blockwise quantized
+    # reduce-scatter, error feedback; ZeRO 1-3): compress the dp grad reduction (slow links)
+    grad_compression: str | None = None
+    powersgd_rank: int = 4  # grad_compression=powersgd: the rank of each compressed matrix
     bucket_size_mb: float = 25.0  # MiB of fp32 grads per dp reduction bucket
     zero3_keep_gathered: bool = False  # zero 3: keep params gathered until the step ends
     overlap_param_gather: bool = True  # zero 1/2: updated params gathered during the next forward

@@ -35,7 +35,10 @@ CHOICES = {
     "logging.timers": ("cheap", "detailed"),
     "parallel.cp_comm_type": ("all_gather", "a2a", "ring", "a2a_ring"),
 }
-NULLABLE_CHOICES = {"logging.wandb_mode": ("online", "offline", "disabled")}
+NULLABLE_CHOICES = {
+    "logging.wandb_mode": ("online", "offline", "disabled"),
+    "parallel.grad_compression": ("powersgd", "int8"),
+}
 
 
 class ConfigError(ValueError):
@@ -141,6 +144,7 @@ def config_errors(
             "parallel.bucket_size_mb",
             "parallel.collective_timeout_s",
             "parallel.zero_shard_size",
+            "parallel.powersgd_rank",
         ],
         errors,
     )

@@ -16,12 +16,17 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
+from megatronish.data_parallel.compression import CompressedReduction, Compressor
 from megatronish.data_parallel.stages import ZeroStage
 from megatronish.distributed.comm import NamedWork, ParallelGroup, all_reduce, reduce_scatter_into
 from megatronish.distributed.timers import Timers
+
+if TYPE_CHECKING:
+    from megatronish.data_parallel.buckets import Bucket
 
 MAX_IN_FLIGHT = 1  # zero 2/3: reductions outstanding while the next bucket fills
 
@@ -34,6 +39,15 @@ class Reduction:
     into: torch.Tensor  # the owned grad that receives the result
     accumulate: bool  # add into ``into`` (a later microbatch's reduction) instead of copying
     then: Callable[[], None] | None = None  # run once ``into`` holds the result
+
+    @property
+    def numel(self) -> int:
+        """Elements of the full buffer it holds until finished."""
+        return self.full.numel()
+
+    def advance(self) -> None:
+        """Nothing between launch and finish (one collective; a compressed reduction may have
+        a second one to start here)."""
 
     def finish(self) -> None:
         if self.work is not None:
@@ -57,14 +71,16 @@ class GradReducer:
         reduce_dtype: torch.dtype,
         timers: Timers | None = None,
         bounded: bool = False,
+        compressor: Compressor | None = None,
     ):
         self.group, self.zero_stage, self.reduce_dtype = group, zero_stage, reduce_dtype
+        self.compressor = compressor  # parallel.grad_compression's, or None
         self.timers = timers or Timers.off()
         # ``bounded``: finish reductions in flight as zero 2/3 do (hybrid sharding's replica
         # all-reduce starts when its shard's reduction is finished)
         bounded = bounded or zero_stage.shards_grads
         self.max_in_flight = MAX_IN_FLIGHT if bounded else None
-        self.in_flight: deque[Reduction] = deque()
+        self.in_flight: deque[Reduction | CompressedReduction] = deque()
         self.in_flight_numel = 0  # elements of the full buffers the reductions in flight hold
 
     def launch(
@@ -74,11 +90,19 @@ class GradReducer:
         accumulate: bool = False,
         group: ParallelGroup | None = None,
         then: Callable[[], None] | None = None,
+        bucket: Bucket | None = None,
     ) -> None:
         """Reduce ``full`` over dp (or ``group``: the expert-data-parallel ranks of an expert
         bucket) into ``into`` (the whole buffer under zero 0, this rank's shard otherwise), added
-        to it when ``accumulate``; ``then`` runs when it is finished."""
+        to it when ``accumulate``; ``then`` runs when it is finished. With a compressor, the
+        compressed reduction of ``bucket``."""
         group, wire = group or self.group, full
+        if self.compressor is not None and group.size > 1:
+            with self.timers.region(None, f"{self.compressor.kind} grads"):
+                reduction = self.compressor.launch(bucket, full, into, accumulate, group)
+            reduction.then = then
+            self._track(reduction)
+            return
         if self.reduce_dtype != full.dtype and group.size > 1:  # reduced in a narrower dtype
             wire = full.to(self.reduce_dtype)
         if not self.zero_stage.reduce_scatters_grads:
@@ -90,21 +114,28 @@ class GradReducer:
             out = into if direct else wire.new_empty(into.numel())
             with self.timers.region(None, "reduce-scatter grads"):
                 work = reduce_scatter_into(out, wire, group, async_op=True)
-        self.in_flight.append(Reduction(work, wire, out, into, accumulate, then))
-        self.in_flight_numel += wire.numel()
+        self._track(Reduction(work, wire, out, into, accumulate, then))
+
+    def _track(self, reduction: Reduction | CompressedReduction) -> None:
+        self.in_flight.append(reduction)
+        self.in_flight_numel += reduction.numel
         while self.max_in_flight is not None and len(self.in_flight) > self.max_in_flight:
             with self.timers.region("grad_reduce_wait", "wait grads"):
                 self._finish_oldest()
 
     def finish_all(self) -> None:
-        """Finish every outstanding reduction (in launch order)."""
+        """Finish every outstanding reduction (in launch order; each one's second collective,
+        if any, is started before the first is waited for)."""
+        for reduction in self.in_flight:
+            reduction.advance()
         while self.in_flight:
             self._finish_oldest()
 
     def _finish_oldest(self) -> None:
         # Popped before waiting: a failed wait does not leave the work (and its group) held.
         reduction = self.in_flight.popleft()
-        self.in_flight_numel -= reduction.full.numel()
+        self.in_flight_numel -= reduction.numel
+        reduction.advance()
         reduction.finish()
 
 

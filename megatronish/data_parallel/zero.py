@@ -42,6 +42,7 @@ from torch import nn
 
 from megatronish.data_parallel.bucket_storage import allocate_params, owned_elements
 from megatronish.data_parallel.buckets import Bucket, is_expert, plan_chunk_buckets
+from megatronish.data_parallel.compression import make_compressor
 from megatronish.data_parallel.grad_hooks import make_grad_hook, make_main_grad_adder, note_arrival
 from megatronish.data_parallel.grad_norm import global_grad_norm
 from megatronish.data_parallel.grad_reduce import GradReducer, ReplicaReduction
@@ -78,6 +79,9 @@ class ZeroDataParallel:
         param_dtype: torch.dtype = torch.float32,
         reduce_dtype: torch.dtype = torch.float32,
         overlap_param_gather: bool = True,
+        grad_compression: str | None = None,
+        powersgd_rank: int = 4,
+        seed: int = 0,
     ):
         self.chunks, self.topo = chunks, topo
         self.zero_stage = zs = ZERO_STAGES[stage]  # what it shards
@@ -125,7 +129,11 @@ class ZeroDataParallel:
             units_of.append(units)
             visits_of.append(visits)
         self.hybrid = self.replicas.size > 1
-        self.reducer = GradReducer(dp, zs, reduce_dtype, self.timers, bounded=self.hybrid)
+        # parallel.grad_compression: its error feedback (and PowerSGD's Q) per bucket
+        self.compressor = make_compressor(grad_compression, self.buckets, powersgd_rank, seed)
+        self.reducer = GradReducer(
+            dp, zs, reduce_dtype, self.timers, bounded=self.hybrid, compressor=self.compressor
+        )
         self.num_microbatches = 1
         # hybrid sharding: the shards' all-reduces over the replicas in flight, and the buckets
         # whose all-reduce this step has started
@@ -269,9 +277,11 @@ class ZeroDataParallel:
             self._drop_grad_buffer(b)  # the reduction holds it until done
             if not b.late:
                 b.pending = len(b.params)
-            self.reducer.launch(full, b.grad_shard, accumulate=rounds > 0, group=b.group, then=then)
+            self.reducer.launch(
+                full, b.grad_shard, accumulate=rounds > 0, group=b.group, then=then, bucket=b
+            )
         else:
-            self.reducer.launch(b.grad_flat, self.owned_grad(b), group=b.group, then=then)
+            self.reducer.launch(b.grad_flat, self.owned_grad(b), group=b.group, then=then, bucket=b)
 
     def _replica_reducer(self, b: Bucket):
         """Hybrid sharding: start the all-reduce of ``b``'s reduced shard over the replicas
@@ -381,7 +391,8 @@ class ZeroDataParallel:
 
     # -- accounting -------------------------------------------------------------------------
     def state_bytes(self) -> dict[str, int]:
-        """Bytes this rank holds for params and grads at a step boundary (optimizer separate)."""
+        """Bytes this rank holds for params and grads at a step boundary, and the gradient
+        compression's state (optimizer separate)."""
         params = grads = 0
         for b in self.buckets:
             model = b.param_shard if self.zero_stage.shards_params else b.param_flat
@@ -392,4 +403,5 @@ class ZeroDataParallel:
                 grads += b.grad_flat.numel() * 4
             if self.zero_stage.shards_grads:
                 grads += b.grad_shard.numel() * 4
-        return {"params": params, "grads": grads}
+        compression = self.compressor.state_bytes() if self.compressor is not None else 0
+        return {"params": params, "grads": grads, "compression": compression}

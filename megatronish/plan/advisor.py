@@ -99,7 +99,7 @@ def advise(
     bound_of: dict[Layout, float] = {}  # the bound has no dp term: ZeRO stages share it
 
     def bound(lay: Layout) -> float:
-        key = lay.with_(zero_stage=0, zero_shard_size=None)
+        key = lay.with_(zero_stage=0, zero_shard_size=None, grad_compression=None)
         if key not in bound_of:
             bound_of[key] = lower_bound(spec, key, hw)
         return bound_of[key]
@@ -164,6 +164,8 @@ def _term_phrase(term: str, win: Ranked, lose: Ranked, hw: Hardware) -> str:
             return "no dp communication"
         if w.zero_replicas > 1 and lo.zero_replicas == 1:
             return "less exposed dp communication (ZeRO inside a node)"
+        if w.grad_compression is not None and lo.grad_compression is None:
+            return f"less exposed dp communication ({w.compression_name} compression, lossy)"
         return "less exposed dp communication"
     if term == "ep":
         return "no all-to-all" if w.ep == 1 else "less all-to-all time"

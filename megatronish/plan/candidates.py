@@ -64,6 +64,7 @@ def _with_layout(view: SimpleNamespace, layout: Layout) -> SimpleNamespace:
     p.cp_comm_type = layout.cp_comm_type
     p.cp_a2a_size = layout.cp_a2a_size if layout.cp_comm_type == "a2a_ring" else None
     p.zero_shard_size = layout.zero_shard_size
+    p.grad_compression, p.powersgd_rank = layout.grad_compression, layout.powersgd_rank
     t = SimpleNamespace(**vars(view.trainer))
     t.micro_batch_size, t.recompute = layout.micro_batch_size, layout.recompute
     t.recompute_method, t.recompute_num_layers = layout.recompute_method, 1
@@ -120,6 +121,22 @@ def node_shard_size(layout: Layout, gpus_per_node: int | None) -> int | None:
     return per_node if per_node < layout.dp and layout.dp % per_node == 0 else None
 
 
+def dp_variants(layout: Layout, zero: int, gpus_per_node: int | None) -> list[dict]:
+    """The ways ZeRO stage ``zero`` of ``layout`` may reduce across nodes, as layout changes:
+    plainly; with hybrid sharding inside a node (:func:`node_shard_size`); and, where the dp x
+    cp group spans nodes, compressed (PowerSGD at rank 4 for ZeRO 0/1, int8 for 1-3)."""
+    out: list[dict] = [{}]
+    if gpus_per_node is None or layout.tp * layout.dp_cp <= gpus_per_node:
+        return out
+    if zero > 0 and (shard := node_shard_size(layout, gpus_per_node)) is not None:
+        out.append({"zero_shard_size": shard})
+    if zero <= 1:
+        out.append({"grad_compression": "powersgd", "powersgd_rank": 4})
+    if zero >= 1:
+        out.append({"grad_compression": "int8"})
+    return out
+
+
 def _shapes(
     base: Layout, world_size: int, num_layers: int, num_experts: int = 0
 ) -> Iterator[Layout]:
@@ -167,7 +184,7 @@ def valid_layouts(
     The rules run once per shape (tp, pp, vpp, schedule, sp, micro batch, ep): none of them
     depends on the ZeRO stage or the recompute policy, which take every value they allow.
     With ``gpus_per_node``, a ZeRO stage whose dp x cp group spans nodes is also a candidate
-    with hybrid sharding inside each node (:func:`node_shard_size`).
+    with hybrid sharding inside each node and with gradient compression (:func:`dp_variants`).
     """
     from megatronish.plan.layout import layout_from_config
 
@@ -184,13 +201,10 @@ def valid_layouts(
     for shape in _shapes(base, world_size, cfg.model.num_layers, experts):
         if layout_errors(view, shape, vocab_size):
             continue
-        shard = node_shard_size(shape, gpus_per_node)
         for zero in ZERO_STAGES if shape.dp_cp > 1 else (0,):
-            for recompute in RECOMPUTE:
-                out.append(shape.with_(zero_stage=zero, recompute=recompute))
-                if zero > 0 and shard is not None:
-                    hybrid = dict(zero_shard_size=shard)
-                    out.append(shape.with_(zero_stage=zero, recompute=recompute, **hybrid))
+            for variant in dp_variants(shape, zero, gpus_per_node):
+                for recompute in RECOMPUTE:
+                    out.append(shape.with_(zero_stage=zero, recompute=recompute, **variant))
     return out
 
 
@@ -213,6 +227,8 @@ def _base_config(cfg: TrainConfig):
         base.parallel.cp_a2a_size = None
     if "zero_shard_size" in base.parallel:
         base.parallel.zero_shard_size = None
+    if "grad_compression" in base.parallel:
+        base.parallel.grad_compression = None
     return base
 
 

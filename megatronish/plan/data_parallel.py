@@ -42,6 +42,7 @@ from megatronish.data_parallel.grad_reduce import MAX_IN_FLIGHT
 from megatronish.data_parallel.param_units import chunk_visits
 from megatronish.data_parallel.stages import ZERO_STAGES, ZeroStage
 from megatronish.model.gpt import GPTChunk
+from megatronish.plan import grad_compression
 from megatronish.plan.hardware import Hardware, add_volumes
 from megatronish.plan.layout import Layout
 from megatronish.plan.moe import expert_dp, expert_group
@@ -87,10 +88,11 @@ class StateBytes:
     grads_at_peak: int = 0  # zero 2/3: those alive when activations peak (see state_bytes)
     largest_shard_numel: int = 0  # the largest bucket's slice a rank owns under zero >= 1
     experts: int = 0  # of ``total``: the experts' params, grads and Adam moments
+    compression: int = 0  # the gradient compression's error feedback (and PowerSGD's Q)
 
     @property
     def total(self) -> int:
-        return self.params + self.grads + self.optimizer
+        return self.params + self.grads + self.optimizer + self.compression
 
     @property
     def total_step(self) -> int:
@@ -144,6 +146,7 @@ def state_bytes(
     model = layout.activation_bytes  # the model's params: fp32, or bf16 beside fp32 main params
     params, grads, optimizer = _held(buckets, stage, model)
     experts = sum(_held([[b for bs in buckets for b in bs if b.expert]], stage, model))
+    compression = grad_compression.state_bytes(layout, buckets)
     grads_step = step_grad_numel(buckets) * FP32 if stage.shards_grads else 0
     # Activations peak at the end of a forward, when only the late buckets (reduced at the end
     # of the step) hold full grads; under full recompute they peak in backward, beside the rest.
@@ -165,6 +168,7 @@ def state_bytes(
         grads_at_peak=grads_at_peak,
         largest_shard_numel=max(b.numel // b.dp for bs in buckets for b in bs),
         experts=experts,
+        compression=compression,
     )
 
 
@@ -191,6 +195,7 @@ def states_key(layout: Layout) -> tuple:
     return (
         layout.dp_cp,
         layout.zero_shard_ranks,
+        grad_compression.state_key(layout),
         layout.zero_stage,
         layout.bucket_size_mb,
         layout.zero3_keep_gathered,
@@ -378,12 +383,12 @@ def _reduce_volume(
         return {}
     stage = zero_stage(layout)
     n, numel = len(flat), sum(b.numel for b in flat)
+    rounds = reduction_rounds(layout, flat)
+    compressed = grad_compression.reduction_volume(layout, group, flat, rounds)
     if not stage.reduce_scatters_grads:
-        return {f"{group}/all_reduce": (n, numel * layout.grad_reduce_bytes)}
-    per_mb = stage.reduces_per_microbatch
-    rounds = [layout.num_microbatches if per_mb and not b.late else 1 for b in flat]
+        return compressed or {f"{group}/all_reduce": (n, numel * layout.grad_reduce_bytes)}
     reduced = sum(r * b.numel for r, b in zip(rounds, flat)) * layout.grad_reduce_bytes
-    out = {f"{group}/reduce_scatter": (sum(rounds), reduced)}
+    out = dict(compressed or {f"{group}/reduce_scatter": (sum(rounds), reduced)})
     calls, gathered = n, numel  # model params
     if stage.shards_params and not layout.zero3_keep_gathered:
         if units is None:
@@ -393,6 +398,20 @@ def _reduce_volume(
         gathered = layout.num_microbatches * sum(e for _, e in per_unit)
     out[f"{group}/all_gather"] = (calls, gathered * layout.activation_bytes)
     return out
+
+
+def reduction_rounds(layout: Layout, flat: list[Bucket]) -> list[int]:
+    """How many times a step reduces each bucket of ``flat``: once, or (zero 2/3) once per
+    microbatch but for the buckets reduced after a model-parallel sum."""
+    per_mb = zero_stage(layout).reduces_per_microbatch
+    return [layout.num_microbatches if per_mb and not b.late else 1 for b in flat]
+
+
+def compression_traffic(layout: Layout, buckets: list[list[Bucket]]) -> int:
+    """Bytes the gradient compression reads and writes per step on a rank with ``buckets``
+    (those reduced over more than one rank; :mod:`~megatronish.plan.grad_compression`)."""
+    reduced = [b for bs in buckets for b in bs if b.dp > 1]
+    return grad_compression.memory_traffic(layout, reduced, reduction_rounds(layout, reduced))
 
 
 # -- step time --------------------------------------------------------------------------------
@@ -426,7 +445,7 @@ def exposed_dp_time(
     elif gather:  # zero 1/2: during the next step's first forward, its first bucket exposed
         first_forward = compute / 3 / layout.num_microbatches
         end += max(gather / volume[f"{dp}/all_gather"][0], gather - first_forward)
-    for key in (f"{dp}/all_reduce", f"{dp}/reduce_scatter"):
+    for key in (f"{dp}/all_reduce", f"{dp}/reduce_scatter", f"{dp}/all_to_all"):
         if key not in times:
             continue
         reduce = times[key]

@@ -108,6 +108,7 @@ class StagePlan:
     activations: ActivationPlan
     optimizer_workspace: int  # temporaries of the update (one bucket's worth)
     comm: dict[str, tuple[int, int]]  # "group/op" -> (calls, bytes) per step
+    compression_traffic: int = 0  # bytes the gradient compression reads and writes per step
 
     @property
     def step_extra(self) -> int:
@@ -233,6 +234,7 @@ class Planner:
             activations=act,
             optimizer_workspace=data_parallel.optimizer_workspace(layout, st),
             comm=add_volumes(*before_dp, dp, *after_dp),
+            compression_traffic=data_parallel.compression_traffic(layout, buckets),
         )
 
     @staticmethod

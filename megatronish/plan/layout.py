@@ -46,6 +46,8 @@ class Layout:
     moe_dispatch_order: str = "tp_first"  # parallel.moe_dispatch_order (tp > 1 only)
     moe_shared_expert_overlap: bool = True  # parallel.moe_shared_expert_overlap
     zero_shard_size: int | None = None  # parallel.zero_shard_size: hybrid sharding's dp ranks
+    grad_compression: str | None = None  # parallel.grad_compression: powersgd | int8
+    powersgd_rank: int = 4  # parallel.powersgd_rank (grad_compression=powersgd)
 
     @property
     def world_size(self) -> int:
@@ -66,6 +68,13 @@ class Layout:
     def zero_replicas(self) -> int:
         """Shard groups holding the same shards (hybrid sharding; 1 otherwise)."""
         return self.dp_cp // self.zero_shard_ranks
+
+    @property
+    def compression_name(self) -> str | None:
+        """The gradient compression in a layout's words (``powersgd/4``, ``int8``), or None."""
+        if self.grad_compression == "powersgd":
+            return f"powersgd/{self.powersgd_rank}"
+        return self.grad_compression
 
     @cached_property
     def grid(self) -> ParallelGrid:
@@ -177,6 +186,8 @@ class Layout:
         parts.append(f"zero={self.zero_stage}")
         if self.zero_replicas > 1:
             parts[-1] += f"/shard{self.zero_shard_size}"
+        if self.compression_name is not None:
+            parts.append(self.compression_name)
         if self.sequence_parallel:
             parts.append("sp")
             if self.moe_dispatch_order == "ep_first":
@@ -226,6 +237,8 @@ def layout_from_config(cfg: TrainConfig, world_size: int) -> Layout:
         cp_comm_type=getattr(p, "cp_comm_type", "all_gather"),
         cp_a2a_size=getattr(p, "cp_a2a_size", None) or 1,
         zero_shard_size=_hybrid_shard(getattr(p, "zero_shard_size", None), d.dp),
+        grad_compression=getattr(p, "grad_compression", None),
+        powersgd_rank=getattr(p, "powersgd_rank", 4),
     )
 
 

@@ -252,8 +252,8 @@ def parallel_values(layout: Layout, ep: bool = False) -> dict[str, object]:
     """The ``parallel`` keys of ``layout`` (``ep``: also ``ep``, which it has when > 1; and
     ``pipeline_schedule`` when it runs a zero-bubble one, ``moe_dispatch_order`` when it
     dispatches ep first, ``cp_comm_type`` when it is not the all-gather, ``cp_a2a_size``
-    under a2a_ring and ``zero_shard_size`` under hybrid sharding, or with ``ep``, the
-    defaults)."""
+    under a2a_ring, ``zero_shard_size`` under hybrid sharding, ``grad_compression`` (and
+    PowerSGD's ``powersgd_rank``) when it compresses, or with ``ep``, the defaults)."""
     out = {
         "tp": layout.tp,
         "cp": layout.cp,
@@ -273,6 +273,10 @@ def parallel_values(layout: Layout, ep: bool = False) -> dict[str, object]:
         out["cp_a2a_size"] = layout.cp_a2a_size if layout.cp_comm_type == "a2a_ring" else None
     if ep or layout.zero_shard_size is not None:
         out["zero_shard_size"] = layout.zero_shard_size
+    if ep or layout.grad_compression is not None:
+        out["grad_compression"] = layout.grad_compression
+    if layout.grad_compression == "powersgd":
+        out["powersgd_rank"] = layout.powersgd_rank
     return {**out, "ep": layout.ep} if ep or layout.ep > 1 else out
 
 
@@ -337,6 +341,7 @@ def run_overrides(overrides: list[str], layout: Layout, name: str | None) -> lis
             "cp_comm_type": "all_gather",
             "cp_a2a_size": None,
             "zero_shard_size": None,
+            "grad_compression": None,
         }
         if cfg is not None and all(
             cfg.parallel.get(k, defaults.get(k, 1)) == v
@@ -359,6 +364,8 @@ def run_overrides(overrides: list[str], layout: Layout, name: str | None) -> lis
         explicit.append("parallel.cp_a2a_size=null")
     if layout.zero_shard_size is None and composed.get("zero_shard_size") is not None:
         explicit.append("parallel.zero_shard_size=null")
+    if layout.grad_compression is None and composed.get("grad_compression") is not None:
+        explicit.append("parallel.grad_compression=null")
     return [*kept, *explicit]
 
 

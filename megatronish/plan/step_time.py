@@ -57,7 +57,8 @@ The model (symbols: ``N`` ranks, ``t`` tp, ``p`` pp, ``v`` vpp, ``d`` dp, ``m`` 
 This file only adds the terms up: the FLOPs, the bubble and the exposed pipeline transfers are
 :mod:`~megatronish.plan.pipeline`'s and the blocks' (:mod:`~megatronish.plan.dense`,
 :mod:`~megatronish.plan.moe`, :mod:`~megatronish.plan.recompute`), the exposed dp work
-:func:`~megatronish.plan.data_parallel.exposed_dp_time`'s.
+:func:`~megatronish.plan.data_parallel.exposed_dp_time`'s, plus the gradient compression's
+memory traffic at the memory bandwidth (:mod:`~megatronish.plan.grad_compression`).
 
 The step time is ``busiest stage (compute + recompute + tp + cp + ep + ZeRO 3 gathers) * (1 +
 bubble) + exposed pp + the largest exposed end-of-step dp work``. Not modelled: the optimizer
@@ -131,9 +132,16 @@ class _Stage:
 
 
 def _stage_time(
-    spec: ModelSpec, layout: Layout, pp_rank: int, volume: dict, hw: Hardware
+    spec: ModelSpec,
+    layout: Layout,
+    pp_rank: int,
+    volume: dict,
+    hw: Hardware,
+    compression_traffic: int = 0,
 ) -> _Stage:
-    """One stage's terms from its communication ``volume`` (``{"group/op": (calls, bytes)}``)."""
+    """One stage's terms from its communication ``volume`` (``{"group/op": (calls, bytes)}``)
+    and the bytes its gradient compression reads and writes (at the memory bandwidth, exposed
+    at the end of the step)."""
     slow = slowdown(layout, hw)
     layers = pipeline.stage_layers(spec, layout, pp_rank)
     rate = hw.peak_flops * efficiency(spec, layout, hw, *layers) / slow
@@ -152,6 +160,7 @@ def _stage_time(
     zero3, end = data_parallel.exposed_dp_time(
         spec, layout, hw, times, volume, compute, recompute_s, pipeline.embedding_time(times)
     )
+    end += compression_traffic / hw.memory_bw * slow
     return _Stage(compute, recompute_s, tp, cp, zero3, end, ep)
 
 
@@ -172,7 +181,9 @@ def _combine(layout: Layout, bubble: float, stages: list[_Stage], pp: float, hw)
 def step_time(plan: Plan, hw: Hardware) -> StepTime:
     """The model's step time of ``plan`` (see the module docstring)."""
     lay, spec = plan.layout, plan.spec
-    stages = [_stage_time(spec, lay, s.pp_rank, s.comm, hw) for s in plan.stages]
+    stages = [
+        _stage_time(spec, lay, s.pp_rank, s.comm, hw, s.compression_traffic) for s in plan.stages
+    ]
     pp = pipeline.exposed_pp_time(lay, [s.comm for s in plan.stages], hw)
     return _combine(lay, plan.bubble, stages, pp, hw)
 

@@ -25,6 +25,7 @@ class MeasuredMemory:
     # excluded; None when the profiler recorded nothing
     gathered_params: int  # zero 3: most bytes of full params gathered at once in the step
     events: int = 0  # allocation events the profile recorded
+    compression: int = 0  # the gradient compression's state (error feedback, PowerSGD's Q)
 
 
 def _storage_bytes(tensors) -> int:
@@ -39,7 +40,8 @@ def _storage_bytes(tensors) -> int:
 
 
 def state_storage(trainer) -> dict[str, int]:
-    """Bytes of the params, grads and optimizer storages this rank holds right now."""
+    """Bytes of the params, grads, optimizer and gradient-compression storages this rank holds
+    right now."""
     zero, opt = trainer.zero, trainer.optimizer
     params = _storage_bytes(
         [t for b in zero.buckets for t in (b.param_flat, b.param_shard, b.main_shard)]
@@ -49,6 +51,9 @@ def state_storage(trainer) -> dict[str, int]:
         "params": params,
         "grads": _storage_bytes(grad_tensors),
         "optimizer": _storage_bytes(opt.exp_avg + opt.exp_avg_sq),
+        "compression": _storage_bytes(
+            zero.compressor.state_dict().values() if zero.compressor is not None else []
+        ),
     }
 
 
@@ -115,6 +120,7 @@ def measure_step(trainer) -> MeasuredMemory:
         activations=None if peaks[0][0] is None else peaks[0][0] - gathered,
         gathered_params=gathered,
         events=peaks[0][1],
+        compression=states["compression"],
     )
 
 

@@ -128,6 +128,9 @@ class Trainer:
             param_dtype=self.param_dtype,
             reduce_dtype=DTYPES[p.grad_reduce_dtype],
             overlap_param_gather=p.overlap_param_gather,
+            grad_compression=p.grad_compression,
+            powersgd_rank=p.powersgd_rank,
+            seed=cfg.trainer.seed,
         )
         self.optimizer = ShardedAdamW(
             [shard.numel() for shard, _, _ in self.zero.optimizer_shards()],

@@ -137,6 +137,42 @@ def test_only_gpu_experiments_train_on_a_corpus_of_their_own():
             "consecutive dp ranks, replicated across): use one of 1, 2, 3, 6",
         ),
         (["parallel.zero_stage=1", "parallel.zero_shard_size=0"], 2, "zero_shard_size=0 must be"),
+        (["parallel.grad_compression=topk"], 2, "parallel.grad_compression='topk' is not one of"),
+        (
+            ["parallel.grad_compression=int8", "parallel.zero_stage=1"],
+            1,
+            "parallel.grad_compression=int8 compresses the data-parallel reduction, and dp x cp "
+            "= 1 has none: set it to null",
+        ),
+        (
+            ["parallel.grad_compression=powersgd", "parallel.zero_stage=2"],
+            2,
+            "compresses the all-reduce of ZeRO 0 and 1, not parallel.zero_stage=2's "
+            "reduce-scatter of every microbatch: use zero_stage 0 or 1, or grad_compression=int8",
+        ),
+        (
+            ["parallel.grad_compression=int8"],
+            2,
+            "parallel.grad_compression=int8 quantizes ZeRO's reduce-scatter, and "
+            "parallel.zero_stage=0 all-reduces",
+        ),
+        (
+            [
+                "parallel.grad_compression=int8",
+                "parallel.zero_stage=3",
+                "parallel.zero_shard_size=2",
+            ],
+            4,
+            "with parallel.zero_shard_size the link between nodes carries only the shards' "
+            "all-reduce, which it does not compress: use one of them",
+        ),
+        (
+            ["parallel.grad_compression=powersgd", "trainer.precision=bf16"]
+            + ["parallel.grad_reduce_dtype=bf16"],
+            2,
+            "sends its own compressed format: set parallel.grad_reduce_dtype=fp32",
+        ),
+        (["parallel.grad_compression=powersgd", "parallel.powersgd_rank=0"], 2, "powersgd_rank=0"),
         (["parallel.tp=8"], 8, "num_attention_heads=4 is not divisible by parallel.tp=8"),
         (["model.num_query_groups=3"], 1, "must divide model.num_attention_heads"),
         (

@@ -16,6 +16,7 @@ from megatronish.plan.advisor import Ranked, advise, reason
 from megatronish.plan.candidates import (
     MICRO_BATCH_SIZES,
     divisors,
+    dp_variants,
     node_shard_size,
     valid_layouts,
 )
@@ -268,6 +269,13 @@ def test_reason_names_the_terms_that_win():
     assert reason(hybrid, across, hw) == (
         "less exposed dp communication (ZeRO inside a node), fits with zero 1 over 2 dp ranks"
     )
+    powersgd = _ranked(
+        StepTime(**{**zero, "compute": 1.0}), dp=4, grad_compression="powersgd", powersgd_rank=8
+    )
+    plain = _ranked(StepTime(**{**zero, "compute": 1.0, "dp": 0.3}), dp=4)
+    assert reason(powersgd, plain, hw) == (
+        "less exposed dp communication (powersgd/8 compression, lossy), fits with zero 0"
+    )
 
 
 @pytest.mark.slow
@@ -402,6 +410,45 @@ def test_hybrid_sharding_candidates_shard_inside_a_node():
     assert not any(x.zero_shard_size for x in valid_layouts(cfg, 8))
 
 
+def test_layouts_across_nodes_are_also_candidates_with_compression():
+    base = layout_from_config(tiny_config([], 1), 1).with_(tp=2, dp=32)
+    assert dp_variants(base, 0, 8) == [{}, {"grad_compression": "powersgd", "powersgd_rank": 4}]
+    assert dp_variants(base, 1, 8) == [
+        {},
+        {"zero_shard_size": 4},
+        {"grad_compression": "powersgd", "powersgd_rank": 4},
+        {"grad_compression": "int8"},
+    ]
+    assert dp_variants(base, 3, 8) == [{}, {"zero_shard_size": 4}, {"grad_compression": "int8"}]
+    assert dp_variants(base.with_(dp=4), 1, 8) == [{}]  # one node: nothing crosses a slow link
+    layouts = valid_layouts(tiny_config(EIGHT_LAYERS, 1), 8, gpus_per_node=2)
+    kinds = {(x.zero_stage, x.grad_compression) for x in layouts if x.grad_compression}
+    assert kinds == {(0, "powersgd"), (1, "powersgd"), (1, "int8"), (2, "int8"), (3, "int8")}
+
+
+GPT_1B_MB8 = ["+experiment=gpt_1b", "model.vocab_size=32000", "trainer.micro_batch_size=8"]
+
+
+def test_compression_pays_over_ethernet_and_not_over_infiniband():
+    """gpt_1b, dp 64 on 8 nodes, ZeRO 0: PowerSGD sends hundreds of times fewer bytes, which
+    saves most of the step over 100 Gb/s and costs its memory traffic over 400 Gb/s."""
+    cfg = load_config(GPT_1B_MB8)
+    spec = spec_of(cfg)
+    plain = layout_from_config(cfg, 64).with_(tp=1, pp=1, vpp=1, dp=64, zero_stage=0)
+    compressed = plain.with_(grad_compression="powersgd")
+    plans = [make_plan(spec, x) for x in (plain, compressed)]
+    sent = [p.stages[0].comm["dp/all_reduce"][1] for p in plans]
+    assert sent[0] > 100 * sent[1]
+    ethernet, infiniband = (
+        Hardware(peak_flops=989e12, inter_node_bw=g * 1e9 / 8) for g in (100, 400)
+    )
+    slow = [step_time(p, ethernet).total for p in plans]
+    fast = [step_time(p, infiniband).total for p in plans]
+    assert slow[1] < 0.5 * slow[0] and fast[0] < fast[1]
+    assert plans[1].stages[0].compression_traffic > 0
+    assert plans[1].stages[0].states.compression > 0 and plans[0].stages[0].states.compression == 0
+
+
 GPT_7B = ["+experiment=gpt_7b", "model.vocab_size=32000", "trainer.micro_batch_size=2"]
 
 
@@ -425,6 +472,19 @@ def test_hybrid_sharding_pays_over_ethernet_and_costs_memory(zero):
     assert fast[1] <= fast[0] < 1.03 * fast[1]
     optimizer = [p.stages[0].states.optimizer for p in plans]
     assert optimizer[1] == pytest.approx(8 * optimizer[0], rel=0.01)
+
+
+def test_an_advised_compressed_layout_runs_as_written(config_copy, tiny):
+    layout = layout_from_config(tiny[0], 8).with_(
+        dp=8, zero_stage=1, grad_compression="powersgd", powersgd_rank=8
+    )
+    path = config_copy / "parallel" / "advised.yaml"
+    write_parallel_file(path, layout, ["model.num_layers=8"], "test")
+    p = load_config(["parallel=advised"]).parallel
+    assert (p.grad_compression, p.powersgd_rank) == ("powersgd", 8)
+    command = write_parallel_file(path, layout, ["+experiment=gpt_1b"], "test")
+    ran = layout_from_config(load_config(command.split("   ")[0].split()[3:]), 8)
+    assert (ran.grad_compression, ran.powersgd_rank) == ("powersgd", 8)
 
 
 def test_an_advised_hybrid_layout_runs_as_written(config_copy, tiny):

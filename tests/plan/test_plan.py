@@ -46,6 +46,9 @@ LAYOUTS = [
     (4, ["parallel.tp=2", "model.num_query_groups=1", "parallel.zero_stage=1"]),
     # hybrid sharding: states sharded over 2 of the 4 dp ranks, units gathered over those 2
     (4, ["parallel.zero_stage=3", "parallel.zero_shard_size=2"]),
+    # gradient compression's state: int8's error per bucket, PowerSGD's error and Q per matrix
+    (2, ["parallel.zero_stage=2", "parallel.grad_compression=int8"]),
+    (2, ["parallel.zero_stage=0", "parallel.grad_compression=powersgd"]),
 ]
 
 
@@ -57,7 +60,7 @@ def test_planned_memory_matches_measured(world, extra):
     plan = make_plan(spec_of(cfg), layout_from_config(cfg, world))
     for pp_rank, measured, _ in results:
         stage = plan.stages[pp_rank]
-        for kind in ("params", "grads", "optimizer"):
+        for kind in ("params", "grads", "optimizer", "compression"):
             planned, got = getattr(stage.states, kind), getattr(measured, kind)
             assert planned == pytest.approx(got, rel=0.02), (pp_rank, kind)
     least = activations_by_stage(results)
@@ -129,6 +132,21 @@ COMM_LAYOUTS = [
             "parallel.grad_reduce_dtype=bf16",
         ],
     ),
+    # gradient compression: PowerSGD's all-reduces of P (with the uncompressed rest) and Q per
+    # bucket; int8's all-to-all of quantised shards per reduction
+    (2, ["parallel.zero_stage=0", "parallel.grad_compression=powersgd"]),
+    (
+        4,
+        [
+            "parallel.tp=2",
+            "parallel.sp=true",
+            "parallel.zero_stage=1",
+            "parallel.grad_compression=powersgd",
+            "parallel.powersgd_rank=8",
+        ],
+    ),
+    (4, ["parallel.pp=2", "parallel.zero_stage=2", "parallel.grad_compression=int8"]),
+    (4, ["parallel.cp=2", "parallel.zero_stage=3", "parallel.grad_compression=int8"]),
     # shard groups of cp ranks only (zero_shard_size 1), replicated over dp
     (
         4,

@@ -187,6 +187,16 @@ COMM_LAYOUTS = [
             "trainer.global_batch_size=8",
         ],
     ),
+    # int8 compression of the dense and the expert reductions (each over its own group)
+    (
+        4,
+        [
+            "parallel.ep=2",
+            "parallel.zero_stage=1",
+            "parallel.grad_compression=int8",
+            "trainer.global_batch_size=8",
+        ],
+    ),
     # Megatron-LM's order: the all-to-all of each tp rank's own tokens, then the rows gathered
     (
         4,

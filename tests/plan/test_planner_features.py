@@ -10,6 +10,7 @@ OWN_FILE = {
     "cp": "context_parallel.py",
     "zero/dp": "data_parallel.py",
     "moe/ep": "moe.py",
+    "grad compression": "grad_compression.py",
 }
 # Where a feature is still named outside its own file, and why (each is the feature acting on
 # another one's tensors, not a term of its own computed elsewhere): tp shards every feature's
@@ -18,7 +19,15 @@ OWN_FILE = {
 # (data_parallel); the experts' balancing counts are summed over cp (moe); Korthikanti et al.'s
 # reference formula has one case per recompute policy (dense). Group names, the rank's cache
 # keys and per-replica counts are the layout's (layout.py, from the runtime's grid).
-MOST_FILES = {"tp/sp": 4, "pipeline/vpp": 1, "recompute": 2, "cp": 2, "zero/dp": 1, "moe/ep": 3}
+MOST_FILES = {
+    "tp/sp": 4,
+    "pipeline/vpp": 1,
+    "recompute": 2,
+    "cp": 2,
+    "zero/dp": 1,
+    "moe/ep": 3,
+    "grad compression": 1,
+}
 
 
 def test_each_feature_lives_in_its_own_file_and_spreads_no_further():

@@ -1,0 +1,95 @@
+"""Gradient compression of the dp reduction (``parallel.grad_compression``): what a compressor
+and its reductions offer, and the compressor a config asks for.
+
+- ``powersgd`` (:mod:`~megatronish.data_parallel.powersgd`): low-rank all-reduces, ZeRO 0/1.
+- ``int8`` (:mod:`~megatronish.data_parallel.int8_reduce`): a blockwise int8 reduce-scatter,
+  ZeRO 1-3.
+
+Both keep error feedback (what compression lost is added to the next step's grads), the state
+:meth:`Compressor.state_dict` hands to checkpoints: a resume on the same layout restores it and
+continues bit for bit; on another layout (dp, tp, pp, cp, ZeRO stage, buckets) it starts from
+zero (:func:`load_state`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+if TYPE_CHECKING:
+    from megatronish.data_parallel.buckets import Bucket
+    from megatronish.distributed.comm import ParallelGroup
+
+COMPRESSIONS = ("powersgd", "int8")
+
+
+class CompressedReduction(Protocol):
+    """A bucket's compressed reduction in flight."""
+
+    numel: int  # elements of the full grads it stands for
+    then: Callable[[], None] | None  # run once the result is in place
+
+    def advance(self) -> None:
+        """Start a second collective, if any (called in launch order before any finish)."""
+
+    def finish(self) -> None:
+        """Wait and write the reduced sum into the owned grads."""
+
+
+class Compressor(Protocol):
+    """Launches the compressed reductions of a rank's buckets and keeps their state."""
+
+    kind: str
+
+    def launch(
+        self,
+        bucket: Bucket,
+        full: torch.Tensor,
+        into: torch.Tensor,
+        accumulate: bool,
+        group: ParallelGroup,
+    ) -> CompressedReduction: ...
+
+    def state_dict(self) -> dict[str, torch.Tensor]: ...
+
+    def state_bytes(self) -> int: ...
+
+
+def reduced(bucket: Bucket) -> bool:
+    """Whether ``bucket`` is reduced over more than one rank (the rest is never compressed:
+    an expert held by one rank of its group, a group of one)."""
+    return bucket.dp > 1
+
+
+def make_compressor(
+    kind: str | None, buckets: list[Bucket], powersgd_rank: int, seed: int
+) -> Compressor | None:
+    """The compressor of ``parallel.grad_compression=kind`` for ``buckets`` (None: none)."""
+    if kind is None:
+        return None
+    if kind == "powersgd":
+        from megatronish.data_parallel.powersgd import PowerSGD
+
+        return PowerSGD(buckets, powersgd_rank, seed)
+    if kind == "int8":
+        from megatronish.data_parallel.int8_reduce import Int8Compressor
+
+        return Int8Compressor(buckets)
+    raise ValueError(f"grad_compression={kind!r} is not one of {', '.join(COMPRESSIONS)}")
+
+
+@torch.no_grad()
+def load_state(compressor: Compressor, saved: Mapping[str, torch.Tensor]) -> str | None:
+    """Restore ``compressor``'s state from ``saved`` (a checkpoint's, this rank's); returns why
+    it starts from zero instead (None when restored): the saved state must have the same
+    tensors and shapes, i.e. the same layout."""
+    mine = compressor.state_dict()
+    if not saved:
+        return "the checkpoint holds no error feedback of this rank"
+    if set(saved) != set(mine) or any(saved[k].shape != mine[k].shape for k in mine):
+        return "the checkpoint's error feedback belongs to another layout"
+    for key, tensor in mine.items():
+        tensor.copy_(saved[key])
+    return None

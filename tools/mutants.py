@@ -1030,7 +1030,7 @@ MUTANTS = [
         "hybrid-replica-reduce-at-step-end",
         "hybrid sharding all-reduces every shard over the replicas only when the step ends",
         "megatronish/data_parallel/zero.py",
-        (("then = self._replica_reducer(b) if last", "then = None if last"),),
+        (("then = self._replica_reducer(b) if hybrid else", "then = None if hybrid else"),),
         (
             "tests/data_parallel/test_hybrid_shard.py::test_each_shard_is_all_reduced_over_the_replicas_during_the_last_backward",
         ),
@@ -1101,6 +1101,57 @@ MUTANTS = [
         "megatronish/plan/grad_compression.py",
         (("calls += rounds_b * (1 + bool(mats))", "calls += rounds_b"),),
         ("tests/plan/test_plan.py::test_planned_communication_matches_measured",),
+    ),
+    Mutant(
+        "offload-params-not-awaited",
+        "offloaded params are used before their copy up is waited for",
+        "megatronish/data_parallel/offload.py",
+        (
+            (
+                "self.transfers.device_waits(self.up_events.pop(id(b)))",
+                "self.up_events.pop(id(b))",
+            ),
+        ),
+        (
+            "tests/data_parallel/test_optimizer_offload.py::test_the_host_update_equals_the_device_update_bit_for_bit",
+        ),
+    ),
+    Mutant(
+        "offload-grads-not-awaited",
+        "the host updates before the grads' copies down are waited for",
+        "megatronish/data_parallel/zero.py",
+        (("self.offload.transfers.host_waits()", "pass"),),
+        (
+            "tests/data_parallel/test_optimizer_offload.py::test_the_host_update_equals_the_device_update_bit_for_bit",
+        ),
+    ),
+    Mutant(
+        "offload-copy-before-average",
+        "a bucket's grads are copied down before they are averaged over dp",
+        "megatronish/data_parallel/zero.py",
+        (
+            (
+                "        grad.mul_(self.grad_scale)\n        if self.offload is not None:\n            self.offload.grads_down(b, grad)",
+                "        if self.offload is not None:\n            self.offload.grads_down(b, grad)\n        grad.mul_(self.grad_scale)",
+            ),
+        ),
+        (
+            "tests/data_parallel/test_optimizer_offload.py::test_the_host_update_equals_the_device_update_bit_for_bit",
+        ),
+    ),
+    Mutant(
+        "plan-offload-keeps-moments",
+        "the planner keeps the Adam moments on the device under offload",
+        "megatronish/plan/data_parallel.py",
+        (
+            (
+                "host, optimizer = owned * FP32 + optimizer + owned * FP32 + staging, 0",
+                "host = owned * FP32 + optimizer + owned * FP32 + staging",
+            ),
+        ),
+        (
+            "tests/data_parallel/test_optimizer_offload.py::test_the_planner_moves_the_optimizer_state_to_the_host_as_the_runtime_does",
+        ),
     ),
 ]
 

@@ -29,8 +29,8 @@ FEATURES = {
     r"\banalytic_bubble\b|\bsimulate\b|\bsplits_backward\b|\"pp/",
     "recompute": r"\blayout\.recompute\w*|\brecompute_segments\b",
     "cp": r"\blayout\.cp\b|\"cp/|\bx\.cp\b",
-    "zero/dp": r"\blayout\.(zero_stage|zero3_keep_gathered|bucket_size_mb|dp|zero_\w+)\b|\bzero\b|"
-    r"\bZERO_STAGES\b|\"dp/|\"dp_cp",
+    "zero/dp": r"\blayout\.(zero_stage|zero3_keep_gathered|bucket_size_mb|dp|zero_\w+)\b|"
+    r"\blayout\.optimizer_offload\b|\bzero\b|\bZERO_STAGES\b|\"dp/|\"dp_cp",
     "grad compression": r"\blayout\.(grad_compression|powersgd_rank)\b",
     "moe/ep": r"\bspec\.moe\b|\bis_moe_layer\b|\blayout\.(ep|edp)\b|\bexpert\w*|\"ep/|\"edp",
 }

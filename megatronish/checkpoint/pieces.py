@@ -163,7 +163,9 @@ def full_local_values(
     shards = (bucket.main_shard, optimizer.exp_avg[index], optimizer.exp_avg_sq[index])
     for shard, full in zip(shards, into or (None,) * len(shards)):
         if full is None:
-            full = torch.empty(bucket.numel, device=shard.device)
+            full = torch.empty(bucket.numel, device=bucket.device)
+        if shard.device != full.device:  # an offloaded shard: gathered on the device
+            shard = shard.to(full.device)
         all_gather_into(full, shard, dp)
         out.append(full)
     return tuple(out)

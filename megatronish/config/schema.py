@@ -98,6 +98,9 @@ class ParallelConfig:
     # reduce-scatter, error feedback; ZeRO 1-3): compress the dp grad reduction (slow links)
     grad_compression: str | None = None
     powersgd_rank: int = 4  # grad_compression=powersgd: the rank of each compressed matrix
+    # fp32 main params, Adam moments and the update of this rank's shard on the host (pinned);
+    # grads stream down per bucket, updated params up (ZeRO-Offload)
+    optimizer_offload: bool = False
     bucket_size_mb: float = 25.0  # MiB of fp32 grads per dp reduction bucket
     zero3_keep_gathered: bool = False  # zero 3: keep params gathered until the step ends
     overlap_param_gather: bool = True  # zero 1/2: updated params gathered during the next forward

@@ -19,7 +19,7 @@ that hold its parameters before its first forward of the next step.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 import torch
@@ -50,8 +50,11 @@ class ParamGatherer:
         zero_stage: ZeroStage,
         keep_gathered: bool = False,
         timers: Timers | None = None,
+        before_gather: Callable[[Bucket], None] | None = None,
     ):
         self.units_of, self.group, self.zero_stage = units_of, group, zero_stage
+        # called before a bucket's shard is gathered (offload: waits for its copy up)
+        self.before_gather = before_gather or (lambda b: None)
         self.keep_gathered = keep_gathered
         self.timers = timers or Timers.off()
         self.unit_of_param = {id(p): u for us in units_of for u in us for p in u.params}
@@ -83,6 +86,7 @@ class ParamGatherer:
             for b in unit.buckets:
                 resize_storage(b.param_flat, b.numel)
                 b.extra["grads_left"] = len(b.params)
+                self.before_gather(b)
                 work = all_gather_into(
                     b.param_flat, b.param_shard, b.group or self.group, async_op=True
                 )
@@ -203,6 +207,7 @@ class ParamGatherer:
         in the order the buckets are listed."""
         with self.timers.region("param_gather", "all-gather params"):
             for b in buckets:
+                self.before_gather(b)
                 work = all_gather_into(
                     b.param_flat, b.param_shard, b.group or self.group, async_op=True
                 )

@@ -35,6 +35,7 @@ the grad norm and writes it to checkpoints.
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 import torch
@@ -53,6 +54,7 @@ from megatronish.data_parallel.grads import (
     sum_partial_grads_over_tp,
     tied_rule,
 )
+from megatronish.data_parallel.offload import OptimizerOffload, Transfers, transfers_for
 from megatronish.data_parallel.param_gather import ParamGatherer
 from megatronish.data_parallel.param_units import chunk_visits
 from megatronish.data_parallel.stages import ZERO_STAGES
@@ -82,8 +84,11 @@ class ZeroDataParallel:
         grad_compression: str | None = None,
         powersgd_rank: int = 4,
         seed: int = 0,
+        optimizer_offload: bool = False,
+        transfers: Transfers | None = None,
     ):
         self.chunks, self.topo = chunks, topo
+        self.offload: OptimizerOffload | None = None  # set below (parallel.optimizer_offload)
         self.zero_stage = zs = ZERO_STAGES[stage]  # what it shards
         self.keep_gathered = keep_gathered
         self.overlap_param_gather = overlap_param_gather
@@ -129,11 +134,22 @@ class ZeroDataParallel:
             units_of.append(units)
             visits_of.append(visits)
         self.hybrid = self.replicas.size > 1
+        # parallel.optimizer_offload: main params, moments and the update on the host
+        if optimizer_offload:
+            owned = [self._owned(b) for b in self.buckets]
+            moves = transfers or transfers_for(topo.device)
+            self.offload = OptimizerOffload(self.buckets, owned, param_dtype, moves)
+        self.main_elsewhere = self.separate_main or self.offload is not None
         # parallel.grad_compression: its error feedback (and PowerSGD's Q) per bucket
         self.compressor = make_compressor(grad_compression, self.buckets, powersgd_rank, seed)
+        # Hybrid sharding and offload act on each bucket once its reduction is finished: the
+        # reductions are finished in order during the backward, as under ZeRO 2/3.
+        bounded = self.hybrid or self.offload is not None
         self.reducer = GradReducer(
-            dp, zs, reduce_dtype, self.timers, bounded=self.hybrid, compressor=self.compressor
+            dp, zs, reduce_dtype, self.timers, bounded=bounded, compressor=self.compressor
         )
+        self.grad_scale = 1.0 / topo.dp_cp  # each rank's loss is its own tokens' mean
+        self.finalized: set[int] = set()  # buckets whose grads this step are final
         self.num_microbatches = 1
         # hybrid sharding: the shards' all-reduces over the replicas in flight, and the buckets
         # whose all-reduce this step has started
@@ -145,7 +161,9 @@ class ZeroDataParallel:
         self.gatherer = None
         sharded = dp.size > 1 or edp.size > 1
         if zs.shards_params or (zs.gathers_after_update and overlap_param_gather and sharded):
-            self.gatherer = ParamGatherer(units_of, visits_of, dp, zs, keep_gathered, self.timers)
+            self.gatherer = ParamGatherer(
+                units_of, visits_of, dp, zs, keep_gathered, self.timers, self._await_params
+            )
         self.units_of = units_of
 
     @property
@@ -252,6 +270,7 @@ class ZeroDataParallel:
         """Zero grads and arm the hooks for a step of ``num_microbatches``."""
         self.num_microbatches = num_microbatches
         self.replica_started.clear()
+        self.finalized.clear()
         for b in self.buckets:
             b.extra["rounds"] = 0
             if self._per_microbatch(b):
@@ -271,7 +290,10 @@ class ZeroDataParallel:
         rounds = b.extra["rounds"]
         b.extra["rounds"] = rounds + 1
         last = not self._per_microbatch(b) or rounds + 1 == self.num_microbatches
-        then = self._replica_reducer(b) if last and b.replicas is not None and self.hybrid else None
+        then = None
+        if last:
+            hybrid = self.hybrid and b.replicas is not None
+            then = self._replica_reducer(b) if hybrid else functools.partial(self._final, b)
         if self.zero_stage.reduces_per_microbatch:
             full = b.grad_flat
             self._drop_grad_buffer(b)  # the reduction holds it until done
@@ -290,9 +312,19 @@ class ZeroDataParallel:
         def start() -> None:
             self.replica_started.add(id(b))
             launched = ReplicaReduction.launch(self.owned_grad(b), self.replicas, self.reduce_dtype)
+            launched.then = functools.partial(self._final, b)
             self.replica_reductions.append(launched)
 
         return start
+
+    def _final(self, b: Bucket) -> None:
+        """``b``'s grads of the step are reduced: average them, and (offload) start their copy
+        to the host."""
+        self.finalized.add(id(b))
+        grad = self.owned_grad(b)
+        grad.mul_(self.grad_scale)
+        if self.offload is not None:
+            self.offload.grads_down(b, grad)
 
     def finish_reduction(self) -> None:
         """Wait for every reduction; sum late buckets over tp / the embedding group first."""
@@ -322,9 +354,9 @@ class ZeroDataParallel:
             reductions, self.replica_reductions = self.replica_reductions, []
             for reduction in reductions:
                 reduction.finish()
-        scale = 1.0 / self.topo.dp_cp  # each rank's loss is its own tokens' mean
-        for b in self.buckets:
-            self.owned_grad(b).mul_(scale)
+        for b in self.buckets:  # those no reduction finished as the step's last
+            if id(b) not in self.finalized:
+                self._final(b)
 
     def owned_grad(self, b: Bucket) -> torch.Tensor:
         return b.grad_shard if self.zero_stage.shards_optimizer_state else b.grad_flat
@@ -342,15 +374,35 @@ class ZeroDataParallel:
         owned = ((self.owned_grad(b), b.norm_ranges) for b in self.buckets)
         return global_grad_norm(owned, group, self.topo.device, self.timers, local_fault)
 
+    @property
+    def optimizer_device(self) -> torch.device:
+        """Where the optimizer's state and update live: the host under offload."""
+        return torch.device("cpu") if self.offload is not None else self.topo.device
+
     def optimizer_shards(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """``(fp32 main params, fp32 grads, decay ranges)`` of this rank's owned part."""
+        """``(fp32 main params, fp32 grads, decay ranges)`` of this rank's owned part (on the
+        host under offload)."""
+        if self.offload is not None:
+            return [(b.main_shard, self.offload.host_grad(b), b.decay_ranges) for b in self.buckets]
         return [(b.main_shard, self.owned_grad(b), b.decay_ranges) for b in self.buckets]
+
+    def update_inputs(
+        self, grad_scale: torch.Tensor | None, found_inf: torch.Tensor
+    ) -> tuple[list, torch.Tensor | None, torch.Tensor]:
+        """``(optimizer shards, grad scale, found_inf)`` for the update, where it runs: under
+        offload the host waits here for the grads' copies (and reads the two scalars)."""
+        if self.offload is None:
+            return self.optimizer_shards(), grad_scale, found_inf
+        self.offload.transfers.host_waits()
+        host = torch.device("cpu")
+        scale = None if grad_scale is None else grad_scale.to(host)
+        return self.optimizer_shards(), scale, found_inf.to(host)
 
     def model_load_targets(self) -> list[tuple[torch.Tensor, int, int]]:
         """Where a checkpoint's parameter values go, per bucket: ``(dest, lo, hi)`` for
         elements ``[lo, hi)`` of the bucket; call :meth:`params_from_main` after loading."""
         self.finish_param_gather()
-        if self.separate_main:
+        if self.main_elsewhere:
             return [(b.main_shard, *self._owned(b)) for b in self.buckets]
         if not self.zero_stage.shards_params:  # every rank holds the whole bucket's params
             return [(b.param_flat, 0, b.numel) for b in self.buckets]
@@ -359,7 +411,7 @@ class ZeroDataParallel:
     @torch.no_grad()
     def params_from_main(self) -> None:
         """Cast the main params into the model's params and make them whole (after a load)."""
-        if self.separate_main:
+        if self.main_elsewhere:
             self._cast_main()
             self._gather_updated()
             self.finish_param_gather()
@@ -372,10 +424,17 @@ class ZeroDataParallel:
     @torch.no_grad()
     def after_update(self) -> None:
         """Make every rank's params whole again (zero 1/2, overlapping the next forward when
-        ``overlap_param_gather``); zero 3 keeps shards."""
-        if self.separate_main:
+        ``overlap_param_gather``); zero 3 keeps shards. Under offload the updated shards are
+        copied up bucket by bucket in forward order, each waited for before its first use."""
+        if self.offload is not None:
+            for b in [b for bs in self.buckets_of for b in reversed(bs)]:  # forward order
+                self.offload.params_up(b)
+        elif self.separate_main:
             self._cast_main()
         self._gather_updated()
+        if self.offload is not None and not self.zero_stage.shards_params:
+            for b in self.buckets:  # zero 3's gathers wait for their own
+                self.offload.await_params(b)
         self.release_all()
 
     def _gather_updated(self) -> None:
@@ -387,7 +446,13 @@ class ZeroDataParallel:
             return
         with self.timers.region("param_gather", "all-gather params"):
             for b in self.buckets:
+                self._await_params(b)
                 all_gather_into(b.param_flat, b.param_shard, b.group)  # in place
+
+    def _await_params(self, b: Bucket) -> None:
+        """Offload: the device's next use of ``b``'s shard waits for its copy up."""
+        if self.offload is not None:
+            self.offload.await_params(b)
 
     # -- accounting -------------------------------------------------------------------------
     def state_bytes(self) -> dict[str, int]:
@@ -397,11 +462,12 @@ class ZeroDataParallel:
         for b in self.buckets:
             model = b.param_shard if self.zero_stage.shards_params else b.param_flat
             params += model.numel() * model.element_size()
-            if self.separate_main:
+            if self.separate_main and self.offload is None:
                 params += b.main_shard.numel() * 4
             if b.grad_flat is not None:
                 grads += b.grad_flat.numel() * 4
             if self.zero_stage.shards_grads:
                 grads += b.grad_shard.numel() * 4
         compression = self.compressor.state_bytes() if self.compressor is not None else 0
-        return {"params": params, "grads": grads, "compression": compression}
+        host = self.offload.host_bytes() if self.offload is not None else 0
+        return {"params": params, "grads": grads, "compression": compression, "host": host}

@@ -18,7 +18,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from megatronish.config.schema import TrainConfig
 from megatronish.plan.candidates import valid_layouts
@@ -70,6 +70,7 @@ class Advice:
     too_big: int  # planned layouts that do not fit
     ranked: list[Ranked]  # planned layouts that fit, fastest first
     least_peak: int = 0  # the smallest planned peak of a layout that does not fit
+    offloaded: bool = False  # nothing fit on the device: these have their optimizer on the host
 
     def best_of_each_shape(self) -> list[Ranked]:
         """The fastest layout of every (tp, cp, pp, ep), fastest first."""
@@ -94,18 +95,46 @@ def advise(
     """Rank the layouts of ``cfg``'s job on ``world_size`` ranks that fit ``device_bytes`` per
     rank; planning stops once the fastest layouts of ``top + 1`` (tp, cp, pp, ep) shapes are
     known (the last listed one needs a runner-up). ``planner``: one of ``spec`` whose plans
-    earlier calls made (a device of another size or speed needs no new plans)."""
+    earlier calls made (a device of another size or speed needs no new plans). When no layout
+    fits, the same layouts are ranked once more with their optimizer offloaded to the host
+    (``offloaded``: slower, so only then)."""
     layouts = valid_layouts(cfg, world_size, spec.vocab_size, hw.gpus_per_node)
+    planner = planner or Planner(spec)
+    advice = _rank(spec, layouts, hw, device_bytes, runtime_bytes, top, planner)
+    if advice.ranked or not layouts:
+        return advice
+    offloaded = [x.with_(optimizer_offload=True) for x in layouts]
+    again = _rank(spec, offloaded, hw, device_bytes, runtime_bytes, top, planner)
+    return replace(
+        again,
+        planned=advice.planned + again.planned,
+        too_big=advice.too_big + again.too_big,
+        least_peak=min(advice.least_peak, again.least_peak) or again.least_peak,
+        offloaded=True,
+    )
+
+
+def _rank(
+    spec: ModelSpec,
+    layouts: list[Layout],
+    hw: Hardware,
+    device_bytes: int,
+    runtime_bytes: int,
+    top: int,
+    planner: Planner,
+) -> Advice:
+    """:func:`advise`'s ranking of ``layouts``."""
     bound_of: dict[Layout, float] = {}  # the bound has no dp term: ZeRO stages share it
 
     def bound(lay: Layout) -> float:
-        key = lay.with_(zero_stage=0, zero_shard_size=None, grad_compression=None)
+        key = lay.with_(
+            zero_stage=0, zero_shard_size=None, grad_compression=None, optimizer_offload=False
+        )
         if key not in bound_of:
             bound_of[key] = lower_bound(spec, key, hw)
         return bound_of[key]
 
     bounds = sorted((bound(lay), i) for i, lay in enumerate(layouts))
-    planner = planner or Planner(spec)
     ranked: list[Ranked] = []
     best: dict[tuple, float] = {}  # fastest time of each shape
     bar = math.inf  # the (top + 1)-th fastest shape's time
@@ -181,7 +210,8 @@ def fit_phrase(r: Ranked) -> str:
     lay = r.layout
     extra = f" and {lay.recompute} recompute" if lay.recompute != "none" else ""
     hybrid = f" over {lay.zero_shard_size} dp ranks" if lay.zero_replicas > 1 else ""
-    return f"fits with zero {lay.zero_stage}{hybrid}{extra}"
+    offload = ", the optimizer on the host" if lay.optimizer_offload else ""
+    return f"fits with zero {lay.zero_stage}{hybrid}{offload}{extra}"
 
 
 def reason(win: Ranked, runner_up: Ranked | None, hw: Hardware) -> str:

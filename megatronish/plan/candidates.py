@@ -65,6 +65,7 @@ def _with_layout(view: SimpleNamespace, layout: Layout) -> SimpleNamespace:
     p.cp_a2a_size = layout.cp_a2a_size if layout.cp_comm_type == "a2a_ring" else None
     p.zero_shard_size = layout.zero_shard_size
     p.grad_compression, p.powersgd_rank = layout.grad_compression, layout.powersgd_rank
+    p.optimizer_offload = layout.optimizer_offload
     t = SimpleNamespace(**vars(view.trainer))
     t.micro_batch_size, t.recompute = layout.micro_batch_size, layout.recompute
     t.recompute_method, t.recompute_num_layers = layout.recompute_method, 1
@@ -229,6 +230,8 @@ def _base_config(cfg: TrainConfig):
         base.parallel.zero_shard_size = None
     if "grad_compression" in base.parallel:
         base.parallel.grad_compression = None
+    if "optimizer_offload" in base.parallel:
+        base.parallel.optimizer_offload = False
     return base
 
 

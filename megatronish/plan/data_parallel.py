@@ -52,6 +52,7 @@ from megatronish.plan.recompute import peaks_in_backward, policy, segments
 from megatronish.spec import ModelSpec
 
 FP32 = 4
+HOST_ADAM_BYTES = 28  # torch's fused AdamW per element: reads param, grad, m, v; writes p, m, v
 
 
 def zero_stage(layout: Layout) -> ZeroStage:
@@ -89,6 +90,10 @@ class StateBytes:
     largest_shard_numel: int = 0  # the largest bucket's slice a rank owns under zero >= 1
     experts: int = 0  # of ``total``: the experts' params, grads and Adam moments
     compression: int = 0  # the gradient compression's error feedback (and PowerSGD's Q)
+    # optimizer offload: pinned host bytes (fp32 main params, Adam moments, the grads copied
+    # down, the updated params' staging copy in the model's dtype); not part of ``total``
+    host: int = 0
+    owned_numel: int = 0  # elements whose optimizer state (and update) this rank holds
 
     @property
     def total(self) -> int:
@@ -146,6 +151,11 @@ def state_bytes(
     model = layout.activation_bytes  # the model's params: fp32, or bf16 beside fp32 main params
     params, grads, optimizer = _held(buckets, stage, model)
     experts = sum(_held([[b for bs in buckets for b in bs if b.expert]], stage, model))
+    host, owned = 0, _owned_numel(buckets, stage)
+    if layout.optimizer_offload:  # main params, moments and the grads copied down: host
+        staging = owned * model if model != FP32 else 0
+        params -= owned * FP32 if model != FP32 else 0
+        host, optimizer = owned * FP32 + optimizer + owned * FP32 + staging, 0
     compression = grad_compression.state_bytes(layout, buckets)
     grads_step = step_grad_numel(buckets) * FP32 if stage.shards_grads else 0
     # Activations peak at the end of a forward, when only the late buckets (reduced at the end
@@ -169,7 +179,16 @@ def state_bytes(
         largest_shard_numel=max(b.numel // b.dp for bs in buckets for b in bs),
         experts=experts,
         compression=compression,
+        host=host,
+        owned_numel=owned,
     )
+
+
+def _owned_numel(buckets: list[list[Bucket]], stage: ZeroStage) -> int:
+    """Elements of ``buckets`` whose optimizer state a rank holds (its shards, or all)."""
+    if stage.shards_optimizer_state:
+        return sum(b.numel // b.dp for bs in buckets for b in bs)
+    return sum(b.numel for bs in buckets for b in bs)
 
 
 def _held(buckets: list[list[Bucket]], stage: ZeroStage, model: int) -> tuple[int, int, int]:
@@ -195,6 +214,7 @@ def states_key(layout: Layout) -> tuple:
     return (
         layout.dp_cp,
         layout.zero_shard_ranks,
+        layout.optimizer_offload,
         grad_compression.state_key(layout),
         layout.zero_stage,
         layout.bucket_size_mb,
@@ -415,6 +435,25 @@ def compression_traffic(layout: Layout, buckets: list[list[Bucket]]) -> int:
 
 
 # -- step time --------------------------------------------------------------------------------
+
+
+def offload_time(
+    layout: Layout, states: StateBytes, hw: Hardware, compute: float, recompute: float
+) -> float:
+    """Optimizer offload's exposed seconds per step: the host's update (torch's fused AdamW
+    reads and writes :data:`HOST_ADAM_BYTES` per owned element at ``hw.host_memory_bw``, between
+    the backward and the next forward), and the copies that do not hide: the grads going down
+    behind the last backward, the params coming up behind the next first forward, over
+    ``hw.pcie_bw`` each way."""
+    if not layout.optimizer_offload:
+        return 0.0
+    owned = states.owned_numel
+    update = owned * HOST_ADAM_BYTES / hw.host_memory_bw
+    down = owned * FP32 / hw.pcie_bw
+    up = owned * layout.activation_bytes / hw.pcie_bw
+    backward = (2 * compute / 3 + recompute) / layout.num_microbatches
+    forward = compute / 3 / layout.num_microbatches
+    return update + max(0.0, down - backward) + max(0.0, up - forward)
 
 
 def exposed_dp_time(

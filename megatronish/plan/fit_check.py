@@ -47,6 +47,8 @@ def _changes(cfg: TrainConfig, world: int) -> list[tuple[str, dict]]:
     if t.micro_batch_size > 1:
         mbs = t.micro_batch_size // 2
         out.append((f"trainer.micro_batch_size={mbs}", {"trainer.micro_batch_size": mbs}))
+    if not p.get("optimizer_offload", False):
+        out.append(("parallel.optimizer_offload=true", {"parallel.optimizer_offload": True}))
     return out
 
 
@@ -105,10 +107,30 @@ def memory_fit_error(
     else:
         lines.append(
             "No combination of up to three changes (tp, cp, pp, ep, sp, zero stage, recompute, "
-            "micro batch) fits on this many ranks: use more devices or a smaller model."
+            "micro batch, optimizer offload) fits on this many ranks: use more devices or a "
+            "smaller model."
         )
     lines.append(
         "`python -m megatronish.plan` with the same overrides prints the full plan; "
         "trainer.check_memory=false skips this check."
     )
     return "\n".join(lines)
+
+
+def host_fit_error(cfg, world: int, vocab: int, local_ranks: int, available: int) -> str | None:
+    """None when the host state of optimizer offload (``parallel.optimizer_offload``) of the
+    ``local_ranks`` ranks on this host fits in its ``available`` bytes; else the message to stop
+    with (one line)."""
+    if not cfg.parallel.get("optimizer_offload", False):
+        return None
+    plan = make_plan(spec_of(cfg, vocab), layout_from_config(cfg, world))
+    per_rank = max(s.states.host for s in plan.stages)
+    if per_rank * local_ranks <= available:
+        return None
+    return (
+        f"parallel.optimizer_offload=true keeps about {per_rank / GiB:.1f} GiB of pinned host "
+        f"memory per rank ({local_ranks} rank(s) here: {per_rank * local_ranks / GiB:.1f} GiB) "
+        f"but this host has {available / GiB:.1f} GiB available: shard the optimizer over more "
+        "ranks (a higher parallel.zero_stage, more dp ranks) or set parallel.optimizer_offload="
+        "false"
+    )

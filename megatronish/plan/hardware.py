@@ -26,6 +26,8 @@ class Hardware:
     inter_node_bw: float = 50e9  # bytes/s per device and direction (one 400 Gb/s NIC per GPU)
     latency_s: float = 5e-6  # per collective call or pipeline message
     shared_cores: float | None = None  # CPU: all ranks share this many cores; None: a device each
+    pcie_bw: float = 25e9  # bytes/s per device and direction to its host (optimizer offload)
+    host_memory_bw: float = 12.5e9  # bytes/s of host memory a rank's CPU update gets (offload)
 
 
 def ring_factor(op: str, n: int) -> float:

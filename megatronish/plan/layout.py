@@ -48,6 +48,7 @@ class Layout:
     zero_shard_size: int | None = None  # parallel.zero_shard_size: hybrid sharding's dp ranks
     grad_compression: str | None = None  # parallel.grad_compression: powersgd | int8
     powersgd_rank: int = 4  # parallel.powersgd_rank (grad_compression=powersgd)
+    optimizer_offload: bool = False  # parallel.optimizer_offload: the update on the host
 
     @property
     def world_size(self) -> int:
@@ -188,6 +189,8 @@ class Layout:
             parts[-1] += f"/shard{self.zero_shard_size}"
         if self.compression_name is not None:
             parts.append(self.compression_name)
+        if self.optimizer_offload:
+            parts.append("offload")
         if self.sequence_parallel:
             parts.append("sp")
             if self.moe_dispatch_order == "ep_first":
@@ -239,6 +242,7 @@ def layout_from_config(cfg: TrainConfig, world_size: int) -> Layout:
         zero_shard_size=_hybrid_shard(getattr(p, "zero_shard_size", None), d.dp),
         grad_compression=getattr(p, "grad_compression", None),
         powersgd_rank=getattr(p, "powersgd_rank", 4),
+        optimizer_offload=bool(getattr(p, "optimizer_offload", False)),
     )
 
 

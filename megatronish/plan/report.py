@@ -233,6 +233,14 @@ def advice_report(
         hardware_line(hw, world_size, device_bytes, runtime),
         f"{advice.valid} valid layouts; {advice.planned} planned ({skipped} could not reach the "
         f"top {top}), {advice.too_big} of them do not fit, {len(advice.ranked)} do.",
+        *(
+            [
+                "No layout fits with its optimizer on the device: these keep the fp32 main "
+                "params, Adam moments and update on the host (parallel.optimizer_offload=true)."
+            ]
+            if advice.offloaded
+            else []
+        ),
         f"Fastest layout of each {shape} ({min(top, len(best))} of {len(best)} shown); the "
         "terms add up to the step; 'why' compares a row with the next:",
         "",
@@ -277,6 +285,8 @@ def parallel_values(layout: Layout, ep: bool = False) -> dict[str, object]:
         out["grad_compression"] = layout.grad_compression
     if layout.grad_compression == "powersgd":
         out["powersgd_rank"] = layout.powersgd_rank
+    if ep or layout.optimizer_offload:
+        out["optimizer_offload"] = layout.optimizer_offload
     return {**out, "ep": layout.ep} if ep or layout.ep > 1 else out
 
 
@@ -342,6 +352,7 @@ def run_overrides(overrides: list[str], layout: Layout, name: str | None) -> lis
             "cp_a2a_size": None,
             "zero_shard_size": None,
             "grad_compression": None,
+            "optimizer_offload": False,
         }
         if cfg is not None and all(
             cfg.parallel.get(k, defaults.get(k, 1)) == v
@@ -366,6 +377,8 @@ def run_overrides(overrides: list[str], layout: Layout, name: str | None) -> lis
         explicit.append("parallel.zero_shard_size=null")
     if layout.grad_compression is None and composed.get("grad_compression") is not None:
         explicit.append("parallel.grad_compression=null")
+    if not layout.optimizer_offload and composed.get("optimizer_offload"):
+        explicit.append("parallel.optimizer_offload=false")
     return [*kept, *explicit]
 
 

@@ -71,6 +71,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from megatronish.plan import context_parallel, data_parallel, dense, moe, pipeline, recompute
+from megatronish.plan.data_parallel import StateBytes
 from megatronish.plan.estimate import Plan
 from megatronish.plan.hardware import Hardware, add_volumes, comm_time, slowdown
 from megatronish.plan.layout import Layout
@@ -138,10 +139,11 @@ def _stage_time(
     volume: dict,
     hw: Hardware,
     compression_traffic: int = 0,
+    states: StateBytes | None = None,
 ) -> _Stage:
-    """One stage's terms from its communication ``volume`` (``{"group/op": (calls, bytes)}``)
-    and the bytes its gradient compression reads and writes (at the memory bandwidth, exposed
-    at the end of the step)."""
+    """One stage's terms from its communication ``volume`` (``{"group/op": (calls, bytes)}``),
+    the bytes its gradient compression reads and writes (at the memory bandwidth, exposed at the
+    end of the step) and its ``states`` (optimizer offload's host update and copies)."""
     slow = slowdown(layout, hw)
     layers = pipeline.stage_layers(spec, layout, pp_rank)
     rate = hw.peak_flops * efficiency(spec, layout, hw, *layers) / slow
@@ -161,6 +163,8 @@ def _stage_time(
         spec, layout, hw, times, volume, compute, recompute_s, pipeline.embedding_time(times)
     )
     end += compression_traffic / hw.memory_bw * slow
+    if states is not None:
+        end += data_parallel.offload_time(layout, states, hw, compute, recompute_s) * slow
     return _Stage(compute, recompute_s, tp, cp, zero3, end, ep)
 
 
@@ -182,7 +186,8 @@ def step_time(plan: Plan, hw: Hardware) -> StepTime:
     """The model's step time of ``plan`` (see the module docstring)."""
     lay, spec = plan.layout, plan.spec
     stages = [
-        _stage_time(spec, lay, s.pp_rank, s.comm, hw, s.compression_traffic) for s in plan.stages
+        _stage_time(spec, lay, s.pp_rank, s.comm, hw, s.compression_traffic, s.states)
+        for s in plan.stages
     ]
     pp = pipeline.exposed_pp_time(lay, [s.comm for s in plan.stages], hw)
     return _combine(lay, plan.bubble, stages, pp, hw)

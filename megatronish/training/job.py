@@ -77,9 +77,10 @@ def build_data(cfg: TrainConfig, topo: Topology, launch: LaunchEnv):
 
 def check_memory_fits(cfg: TrainConfig, launch: LaunchEnv, topo: Topology, vocab: int) -> None:
     """Stop every rank, before the model is allocated, when the planner says a rank's peak
-    exceeds its device memory (GPU memory, or this host's available RAM shared by its ranks)."""
-    from megatronish.plan.devices import local_device_memory
-    from megatronish.plan.fit_check import LayoutDoesNotFit, memory_fit_error
+    exceeds its device memory (GPU memory, or this host's available RAM shared by its ranks), or
+    the host's ranks' offloaded optimizer state exceeds its available RAM."""
+    from megatronish.plan.devices import available_ram_bytes, local_device_memory
+    from megatronish.plan.fit_check import LayoutDoesNotFit, host_fit_error, memory_fit_error
 
     local = int(os.environ.get("LOCAL_WORLD_SIZE", launch.world_size))
     budget, runtime = local_device_memory(str(topo.device), local)
@@ -87,6 +88,9 @@ def check_memory_fits(cfg: TrainConfig, launch: LaunchEnv, topo: Topology, vocab
     error = None
     if budget is not None:  # unknown on hosts without /proc/meminfo: nothing to check against
         error = memory_fit_error(cfg, launch.world_size, vocab, budget, runtime, where)
+    ram = available_ram_bytes()
+    if error is None and ram is not None:  # optimizer offload's pinned host memory
+        error = host_fit_error(cfg, launch.world_size, vocab, local, ram)
     try:
         agree(error, topo.world_group)
     except PeerError as e:

@@ -30,6 +30,7 @@ from megatronish.data.documents import (
     kept_targets,
     loss_divisor,
 )
+from megatronish.data_parallel.offload import Transfers
 from megatronish.data_parallel.zero import ZeroDataParallel
 from megatronish.distributed.comm import all_reduce
 from megatronish.distributed.p2p import BatchedP2P
@@ -99,11 +100,13 @@ class Trainer:
         stop: StopRequest | None = None,
         rng: RNGTracker | None = None,
         eod_id: int | None = None,
+        transfers: Transfers | None = None,
     ):
         """``saving``: checkpoints go to ``checkpoint.dir`` (periodic, final and asynchronous
         saves from :meth:`fit`); ``stop``: a :class:`StopRequest` asked at every step boundary;
         ``rng``: the model's RNG streams, which checkpoints save and a load restores (None:
-        neither); ``eod_id``: the tokenizer's end-of-document id (packed-document options)."""
+        neither); ``eod_id``: the tokenizer's end-of-document id (packed-document options);
+        ``transfers``: optimizer offload's copy layer (None: the device's own)."""
         self.cfg, self.topo, self.spec, self.derived = cfg, topo, spec, derived
         self.chunks = chunks
         self.train_data, self.valid_data = train_data, valid_data
@@ -131,10 +134,12 @@ class Trainer:
             grad_compression=p.grad_compression,
             powersgd_rank=p.powersgd_rank,
             seed=cfg.trainer.seed,
+            optimizer_offload=p.optimizer_offload,
+            transfers=transfers,
         )
         self.optimizer = ShardedAdamW(
             [shard.numel() for shard, _, _ in self.zero.optimizer_shards()],
-            topo.device,
+            self.zero.optimizer_device,
             betas=(o.beta1, o.beta2),
             eps=o.eps,
             weight_decay=o.weight_decay,
@@ -309,7 +314,8 @@ class Trainer:
             loss = torch.full_like(norm, float("nan"))
         pair = torch.stack([loss.float(), norm])
         copied = queue_host_copy(self.readback, pair)
-        self.optimizer.step(self.zero.optimizer_shards(), lr, grad_scale=clip, found_inf=found_inf)
+        shards, clip, found_inf = self.zero.update_inputs(clip, found_inf)
+        self.optimizer.step(shards, lr, grad_scale=clip, found_inf=found_inf)
         self.timers.stop("optimizer")
         self.zero.after_update()
         self.state.step += 1

@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 from megatronish.config import compose
 from megatronish.config.compose import load_config
 from megatronish.config.validate import config_errors
-from megatronish.plan.advisor import Ranked, advise, reason
+from megatronish.plan.advisor import Ranked, advise, fit_phrase, reason
 from megatronish.plan.candidates import (
     MICRO_BATCH_SIZES,
     divisors,
@@ -501,3 +501,38 @@ def test_an_advised_hybrid_layout_runs_as_written(config_copy, tiny):
     command = write_parallel_file(path, plain, ["parallel.zero_shard_size=2"], "test")
     assert "zero_shard_size" not in command
     assert load_config(["parallel=advised"]).parallel.zero_shard_size is None
+
+
+def test_the_advisor_offloads_the_optimizer_only_when_nothing_fits_without():
+    cfg = tiny_config(["trainer.global_batch_size=4"], 1)
+    spec = spec_of(cfg)
+    planner = Planner(spec)
+    layouts = valid_layouts(cfg, 2)
+    plain = min(planner.plan(x, representative=True).peak_bytes for x in layouts)
+    offloaded = [x.with_(optimizer_offload=True) for x in layouts]
+    least = min(planner.plan(x, representative=True).peak_bytes for x in offloaded)
+    assert least < plain
+    tight = advise(cfg, spec, 2, H100, device_bytes=plain - 1, runtime_bytes=0, planner=planner)
+    assert tight.offloaded and tight.ranked
+    assert all(r.layout.optimizer_offload for r in tight.ranked)
+    assert "the optimizer on the host" in fit_phrase(tight.ranked[0])
+    roomy = advise(cfg, spec, 2, H100, device_bytes=2**40, runtime_bytes=0, planner=planner)
+    assert not roomy.offloaded and not any(r.layout.optimizer_offload for r in roomy.ranked)
+
+
+def test_offload_fits_gpt_7b_on_two_gpus_without_recompute():
+    """gpt_7b, dp 2, ZeRO 3, micro batch 1 on 80 GB: without recompute the optimizer state
+    is what does not fit; offloaded it fits and beats full recompute's step."""
+    cfg = load_config(["+experiment=gpt_7b", "model.vocab_size=32000"])
+    spec = spec_of(cfg)
+    base = layout_from_config(cfg, 8).with_(
+        tp=1, pp=1, vpp=1, dp=2, zero_stage=3, micro_batch_size=1, recompute="none"
+    )
+    device, runtime = 79 * GiB, int(1.5 * GiB)
+    plain, offloaded = (make_plan(spec, base.with_(optimizer_offload=o)) for o in (False, True))
+    recomputed = make_plan(spec, base.with_(recompute="full"))
+    assert not plain.fits(device, runtime) and offloaded.fits(device, runtime)
+    assert recomputed.fits(device, runtime)
+    times = [step_time(p, H100).total for p in (plain, offloaded, recomputed)]
+    assert times[0] < times[1] < times[2]
+    assert offloaded.stages[0].states.host > 50 * GiB  # what the host holds instead

@@ -12,7 +12,12 @@ from megatronish.distributed.launch import detect_launch
 from megatronish.distributed.topology import Topology
 from megatronish.plan import devices
 from megatronish.plan.estimate import make_plan
-from megatronish.plan.fit_check import LayoutDoesNotFit, fitting_options, memory_fit_error
+from megatronish.plan.fit_check import (
+    LayoutDoesNotFit,
+    fitting_options,
+    host_fit_error,
+    memory_fit_error,
+)
 from megatronish.plan.layout import layout_from_config, spec_of
 from megatronish.testing.multiproc import run_world
 from megatronish.testing.runs import test_config as tiny_config
@@ -108,3 +113,14 @@ def test_available_ram_reads_meminfo(tmp_path):
     info.write_text("MemTotal: 100 kB\nMemAvailable:   2048 kB\n")
     assert devices.available_ram_bytes(str(info)) == 2048 * 1024
     assert devices.available_ram_bytes(str(tmp_path / "missing")) is None
+
+
+def test_offload_stops_before_start_when_the_host_cannot_hold_its_ranks_state():
+    cfg = load_config(["+experiment=gpt_7b", "model.vocab_size=32000", "parallel.zero_stage=3"])
+    assert host_fit_error(cfg, 8, 32000, 8, 2**40) is None  # offload off: nothing to check
+    cfg.parallel.optimizer_offload = True
+    assert host_fit_error(cfg, 8, 32000, 8, 2**40) is None
+    error = host_fit_error(cfg, 8, 32000, 8, 64 * 2**30)
+    assert error.startswith("parallel.optimizer_offload=true keeps about 14.1 GiB of pinned host")
+    assert "(8 rank(s) here: 113.0 GiB) but this host has 64.0 GiB available" in error
+    assert "\n" not in error

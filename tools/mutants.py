@@ -1131,8 +1131,10 @@ MUTANTS = [
         "megatronish/data_parallel/zero.py",
         (
             (
-                "        grad.mul_(self.grad_scale)\n        if self.offload is not None:\n            self.offload.grads_down(b, grad)",
-                "        if self.offload is not None:\n            self.offload.grads_down(b, grad)\n        grad.mul_(self.grad_scale)",
+                "        grad.mul_(self.grad_scale)\n        if self.offload is not None:\n"
+                "            self.offload.grads_down(b, grad)",
+                "        if self.offload is not None:\n"
+                "            self.offload.grads_down(b, grad)\n        grad.mul_(self.grad_scale)",
             ),
         ),
         (

@@ -146,6 +146,7 @@ class ReplicaReduction:
     work: NamedWork | None
     wire: torch.Tensor  # the shard, or its copy in the reduction dtype
     shard: torch.Tensor
+    then: Callable[[], None] | None = None  # run once the shard holds the sum
 
     @classmethod
     def launch(
@@ -159,3 +160,5 @@ class ReplicaReduction:
             self.work.wait()
         if self.wire is not self.shard:
             self.shard.copy_(self.wire)
+        if self.then is not None:
+            self.then()

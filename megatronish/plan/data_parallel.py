@@ -8,7 +8,9 @@ holds, ZeRO 3's gathered params, the dp collectives, and how much of them a step
   Grads and both Adam moments are fp32; under bf16 the model's params are bf16 and the optimizer
   keeps fp32 main params of its shard. ZeRO shards over dp x cp (hybrid sharding: over cp x
   ``zero_shard_size`` of them); expert buckets over the expert-data-parallel ranks (``dp * cp /
-  ep``, :mod:`~megatronish.plan.moe`).
+  ep``, :mod:`~megatronish.plan.moe`). Optimizer offload moves the fp32 main params and the
+  moments to the host (``host``, with the grads copied down and a staging copy of the params),
+  out of the device's total.
 - **ZeRO 3's gathered params** replay :class:`~megatronish.data_parallel.param_gather.
   ParamGatherer`'s rules on a chunk's units (pure arithmetic on their bucket sizes): in forward a
   unit is gathered with the next one prefetched and freed after its last module; the loss's unit
@@ -28,7 +30,8 @@ holds, ZeRO 3's gathered params, the dp collectives, and how much of them a step
   all reductions - all backwards)``. Hybrid sharding's all-reduce of each reduced shard over the
   replicas starts when the shard's last reduction of the step is done and hides behind the last
   microbatch's backward as ZeRO 0/1's reductions do (on another link: the shard group is inside
-  a node). On shared cores nothing overlaps.
+  a node). Optimizer offload (:func:`offload_time`) adds the host's update and the copies the
+  backward and the next forward do not hide. On shared cores nothing overlaps.
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ ORDER = (
     "tp",
     "pp",
     "zero",
+    "dp_comm",
     "checkpoint",
     "memory",
     "advisor",

@@ -166,6 +166,12 @@ def plan_buckets(
     return buckets
 
 
+def reduced_over_ranks(bucket: Bucket) -> bool:
+    """Whether ``bucket`` is reduced over more than one rank (gradient compression keeps state
+    only for those: an expert alone in its group, a group of one, needs none)."""
+    return bucket.dp > 1
+
+
 def is_expert(p: nn.Parameter) -> bool:
     """Whether ``p`` is a stack of experts (replicated over expert data parallelism only)."""
     return param_info(p).experts is not None

@@ -57,12 +57,6 @@ class Compressor(Protocol):
     def state_bytes(self) -> int: ...
 
 
-def reduced(bucket: Bucket) -> bool:
-    """Whether ``bucket`` is reduced over more than one rank (the rest is never compressed:
-    an expert held by one rank of its group, a group of one)."""
-    return bucket.dp > 1
-
-
 def make_compressor(
     kind: str | None, buckets: list[Bucket], powersgd_rank: int, seed: int
 ) -> Compressor | None:

@@ -18,8 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from megatronish.data_parallel.buckets import Bucket
-from megatronish.data_parallel.compression import reduced
+from megatronish.data_parallel.buckets import Bucket, reduced_over_ranks
 from megatronish.distributed.comm import NamedWork, ParallelGroup, all_to_all
 
 BLOCK = 256  # elements per scale
@@ -97,7 +96,9 @@ class Int8Compressor:
     def __init__(self, buckets: list[Bucket]):
         # buckets reduced over more than one rank, by their place in the rank's bucket list
         self.errors = {
-            i: torch.zeros(b.numel, device=b.device) for i, b in enumerate(buckets) if reduced(b)
+            i: torch.zeros(b.numel, device=b.device)
+            for i, b in enumerate(buckets)
+            if reduced_over_ranks(b)
         }
         self.index = {id(b): i for i, b in enumerate(buckets)}
 

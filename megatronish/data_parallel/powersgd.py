@@ -24,8 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatronish.data_parallel.buckets import Bucket
-from megatronish.data_parallel.compression import reduced
+from megatronish.data_parallel.buckets import Bucket, reduced_over_ranks
 from megatronish.distributed.comm import NamedWork, ParallelGroup, all_reduce
 
 MIN_COMPRESSION_RATE = 2.0  # torch's powerSGD_hook default: compress when it saves 2x or more
@@ -162,7 +161,9 @@ class PowerSGD:
         generator = torch.Generator().manual_seed(seed)  # the same Q on every dp rank
         # buckets reduced over more than one rank, by their place in the rank's bucket list
         self.states = {
-            i: BucketState(b, rank, generator) for i, b in enumerate(buckets) if reduced(b)
+            i: BucketState(b, rank, generator)
+            for i, b in enumerate(buckets)
+            if reduced_over_ranks(b)
         }
         self.index = {id(b): i for i, b in enumerate(buckets)}
 

@@ -17,7 +17,7 @@ import time
 import pytest
 
 from megatronish.config.compose import load_config
-from megatronish.testing.multiproc import run_world
+from megatronish.testing.multiproc import WorldError, run_world
 from megatronish.testing.runs import SMALL_STDLIB_RUN
 
 SMALL = [*SMALL_STDLIB_RUN, "trainer.max_steps=3"]
@@ -57,23 +57,25 @@ def _fault(rank: int, fault: str) -> None:
         Trainer.train_step = leave_at_step_2 if fault == "peer_gone" else hang_at_step_2
 
 
-def _main(rank, world, cfg, fault):
+def _main(rank, world, cfg, fault, err_dir):
     import megatronish.train as entry
     from megatronish.distributed.shutdown import process_group_threads
     from megatronish.distributed.topology import Topology
 
     _fault(rank, fault)
-    err = io.StringIO()
+    err_path = os.path.join(err_dir, f"rank{rank}.err")  # kept if the rank ends the process
     start = time.monotonic()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-        try:
-            code = entry.main_with_config(cfg)
-        except SystemExit as e:
-            code = f"left with {e.code}"
+    with open(err_path, "w") as err, contextlib.redirect_stderr(err):
+        with contextlib.redirect_stdout(io.StringIO()):
+            try:
+                code = entry.main_with_config(cfg)
+            except SystemExit as e:
+                code = f"left with {e.code}"
     seconds = time.monotonic() - start
     gc.collect()
     left = sum(isinstance(o, Topology) for o in gc.get_objects())  # the run's objects went too
-    return code, process_group_threads(), err.getvalue(), seconds, left
+    with open(err_path) as f:
+        return code, process_group_threads(), f.read(), seconds, left
 
 
 def _indexed_with_a_bad_idx(cache_dir, tmp_path):
@@ -112,7 +114,11 @@ def test_no_process_group_thread_outlives_main(case, cache_dir, tmp_path):
     cfg = load_config(
         [*SMALL, f"data.cache_dir={cache_dir}", f"out_dir={tmp_path / 'out'}", *extra]
     )
-    results = run_world(_main, 2, cfg, fault, init=False, timeout=120)
+    try:
+        results = run_world(_main, 2, cfg, fault, str(tmp_path), init=False, timeout=120)
+    except WorldError as e:  # e.g. a rank that ended its process itself: what it said
+        said = {p.name: p.read_text()[-2000:] for p in sorted(tmp_path.glob("rank*.err"))}
+        raise AssertionError(f"{e}\nstderr: {said}") from e
     for rank, (code, threads, err, _, topologies) in enumerate(results):
         assert code == codes[rank], f"rank {rank}: {err[-2000:]}"
         assert threads == [], f"rank {rank} still runs {threads} after main returned"

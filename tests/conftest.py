@@ -1,6 +1,8 @@
 """Shared fixtures: keep tests offline, quiet and single-threaded per rank."""
 
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -16,6 +18,23 @@ torch.testing.assert_close(torch.zeros(1), torch.zeros(1))
 # Single-process runs in the test process use one thread, like every forked rank: results do not
 # depend on the thread count, and a busy machine does not stall multi-threaded kernels.
 torch.set_num_threads(1)
+
+
+def pytest_configure(config):
+    """One folder of composed test configs for the session: the controller's, inherited by the
+    pytest-xdist workers and every process they start (megatronish/testing/shared_configs.py)."""
+    from megatronish.testing.shared_configs import FOLDER_ENV
+
+    if not os.environ.get(FOLDER_ENV):
+        os.environ[FOLDER_ENV] = config._megatronish_configs = tempfile.mkdtemp(
+            prefix="megatronish-test-configs-"
+        )
+
+
+def pytest_unconfigure(config):
+    folder = getattr(config, "_megatronish_configs", None)
+    if folder is not None:  # made by this process
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 # The fast tier (``make test-fast``): tests that start processes (forked gloo worlds, the entry

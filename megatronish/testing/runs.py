@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megatronish.config.compose import load_config
 from megatronish.config.derived import derive
 from megatronish.config.schema import TrainConfig
 from megatronish.config.validate import ConfigError, config_errors
@@ -15,6 +14,7 @@ from megatronish.data.documents import OPTIONS as PACKING_OPTIONS
 from megatronish.distributed.topology import Topology
 from megatronish.spec import ModelSpec
 from megatronish.tensor_parallel.random import RNGTracker
+from megatronish.testing.shared_configs import composed
 from megatronish.testing.synthetic import PackedPatternTokens, PatternTokens
 
 SYNTHETIC_EOD = 2  # the end-of-document id of the synthetic packed documents
@@ -80,9 +80,10 @@ class LayoutRun:
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)  # this rank's model buffers
 
 
-# Composed test configs of this process, by (overrides, steps): Hydra takes ~0.2 s per compose,
+# Composed test configs of this process, by (overrides, steps): Hydra takes ~0.3 s per compose,
 # and every rank of a forked world would compose the same one (run_world composes it once in the
-# parent first, see train_layout.prepare_in_parent). Callers get copies.
+# parent first where it can, see train_layout.prepare_in_parent; the ranks of other worlds share
+# it through megatronish/testing/shared_configs.py). Callers get copies.
 _COMPOSED: dict[tuple[tuple[str, ...], int], TrainConfig] = {}
 
 
@@ -92,7 +93,7 @@ def test_config(overrides: list[str], steps: int):
     key = (tuple(overrides), steps)
     if key not in _COMPOSED:
         base = [*TINY_TEST_MODEL, f"trainer.max_steps={steps}", "logging.log_file=null"]
-        _COMPOSED[key] = load_config([*base, *overrides])
+        _COMPOSED[key] = composed([*base, *overrides])
     return copy.deepcopy(_COMPOSED[key])
 
 
@@ -109,7 +110,7 @@ def build_trainer(
     cfg = (
         test_config(overrides, steps)
         if model is None
-        else load_config([*model, f"trainer.max_steps={steps}", *overrides])
+        else composed([*model, f"trainer.max_steps={steps}", *overrides])
     )
     return trainer_for(cfg, rank, world, p2p=p2p, **kw)[0]
 

@@ -1155,6 +1155,29 @@ MUTANTS = [
             "tests/data_parallel/test_optimizer_offload.py::test_the_planner_moves_the_optimizer_state_to_the_host_as_the_runtime_does",
         ),
     ),
+    Mutant(
+        "compression-without-warm-up",
+        "grad compression starts at the first step whatever grad_compression_start_step says",
+        "megatronish/data_parallel/zero.py",
+        (
+            (
+                "self.reducer.compressing = step >= self.compression_start_step",
+                "self.reducer.compressing = True",
+            ),
+        ),
+        (
+            "tests/data_parallel/test_grad_compression.py::test_compressed_training_tracks_the_uncompressed_run",
+        ),
+    ),
+    Mutant(
+        "powersgd-compresses-vocab",
+        "PowerSGD compresses the word embedding and output layer without being asked",
+        "megatronish/data_parallel/powersgd.py",
+        (("if param_info(p).vocab and not compress_vocab:", "if False:"),),
+        (
+            "tests/data_parallel/test_grad_compression.py::test_powersgd_leaves_the_vocabulary_matrices_uncompressed_unless_asked",
+        ),
+    ),
 ]
 
 

@@ -31,7 +31,7 @@ FEATURES = {
     "cp": r"\blayout\.cp\b|\"cp/|\bx\.cp\b",
     "zero/dp": r"\blayout\.(zero_stage|zero3_keep_gathered|bucket_size_mb|dp|zero_\w+)\b|"
     r"\blayout\.optimizer_offload\b|\bzero\b|\bZERO_STAGES\b|\"dp/|\"dp_cp",
-    "grad compression": r"\blayout\.(grad_compression|powersgd_rank)\b",
+    "grad compression": r"\blayout\.(grad_compression|powersgd_rank|powersgd_compress_vocab)\b",
     "moe/ep": r"\bspec\.moe\b|\bis_moe_layer\b|\blayout\.(ep|edp)\b|\bexpert\w*|\"ep/|\"edp",
 }
 MACHINERY = {

@@ -19,6 +19,12 @@ def compression_errors(cfg: TrainConfig, dp: int) -> list[str]:
     p = cfg.parallel
     kind = getattr(p, "grad_compression", None)
     if kind is None:
+        start = getattr(p, "grad_compression_start_step", 0)
+        if start:
+            return [
+                f"parallel.grad_compression_start_step={start} delays a compression that is not "
+                "set: set parallel.grad_compression (powersgd or int8) or leave it at 0"
+            ]
         return []
     key = f"parallel.grad_compression={kind}"
     if dp * p.cp == 1:

@@ -98,6 +98,12 @@ class ParallelConfig:
     # reduce-scatter, error feedback; ZeRO 1-3): compress the dp grad reduction (slow links)
     grad_compression: str | None = None
     powersgd_rank: int = 4  # grad_compression=powersgd: the rank of each compressed matrix
+    # steps whose grads are reduced uncompressed before grad_compression starts (a warm-up, as
+    # torch's start_powerSGD_iter: early grads change fast and lose most to compression)
+    grad_compression_start_step: int = 0
+    # grad_compression=powersgd: also compress the word embedding and output layer, whose grads
+    # are far from low rank (false: they are all-reduced as they are)
+    powersgd_compress_vocab: bool = False
     # fp32 main params, Adam moments and the update of this rank's shard on the host (pinned);
     # grads stream down per bucket, updated params up (ZeRO-Offload)
     optimizer_offload: bool = False

@@ -171,6 +171,7 @@ def config_errors(
             "scheduler.warmup_steps",
             "trainer.max_skipped_steps",
             "trainer.seed",
+            "parallel.grad_compression_start_step",
         ],
         errors,
         allow_zero=True,

@@ -14,15 +14,40 @@ zero (:func:`load_state`).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 if TYPE_CHECKING:
+    from megatronish.config.schema import ParallelConfig
     from megatronish.data_parallel.buckets import Bucket
     from megatronish.distributed.comm import ParallelGroup
 
 COMPRESSIONS = ("powersgd", "int8")
+
+
+@dataclass(frozen=True)
+class CompressionSettings:
+    """``parallel.grad_compression`` and the keys that tune it."""
+
+    kind: str | None = None  # powersgd | int8 | None
+    powersgd_rank: int = 4
+    powersgd_compress_vocab: bool = False  # the word embedding and output layer too
+    start_step: int = 0  # the steps before it reduce uncompressed
+
+    @classmethod
+    def of(cls, parallel: ParallelConfig) -> CompressionSettings:
+        """The settings of a config's ``parallel`` section."""
+        return cls(
+            kind=parallel.grad_compression,
+            powersgd_rank=parallel.powersgd_rank,
+            powersgd_compress_vocab=bool(parallel.powersgd_compress_vocab),
+            start_step=parallel.grad_compression_start_step,
+        )
+
+
+NO_COMPRESSION = CompressionSettings()
 
 
 class CompressedReduction(Protocol):
@@ -58,15 +83,16 @@ class Compressor(Protocol):
 
 
 def make_compressor(
-    kind: str | None, buckets: list[Bucket], powersgd_rank: int, seed: int
+    settings: CompressionSettings, buckets: list[Bucket], seed: int
 ) -> Compressor | None:
-    """The compressor of ``parallel.grad_compression=kind`` for ``buckets`` (None: none)."""
+    """The compressor ``settings`` ask for, for ``buckets`` (None: none)."""
+    kind = settings.kind
     if kind is None:
         return None
     if kind == "powersgd":
         from megatronish.data_parallel.powersgd import PowerSGD
 
-        return PowerSGD(buckets, powersgd_rank, seed)
+        return PowerSGD(buckets, settings.powersgd_rank, seed, settings.powersgd_compress_vocab)
     if kind == "int8":
         from megatronish.data_parallel.int8_reduce import Int8Compressor
 

@@ -75,6 +75,7 @@ class GradReducer:
     ):
         self.group, self.zero_stage, self.reduce_dtype = group, zero_stage, reduce_dtype
         self.compressor = compressor  # parallel.grad_compression's, or None
+        self.compressing = True  # False: the compressor's warm-up steps reduce uncompressed
         self.timers = timers or Timers.off()
         # ``bounded``: finish reductions in flight as zero 2/3 do (hybrid sharding's replica
         # all-reduce starts when its shard's reduction is finished)
@@ -97,7 +98,7 @@ class GradReducer:
         to it when ``accumulate``; ``then`` runs when it is finished. With a compressor, the
         compressed reduction of ``bucket``."""
         group, wire = group or self.group, full
-        if self.compressor is not None and group.size > 1:
+        if self.compressor is not None and self.compressing and group.size > 1:
             with self.timers.region(None, f"{self.compressor.kind} grads"):
                 reduction = self.compressor.launch(bucket, full, into, accumulate, group)
             reduction.then = then

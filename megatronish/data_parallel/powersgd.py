@@ -26,6 +26,7 @@ import torch
 
 from megatronish.data_parallel.buckets import Bucket, reduced_over_ranks
 from megatronish.distributed.comm import NamedWork, ParallelGroup, all_reduce
+from megatronish.tensor_parallel.sharding import param_info
 
 MIN_COMPRESSION_RATE = 2.0  # torch's powerSGD_hook default: compress when it saves 2x or more
 
@@ -51,10 +52,13 @@ class Matrix:
     m: int
 
 
-def bucket_matrices(bucket: Bucket, rank: int) -> list[Matrix]:
-    """The parameters of ``bucket`` PowerSGD compresses, in bucket order."""
+def bucket_matrices(bucket: Bucket, rank: int, compress_vocab: bool = False) -> list[Matrix]:
+    """The parameters of ``bucket`` PowerSGD compresses, in bucket order (the vocabulary's
+    matrices only when ``compress_vocab``)."""
     out = []
     for (_, p), offset in zip(bucket.params, bucket.offsets):
+        if param_info(p).vocab and not compress_vocab:
+            continue
         if (nm := compressible(p.shape, rank)) is not None:
             out.append(Matrix(offset, *nm))
     return out
@@ -143,9 +147,9 @@ class PowerSGDReduction:
 class BucketState:
     """A bucket's compressed matrices, their error feedback and warm-start ``Q``."""
 
-    def __init__(self, bucket: Bucket, rank: int, generator: torch.Generator):
+    def __init__(self, bucket: Bucket, rank: int, generator: torch.Generator, compress_vocab: bool):
         self.rank = rank
-        self.matrices = bucket_matrices(bucket, rank)
+        self.matrices = bucket_matrices(bucket, rank, compress_vocab)
         self.ranges = uncompressed_ranges(bucket, self.matrices)
         device = bucket.device
         self.errors = [torch.zeros(a.n, a.m, device=device) for a in self.matrices]
@@ -157,11 +161,11 @@ class PowerSGD:
 
     kind = "powersgd"
 
-    def __init__(self, buckets: list[Bucket], rank: int, seed: int):
+    def __init__(self, buckets: list[Bucket], rank: int, seed: int, compress_vocab: bool = False):
         generator = torch.Generator().manual_seed(seed)  # the same Q on every dp rank
         # buckets reduced over more than one rank, by their place in the rank's bucket list
         self.states = {
-            i: BucketState(b, rank, generator)
+            i: BucketState(b, rank, generator, compress_vocab)
             for i, b in enumerate(buckets)
             if reduced_over_ranks(b)
         }

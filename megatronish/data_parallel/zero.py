@@ -43,7 +43,11 @@ from torch import nn
 
 from megatronish.data_parallel.bucket_storage import allocate_params, owned_elements
 from megatronish.data_parallel.buckets import Bucket, is_expert, plan_chunk_buckets
-from megatronish.data_parallel.compression import make_compressor
+from megatronish.data_parallel.compression import (
+    NO_COMPRESSION,
+    CompressionSettings,
+    make_compressor,
+)
 from megatronish.data_parallel.grad_hooks import make_grad_hook, make_main_grad_adder, note_arrival
 from megatronish.data_parallel.grad_norm import global_grad_norm
 from megatronish.data_parallel.grad_reduce import GradReducer, ReplicaReduction
@@ -81,8 +85,7 @@ class ZeroDataParallel:
         param_dtype: torch.dtype = torch.float32,
         reduce_dtype: torch.dtype = torch.float32,
         overlap_param_gather: bool = True,
-        grad_compression: str | None = None,
-        powersgd_rank: int = 4,
+        compression: CompressionSettings = NO_COMPRESSION,
         seed: int = 0,
         optimizer_offload: bool = False,
         transfers: Transfers | None = None,
@@ -141,7 +144,8 @@ class ZeroDataParallel:
             self.offload = OptimizerOffload(self.buckets, owned, param_dtype, moves)
         self.main_elsewhere = self.separate_main or self.offload is not None
         # parallel.grad_compression: its error feedback (and PowerSGD's Q) per bucket
-        self.compressor = make_compressor(grad_compression, self.buckets, powersgd_rank, seed)
+        self.compressor = make_compressor(compression, self.buckets, seed)
+        self.compression_start_step = compression.start_step
         # Hybrid sharding and offload act on each bucket once its reduction is finished: the
         # reductions are finished in order during the backward, as under ZeRO 2/3.
         bounded = self.hybrid or self.offload is not None
@@ -266,9 +270,11 @@ class ZeroDataParallel:
             self.gatherer.wait_updated()
 
     # -- gradients --------------------------------------------------------------------------
-    def start_step(self, num_microbatches: int) -> None:
-        """Zero grads and arm the hooks for a step of ``num_microbatches``."""
+    def start_step(self, num_microbatches: int, step: int = 0) -> None:
+        """Zero grads and arm the hooks for training step ``step`` of ``num_microbatches``
+        (whose reductions are compressed from ``compression_start_step`` on)."""
         self.num_microbatches = num_microbatches
+        self.reducer.compressing = step >= self.compression_start_step
         self.replica_started.clear()
         self.finalized.clear()
         for b in self.buckets:

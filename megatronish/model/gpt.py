@@ -164,6 +164,7 @@ class Head(nn.Module):
                 ),
                 shard=TPShard(dim=0, blocks=(spec.padded_vocab_size,)),
                 std=spec.init_std,
+                vocab=True,
             )
             # A tied head on another stage starts equal to (and is initialised as) the embedding.
             tied = "embedding.word.weight" if spec.tie_embeddings else None

@@ -40,7 +40,11 @@ def state_bytes(layout: Layout, buckets: list[list[Bucket]]) -> int:
         return sum(b.numel for b in _reduced(buckets)) * FP32
     if layout.grad_compression == "powersgd":
         r = layout.powersgd_rank
-        mats = [m for b in _reduced(buckets) for m in bucket_matrices(b, r)]
+        mats = [
+            m
+            for b in _reduced(buckets)
+            for m in bucket_matrices(b, r, layout.powersgd_compress_vocab)
+        ]
         return sum(m.n * m.m + m.m * r for m in mats) * FP32
     return 0
 
@@ -58,7 +62,7 @@ def reduction_volume(
         calls = nbytes = 0
         r = layout.powersgd_rank
         for rounds_b, b in zip(rounds, flat):
-            mats = bucket_matrices(b, r)
+            mats = bucket_matrices(b, r, layout.powersgd_compress_vocab)
             rest = b.numel - sum(m.n * m.m for m in mats)
             first = sum(m.n * r for m in mats) + rest
             second = sum(m.m * r for m in mats)
@@ -76,7 +80,10 @@ def memory_traffic(layout: Layout, reduced: list[Bucket], rounds: list[int]) -> 
     if layout.grad_compression == "powersgd":
         total = 0
         for r, b in zip(rounds, reduced):
-            compressed = sum(m.n * m.m for m in bucket_matrices(b, layout.powersgd_rank))
+            compressed = sum(
+                m.n * m.m
+                for m in bucket_matrices(b, layout.powersgd_rank, layout.powersgd_compress_vocab)
+            )
             total += r * (compressed * POWERSGD_TRAFFIC + (b.numel - compressed) * COPY_TRAFFIC)
         return total
     return 0
@@ -84,4 +91,4 @@ def memory_traffic(layout: Layout, reduced: list[Bucket], rounds: list[int]) -> 
 
 def state_key(layout: Layout) -> tuple:
     """The layout fields :func:`state_bytes` reads besides the buckets."""
-    return layout.grad_compression, layout.powersgd_rank
+    return layout.grad_compression, layout.powersgd_rank, layout.powersgd_compress_vocab

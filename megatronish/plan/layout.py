@@ -48,6 +48,7 @@ class Layout:
     zero_shard_size: int | None = None  # parallel.zero_shard_size: hybrid sharding's dp ranks
     grad_compression: str | None = None  # parallel.grad_compression: powersgd | int8
     powersgd_rank: int = 4  # parallel.powersgd_rank (grad_compression=powersgd)
+    powersgd_compress_vocab: bool = False  # parallel.powersgd_compress_vocab
     optimizer_offload: bool = False  # parallel.optimizer_offload: the update on the host
 
     @property
@@ -74,7 +75,8 @@ class Layout:
     def compression_name(self) -> str | None:
         """The gradient compression in a layout's words (``powersgd/4``, ``int8``), or None."""
         if self.grad_compression == "powersgd":
-            return f"powersgd/{self.powersgd_rank}"
+            vocab = "+vocab" if self.powersgd_compress_vocab else ""
+            return f"powersgd/{self.powersgd_rank}{vocab}"
         return self.grad_compression
 
     @cached_property
@@ -242,6 +244,7 @@ def layout_from_config(cfg: TrainConfig, world_size: int) -> Layout:
         zero_shard_size=_hybrid_shard(getattr(p, "zero_shard_size", None), d.dp),
         grad_compression=getattr(p, "grad_compression", None),
         powersgd_rank=getattr(p, "powersgd_rank", 4),
+        powersgd_compress_vocab=bool(getattr(p, "powersgd_compress_vocab", False)),
         optimizer_offload=bool(getattr(p, "optimizer_offload", False)),
     )
 

@@ -261,7 +261,8 @@ def parallel_values(layout: Layout, ep: bool = False) -> dict[str, object]:
     ``pipeline_schedule`` when it runs a zero-bubble one, ``moe_dispatch_order`` when it
     dispatches ep first, ``cp_comm_type`` when it is not the all-gather, ``cp_a2a_size``
     under a2a_ring, ``zero_shard_size`` under hybrid sharding, ``grad_compression`` (and
-    PowerSGD's ``powersgd_rank``) when it compresses, or with ``ep``, the defaults)."""
+    PowerSGD's ``powersgd_rank``, ``powersgd_compress_vocab`` when set) when it compresses, or
+    with ``ep``, the defaults)."""
     out = {
         "tp": layout.tp,
         "cp": layout.cp,
@@ -285,6 +286,8 @@ def parallel_values(layout: Layout, ep: bool = False) -> dict[str, object]:
         out["grad_compression"] = layout.grad_compression
     if layout.grad_compression == "powersgd":
         out["powersgd_rank"] = layout.powersgd_rank
+        if layout.powersgd_compress_vocab:
+            out["powersgd_compress_vocab"] = True
     if ep or layout.optimizer_offload:
         out["optimizer_offload"] = layout.optimizer_offload
     return {**out, "ep": layout.ep} if ep or layout.ep > 1 else out

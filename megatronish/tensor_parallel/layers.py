@@ -217,6 +217,7 @@ class VocabParallelEmbedding(nn.Module):
             _empty(self.per_rank, embedding_dim, device=device),
             shard=TPShard(dim=0, blocks=(num_embeddings,)),
             std=init_std,
+            vocab=True,
         )
         self.weight_grad_store: WeightGradStore | None = None
 

@@ -108,6 +108,10 @@ class ParamInfo:
     # Some of its shard's blocks are heads replicated over tp ranks (``TPShard.heads``): each
     # copy's grad is partial (its own queries' share), summed over the copies.
     replicated_heads: bool = False
+    # Its rows index the vocabulary (the word embedding, the output layer): grads far from low
+    # rank (one row per token: the softmax's error, the looked-up rows), which PowerSGD leaves
+    # uncompressed unless parallel.powersgd_compress_vocab.
+    vocab: bool = False
 
 
 UNMARKED = ParamInfo()

@@ -30,6 +30,7 @@ from megatronish.data.documents import (
     kept_targets,
     loss_divisor,
 )
+from megatronish.data_parallel.compression import CompressionSettings
 from megatronish.data_parallel.offload import Transfers
 from megatronish.data_parallel.zero import ZeroDataParallel
 from megatronish.distributed.comm import all_reduce
@@ -131,8 +132,7 @@ class Trainer:
             param_dtype=self.param_dtype,
             reduce_dtype=DTYPES[p.grad_reduce_dtype],
             overlap_param_gather=p.overlap_param_gather,
-            grad_compression=p.grad_compression,
-            powersgd_rank=p.powersgd_rank,
+            compression=CompressionSettings.of(p),
             seed=cfg.trainer.seed,
             optimizer_offload=p.optimizer_offload,
             transfers=transfers,
@@ -290,7 +290,7 @@ class Trainer:
             more = self.state.step + 1 < self.cfg.trainer.max_steps
             batches = self._to_device(self.prefetcher.get(self.state.consumed_samples, more))
         self._flops_since_log += self._step_flops(self.state.consumed_samples)
-        self.zero.start_step(len(batches))
+        self.zero.start_step(len(batches), step)
         moe.start_step(self.moe_layers, loss_scale=1.0 / len(batches))
         losses = self.forward_backward(
             self.chunks, batches, loss_scale=1.0 / len(batches), param_hooks=self.zero

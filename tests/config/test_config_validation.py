@@ -173,6 +173,17 @@ def test_only_gpu_experiments_train_on_a_corpus_of_their_own():
             "sends its own compressed format: set parallel.grad_reduce_dtype=fp32",
         ),
         (["parallel.grad_compression=powersgd", "parallel.powersgd_rank=0"], 2, "powersgd_rank=0"),
+        (
+            ["parallel.grad_compression_start_step=100"],
+            2,
+            "parallel.grad_compression_start_step=100 delays a compression that is not set",
+        ),
+        (
+            ["parallel.grad_compression=int8", "parallel.zero_stage=1"]
+            + ["parallel.grad_compression_start_step=-1"],
+            2,
+            "parallel.grad_compression_start_step=-1 must be >= 0",
+        ),
         (["parallel.tp=8"], 8, "num_attention_heads=4 is not divisible by parallel.tp=8"),
         (["model.num_query_groups=3"], 1, "must divide model.num_attention_heads"),
         (

@@ -17,7 +17,7 @@ from megatronish.config.compose import load_config
 from megatronish.data.gpt_dataset import GPTDataset
 from megatronish.data.indexed import IndexedDataset
 from megatronish.data.stdlib_corpus import ensure_stdlib_corpus
-from megatronish.data_parallel.compression import make_compressor
+from megatronish.data_parallel.compression import CompressionSettings, make_compressor
 from megatronish.distributed.comm import single_group
 from megatronish.plan.estimate import make_plan
 from megatronish.plan.layout import layout_from_config, spec_of
@@ -29,6 +29,11 @@ BATCH = ["trainer.micro_batch_size=4", "trainer.global_batch_size=32"]  # 2 micr
 VARIANTS = {
     "zero 1": ["parallel.zero_stage=1"],
     "zero 1 + powersgd/4": ["parallel.zero_stage=1", "parallel.grad_compression=powersgd"],
+    "zero 1 + powersgd/4+vocab": [
+        "parallel.zero_stage=1",
+        "parallel.grad_compression=powersgd",
+        "parallel.powersgd_compress_vocab=true",
+    ],
     "zero 1 + int8": ["parallel.zero_stage=1", "parallel.grad_compression=int8"],
     "zero 1 + offload": ["parallel.zero_stage=1", "parallel.optimizer_offload=true"],
     "zero 3": ["parallel.zero_stage=3"],
@@ -36,10 +41,21 @@ VARIANTS = {
     "zero 3 + int8": ["parallel.zero_stage=3", "parallel.grad_compression=int8"],
 }
 PLAIN = {"zero 1": "zero 1", "zero 3": "zero 3"}  # each variant's uncompressed baseline
+POWERSGD = ["parallel.grad_compression=powersgd"]
 CURVES = {
     "uncompressed": [],
-    "powersgd rank 4": ["parallel.grad_compression=powersgd", "parallel.powersgd_rank=4"],
-    "powersgd rank 8": ["parallel.grad_compression=powersgd", "parallel.powersgd_rank=8"],
+    "powersgd rank 4": [*POWERSGD, "parallel.powersgd_rank=4"],
+    "powersgd rank 8": [*POWERSGD, "parallel.powersgd_rank=8"],
+    "powersgd rank 8, from step 30": [
+        *POWERSGD,
+        "parallel.powersgd_rank=8",
+        "parallel.grad_compression_start_step=30",
+    ],
+    "powersgd rank 4, vocabulary compressed too": [
+        *POWERSGD,
+        "parallel.powersgd_rank=4",
+        "parallel.powersgd_compress_vocab=true",
+    ],
     "int8": ["parallel.grad_compression=int8"],
 }
 CURVE_STEPS = 300
@@ -99,7 +115,7 @@ def codec_costs(repeats: int) -> dict[str, dict]:
     for b in buckets:
         b.dp = WORLD  # reduced over more than one rank, as in the 4-rank world: compressed
     for kind in ("powersgd", "int8"):
-        codec = make_compressor(kind, buckets, 4, seed=0)
+        codec = make_compressor(CompressionSettings(kind, powersgd_rank=4), buckets, seed=0)
         group = single_group("dp")
         grads = [torch.randn(b.numel) for b in buckets]
         times = []
@@ -115,12 +131,17 @@ def codec_costs(repeats: int) -> dict[str, dict]:
     return out
 
 
+def _schedule(steps: int) -> list[str]:
+    """A pretraining schedule: linear warm-up over the first tenth, cosine decay to the end."""
+    return ["scheduler.style=cosine", f"scheduler.warmup_steps={max(1, steps // 10)}"]
+
+
 def _curve(rank: int, world: int, extra: list[str], steps: int) -> list[float]:
     prefix, _ = ensure_stdlib_corpus(CACHE, 4096, 8.0)
     t = build_trainer(
         rank,
         world,
-        ["parallel.zero_stage=1", *CURVE_BATCH, "scheduler.style=cosine", *extra],
+        ["parallel.zero_stage=1", *CURVE_BATCH, *_schedule(steps), *extra],
         steps,
         model=[*BENCH_OVERRIDES, f"trainer.max_steps={steps}"],
     )
@@ -230,6 +251,10 @@ def run(quick: bool = False) -> dict:
             "every variant's bytes equal the planner's|": all(exact.values()),
             "grad reduction bytes, zero 1 / powersgd rank 4, x|.1f": reduced["zero 1"]
             / reduced["zero 1 + powersgd/4"],
+            "grad reduction bytes, zero 1 / powersgd rank 4 with the vocabulary, x|.1f": reduced[
+                "zero 1"
+            ]
+            / reduced["zero 1 + powersgd/4+vocab"],
             "grad reduction bytes, zero 1 / int8, x|.2f": reduced["zero 1"]
             / reduced["zero 1 + int8"],
             f"final-tenth loss vs uncompressed after {steps} steps: powersgd 4 / 8 / int8|+.2%": [

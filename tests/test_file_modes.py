@@ -104,7 +104,8 @@ def test_an_hf_import_follows_the_umask(checkpoint, tmp_path, mask):
 
 
 # -- tokenizer, preprocessed data, the built-in corpus -----------------------------------------
-@pytest.mark.parametrize("mask", MASKS)
+# The first mask: ~4 s in one process.
+@pytest.mark.parametrize("mask", [pytest.param(MASKS[0], marks=pytest.mark.slow), *MASKS[1:]])
 def test_a_tokenizer_and_preprocessed_data_follow_the_umask(tmp_path, mask):
     text = tmp_path / "a.txt"
     text.write_text("\n".join(f"word{i} other{i % 7} thing{i % 13} " * 5 for i in range(400)))

@@ -1178,6 +1178,32 @@ MUTANTS = [
             "tests/data_parallel/test_grad_compression.py::test_powersgd_leaves_the_vocabulary_matrices_uncompressed_unless_asked",
         ),
     ),
+    Mutant(
+        "compile-traces-collectives",
+        "torch.compile traces a collective of more than one rank into its graph",
+        "megatronish/distributed/comm.py",
+        (
+            (
+                "return fn(*args, **kwargs) if group.size == 1 else eager(*args, **kwargs)",
+                "return fn(*args, **kwargs)",
+            ),
+        ),
+        ("tests/model/test_compile.py::test_a_collective_of_more_than_one_rank_is_not_traced",),
+    ),
+    Mutant(
+        "compile-falls-back-silently",
+        "A block that cannot be compiled whole falls back without saying why",
+        "megatronish/model/compile.py",
+        (
+            (
+                'self.log(f"{self.name} and blocks like it compiled in pieces: {reason}")',
+                "pass",
+            ),
+        ),
+        (
+            "tests/model/test_compile.py::test_a_block_that_cannot_be_captured_whole_falls_back_in_pieces_and_says_why_once",
+        ),
+    ),
 ]
 
 

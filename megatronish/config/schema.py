@@ -175,6 +175,13 @@ class TrainerConfig:
     tf32: bool = True  # CUDA: fp32 matmuls and convolutions may use TF32 tensor cores
     deterministic: bool = False  # torch's deterministic kernels: bit-identical GPU resume, slower
     recompute: str = "none"  # none | selective | full
+    # torch.compile each transformer block's forward (whole where dynamo captures it; with tp,
+    # cp or ep > 1 in pieces between the collectives, said once in the log)
+    compile: bool = False
+    compile_backend: str = "inductor"  # inductor | aot_eager (captured graphs, eager kernels)
+    # null: torch's cache (TORCHINDUCTOR_CACHE_DIR or /tmp/torchinductor_<user>); a path on a
+    # shared filesystem lets a resumed run on other nodes skip compiling again
+    compile_cache_dir: str | None = None
     recompute_method: str = "uniform"  # uniform | block
     recompute_num_layers: int = 1  # layers per group (uniform) or per chunk (block)
     device: str = "auto"  # auto | cpu | cuda

@@ -30,6 +30,7 @@ CHOICES = {
     "parallel.grad_reduce_dtype": ("fp32", "bf16"),
     "trainer.recompute": ("none", "selective", "full"),
     "trainer.recompute_method": ("uniform", "block"),
+    "trainer.compile_backend": ("inductor", "aot_eager"),
     "trainer.device": ("auto", "cpu", "cuda"),
     "scheduler.style": ("cosine", "linear", "constant"),
     "optimizer.name": ("adamw",),

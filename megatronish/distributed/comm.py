@@ -18,9 +18,11 @@ asynchronous ops do the same in ``wait()``. NCCL's texts are read by
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -36,6 +38,8 @@ from megatronish.distributed.nccl_errors import describe_nccl, parse_nccl_failur
 # torch 2.13 renamed the tensor collectives; keep one spelling that works from torch 2.6 on.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+T = TypeVar("T")
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
@@ -189,11 +193,32 @@ def _named(work: dist.Work | WorkGroup | None, group: ParallelGroup, op: str) ->
     return None if work is None else NamedWork(work, group, op)
 
 
+def between_graphs(group_arg: int) -> Callable[[Callable[..., T]], Callable[..., T]]:
+    """Mark a collective as opaque to ``torch.compile``: on a group of more than one rank it
+    runs eagerly between captured graphs (a graph break), so its process-group call, its
+    CommStats count and its named failures are the same in compiled code as in eager code (a
+    traced c10d call would be recorded once, at trace time). A group of one is traced (its ops
+    are local). ``group_arg``: the position of the :class:`ParallelGroup` argument."""
+
+    def wrap(fn: Callable[..., T]) -> Callable[..., T]:
+        eager = torch.compiler.disable(fn)
+
+        @functools.wraps(fn)
+        def collective(*args: Any, **kwargs: Any) -> T:
+            group = args[group_arg] if len(args) > group_arg else kwargs["group"]
+            return fn(*args, **kwargs) if group.size == 1 else eager(*args, **kwargs)
+
+        return collective
+
+    return wrap
+
+
 def single_group(name: str, rank: int = 0, stats: CommStats | None = None) -> ParallelGroup:
     """A group of one: every op on it is the identity."""
     return ParallelGroup(name=name, ranks=(rank,), rank=0, pg=None, stats=stats)
 
 
+@between_graphs(group_arg=1)
 def all_reduce(t: torch.Tensor, group: ParallelGroup, op: str = "sum", async_op: bool = False):
     """In-place all-reduce; returns the tensor (or a work handle when ``async_op``)."""
     if group.size == 1:
@@ -204,6 +229,7 @@ def all_reduce(t: torch.Tensor, group: ParallelGroup, op: str = "sum", async_op:
     return _named(work, group, "all_reduce") if async_op else t
 
 
+@between_graphs(group_arg=1)
 def all_gather_dim0(t: torch.Tensor, group: ParallelGroup) -> torch.Tensor:
     """Concatenate every rank's ``t`` along dim 0 (equal shapes)."""
     if group.size == 1:
@@ -216,6 +242,7 @@ def all_gather_dim0(t: torch.Tensor, group: ParallelGroup) -> torch.Tensor:
     return out
 
 
+@between_graphs(group_arg=2)
 def all_gather_into(
     out: torch.Tensor, shard: torch.Tensor, group: ParallelGroup, async_op: bool = False
 ):
@@ -233,6 +260,7 @@ def all_gather_into(
     return _named(work, group, "all_gather")
 
 
+@between_graphs(group_arg=1)
 def reduce_scatter_dim0(t: torch.Tensor, group: ParallelGroup) -> torch.Tensor:
     """Sum ``t`` over the group and keep this rank's slice of dim 0."""
     if group.size == 1:
@@ -247,6 +275,7 @@ def reduce_scatter_dim0(t: torch.Tensor, group: ParallelGroup) -> torch.Tensor:
     return out
 
 
+@between_graphs(group_arg=2)
 def reduce_scatter_into(
     out: torch.Tensor, full: torch.Tensor, group: ParallelGroup, async_op: bool = False
 ):
@@ -266,6 +295,7 @@ def reduce_scatter_into(
     return _named(work, group, "reduce_scatter")
 
 
+@between_graphs(group_arg=1)
 def all_gather_uneven(t: torch.Tensor, group: ParallelGroup, sizes: list[int]) -> torch.Tensor:
     """Every member's ``t`` (``sizes[j]`` rows from member ``j``) concatenated along dim 0, as
     Megatron-LM's gather with ``output_split_sizes``: one ``all_gather`` of uneven views on
@@ -283,6 +313,7 @@ def all_gather_uneven(t: torch.Tensor, group: ParallelGroup, sizes: list[int]) -
     return out
 
 
+@between_graphs(group_arg=1)
 def reduce_scatter_uneven(t: torch.Tensor, group: ParallelGroup, sizes: list[int]) -> torch.Tensor:
     """The sum over members of this member's rows of ``t`` (``sizes[j]`` rows for member ``j``,
     in order along dim 0): one ``reduce_scatter`` of uneven views on NCCL, one reduce per member
@@ -300,6 +331,7 @@ def reduce_scatter_uneven(t: torch.Tensor, group: ParallelGroup, sizes: list[int
     return out
 
 
+@between_graphs(group_arg=2)
 def all_to_all(
     out: torch.Tensor,
     t: torch.Tensor,
@@ -323,6 +355,7 @@ def all_to_all(
     return _named(work, group, "all_to_all") if async_op else out
 
 
+@between_graphs(group_arg=1)
 def broadcast(t: torch.Tensor, group: ParallelGroup, src_index: int = 0) -> torch.Tensor:
     """Broadcast ``t`` in place from the member at ``src_index``."""
     if group.size == 1:
@@ -333,6 +366,7 @@ def broadcast(t: torch.Tensor, group: ParallelGroup, src_index: int = 0) -> torc
     return t
 
 
+@between_graphs(group_arg=1)
 def isend(t: torch.Tensor, group: ParallelGroup, peer: int):
     """Asynchronous send to member ``peer`` of ``group``; returns the work handle."""
     group.record("send", t)
@@ -342,6 +376,7 @@ def isend(t: torch.Tensor, group: ParallelGroup, peer: int):
     return NamedWork(work, group, op)
 
 
+@between_graphs(group_arg=1)
 def irecv(t: torch.Tensor, group: ParallelGroup, peer: int):
     """Asynchronous receive into ``t`` from member ``peer`` of ``group``."""
     group.record("recv", t)

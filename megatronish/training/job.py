@@ -24,6 +24,7 @@ from megatronish.distributed.p2p import P2PCommunicator
 from megatronish.distributed.parallel_grid import rank_map_table
 from megatronish.distributed.topology import Topology
 from megatronish.model.build import build_chunks
+from megatronish.model.compile import compile_blocks
 from megatronish.model.parallel_context import ParallelContext
 from megatronish.model.recompute import apply_recompute
 from megatronish.moe.context import EPContext
@@ -138,7 +139,31 @@ def build_model(
     )
     t = cfg.trainer
     apply_recompute(chunks, t.recompute, t.recompute_method, t.recompute_num_layers, rng)
+    if t.compile:
+        compile_model(cfg, topo, chunks)
     return chunks
+
+
+def compile_model(cfg: TrainConfig, topo: Topology, chunks: list) -> None:
+    """``trainer.compile``: every block's forward compiled (:mod:`megatronish.model.compile`);
+    the first rank of each pipeline stage logs why its blocks, if any, compile in pieces."""
+    t = cfg.trainer
+    if t.compile_cache_dir:  # read by inductor when it first looks for a compiled graph
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.abspath(t.compile_cache_dir)
+    first_of_stage = (topo.coords.tp, topo.coords.cp, topo.coords.dp) == (0, 0, 0)
+    prefix = f"[compile] stage {topo.coords.pp}: " if topo.pp > 1 else "[compile] "
+
+    def log(line: str) -> None:
+        if first_of_stage:
+            print(prefix + line, flush=True)
+
+    compiled = compile_blocks(chunks, t.compile_backend, log)
+    if topo.rank == 0:
+        print(
+            f"[compile] {len(compiled)} blocks on this rank compile with {t.compile_backend} "
+            "on their first step",
+            flush=True,
+        )
 
 
 def start_topology(cfg: TrainConfig, launch: LaunchEnv) -> tuple[Derived, Topology]:

@@ -35,6 +35,7 @@ def test_gpu_experiments_need_a_corpus_and_save_during_training(name):
     assert 0 < cfg.checkpoint.interval < cfg.trainer.max_steps
 
 
+@pytest.mark.slow
 def test_only_gpu_experiments_train_on_a_corpus_of_their_own():
     import os
 

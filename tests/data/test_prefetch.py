@@ -26,6 +26,7 @@ def _trained(prefetch: bool, steps: int = 4):
     return trainer, [(r.loss, r.grad_norm) for r in history]
 
 
+@pytest.mark.slow
 def test_prefetched_steps_are_bit_identical_and_read_in_the_background():
     on, on_results = _trained(True)
     off, off_results = _trained(False)

@@ -43,7 +43,10 @@ def run(world, overrides, steps=3):
     return run_world(train_layout, world, overrides, steps)
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+# serial: every policy in one process, ~6 s (the others start processes).
+@pytest.mark.parametrize(
+    "layout", [pytest.param(x, marks=pytest.mark.slow) if x == "serial" else x for x in LAYOUTS]
+)
 def test_recompute_is_bit_identical(layout):
     world, args = LAYOUTS[layout]
     plain = run(world, [*DROPOUT, *args])

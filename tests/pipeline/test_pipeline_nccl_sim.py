@@ -143,7 +143,10 @@ def recorded(pp, vpp, m, split, forward_only):
     )
 
 
-@pytest.mark.parametrize(("fwd", "bwd"), [(1.0, 2.0), (1.0, 1.0), (2.0, 3.0)])
+@pytest.mark.parametrize(
+    ("fwd", "bwd"),
+    [pytest.param(1.0, 2.0, marks=pytest.mark.slow), (1.0, 1.0), (2.0, 3.0)],  # ~6 s
+)
 def test_planned_groups_keep_the_analytic_bubble(fwd, bwd):
     # Interleaving sends a steady forward's output after the backward that follows it; timed
     # with latency-free transfers, the bubble stays (pp - 1) / (vpp * m) everywhere.
@@ -159,7 +162,15 @@ def test_planned_groups_keep_the_analytic_bubble(fwd, bwd):
             assert bubble == pytest.approx(analytic_bubble(pp, vpp, m), rel=1e-12)
 
 
-@pytest.mark.parametrize("pp", range(2, 9))
+# pp 7 and 8: ~6 and ~8 s in one process.
+@pytest.mark.parametrize(
+    "pp",
+    [
+        *range(2, 7),
+        pytest.param(7, marks=pytest.mark.slow),
+        pytest.param(8, marks=pytest.mark.slow),
+    ],
+)
 def test_engine_groups_never_deadlock(pp):
     cases = 0
     for vpp, m in configs(pp):

@@ -108,6 +108,7 @@ def test_one_planner_tells_layouts_of_the_same_shape_apart():
         assert planner.plan(layout).stages == make_plan(spec, layout).stages, layout.describe()
 
 
+@pytest.mark.slow
 def test_representative_stages_of_one_planner_equal_make_plan(tiny, tiny_layouts):
     """One planner shares every building block across layouts and plans three stages; the
     peak and those stages equal a fresh full plan of each layout."""
@@ -125,6 +126,7 @@ def test_representative_stages_of_one_planner_equal_make_plan(tiny, tiny_layouts
         )
 
 
+@pytest.mark.slow
 def test_lower_bound_never_exceeds_the_step_time(tiny, tiny_layouts):
     spec = tiny[1]
     planner = Planner(spec)
@@ -207,6 +209,7 @@ def test_efficiency_rises_with_the_micro_batch_and_falls_with_tp_and_cp():
     assert piped[0].compute > piped[1].compute and piped[0].bubble < piped[1].bubble
 
 
+@pytest.mark.slow
 def test_the_advisor_takes_the_largest_micro_batch_that_fits():
     """gpt_1b on one node: with room, tp=1 micro batch 16 ranks first (the largest matmuls); a
     device too small for it gets micro batch 8 in the same shape."""

@@ -52,7 +52,17 @@ LAYOUTS = [
 ]
 
 
-@pytest.mark.parametrize("world,extra", LAYOUTS, ids=[" ".join(x) or "single" for _, x in LAYOUTS])
+@pytest.mark.parametrize(
+    "world,extra",
+    # bf16 in one process: ~8 s (the other single-process case is fp32; the rest start processes)
+    [
+        pytest.param(w, x, marks=pytest.mark.slow)
+        if (w, x) == (1, ["trainer.precision=bf16"])
+        else (w, x)
+        for w, x in LAYOUTS
+    ],
+    ids=[" ".join(x) or "single" for _, x in LAYOUTS],
+)
 def test_planned_memory_matches_measured(world, extra):
     overrides = SHAPE + extra
     results = measure_layout(world, overrides)

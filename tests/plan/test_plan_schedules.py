@@ -132,6 +132,7 @@ def test_the_tensors_w_keeps_from_b_count():
     assert split[0].saved_peak == plain[0].saved_peak
 
 
+@pytest.mark.slow
 def test_capped_microbatches_give_the_peak_of_more():
     rng = random.Random(0)
     for schedule, vpp in (("zb-h1", 1), ("zbv", 2)):
@@ -275,6 +276,7 @@ def test_advisor_picks_a_zero_bubble_schedule_where_it_is_faster_and_fits(eight_
     assert lay in kept and zb.layout not in kept
 
 
+@pytest.mark.slow
 def test_the_plan_and_the_advised_file_name_the_schedule(tmp_path, monkeypatch, capsys):
     args = ["+experiment=tiny", "world_size=2", "parallel.pp=2", "trainer.global_batch_size=32"]
     assert plan_main([*args, "parallel.pipeline_schedule=zb-h1"]) == 0

@@ -37,13 +37,25 @@ def test_a_block_of_fewer_heads_than_ranks_is_replicated_on_consecutive_ranks():
 
 # MQA at tp=2 (with the qkv bias: its kv rows are replicated too), GQA 2 at tp=4 with sp, and
 # MQA under ZeRO 3 beside dp (the replicated rows' grads are summed before the reduce-scatter).
+# Each is slow: its one-process reference trains before the world starts (~4-6 s).
 CASES = [
-    (["model.num_query_groups=1", "model.bias=true"], 2, ["parallel.tp=2"]),
-    (["model.num_query_groups=2"], 4, ["parallel.tp=4", "parallel.sp=true"]),
-    (
+    pytest.param(
+        ["model.num_query_groups=1", "model.bias=true"],
+        2,
+        ["parallel.tp=2"],
+        marks=pytest.mark.slow,
+    ),
+    pytest.param(
+        ["model.num_query_groups=2"],
+        4,
+        ["parallel.tp=4", "parallel.sp=true"],
+        marks=pytest.mark.slow,
+    ),
+    pytest.param(
         ["model.num_query_groups=1"],
         4,
         ["parallel.tp=2", "parallel.sp=true", "parallel.zero_stage=3"],
+        marks=pytest.mark.slow,
     ),
 ]
 

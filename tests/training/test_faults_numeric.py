@@ -134,6 +134,7 @@ def test_the_limit_counts_consecutive_steps_only():
     assert trainer.state.skipped_steps == 3
 
 
+@pytest.mark.slow
 def test_the_limit_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path):
     ckpt = tmp_path / "ckpt"
     overrides = ["trainer.max_skipped_steps=3", "checkpoint.interval=2", f"checkpoint.dir={ckpt}"]

@@ -14,6 +14,7 @@ def reference():
     return [train_layout(0, 1, [], PARITY_STEPS)]
 
 
+@pytest.mark.slow
 def test_short_run_lowers_the_loss():
     losses = train_layout(0, 1, ["trainer.global_batch_size=16"], 30).losses
     assert losses[0] == pytest.approx(math.log(250), abs=0.3)

@@ -13,6 +13,7 @@ from common import DOCS, machine_info
 ORDER = (
     "single",
     "tp",
+    "compile",
     "pp",
     "zero",
     "dp_comm",

@@ -57,7 +57,7 @@ docs-check: $(STAMP)
 BASELINE_KERNELS := ATEN_CPU_CAPABILITY=default ONEDNN_MAX_CPU_ISA=SSE41 MKL_ENABLE_INSTRUCTIONS=SSE4_2
 KERNEL_TESTS ?= tests/model/test_bf16.py tests/moe/test_moe.py tests/moe/test_moe_experts.py \
 	tests/context_parallel/test_context_parallel.py tests/context_parallel/test_ring_attention.py \
-	tests/context_parallel/test_a2a_ring.py \
+	tests/context_parallel/test_a2a_ring.py tests/tensor_parallel/test_fp8.py \
 	tests/training/test_reference_parity.py \
 	tests/model/test_linear_cross_entropy.py tests/model/test_head_main_grad.py tests/model/test_rms_norm_kernel.py
 test-kernels: $(STAMP)

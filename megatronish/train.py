@@ -198,12 +198,14 @@ def _fit_and_save(
 ) -> list[StepResult]:
     from megatronish.checkpoint.resume import load_with_fallback
     from megatronish.checkpoint.save import Saving
+    from megatronish.plan.devices import peak_precision
     from megatronish.training.peaks import device_peak_flops
     from megatronish.training.startup import log_startup
     from megatronish.training.trainer import Trainer
 
     topo, ckpt = job.topo, cfg.checkpoint
-    peak = device_peak_flops(topo.device, cfg.trainer.precision, cfg.trainer.peak_tflops)
+    precision = peak_precision(cfg.trainer.precision, cfg.trainer.fp8)
+    peak = device_peak_flops(topo.device, precision, cfg.trainer.peak_tflops)
     saving = None
     if ckpt.dir:
         tokens = job.tokenizer.special_token_ids() if job.tokenizer is not None else None

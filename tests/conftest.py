@@ -94,3 +94,18 @@ def stdlib_cache(tmp_path_factory):
     cfg = load_config([*SMALL_STDLIB_RUN, f"data.cache_dir={cache}"])
     build_datasets(cfg.data, cfg.model.seq_length, cfg.trainer.seed)
     return cache
+
+
+@pytest.fixture
+def scalar_code_on_baseline_kernels():
+    """Inductor's generated C++ under ``ATEN_CPU_CAPABILITY=default`` (``make test-kernels``):
+    torch 2.13 still vectorizes it for this CPU, while the ATen vector headers it includes then
+    define no vector types, and the code does not compile. Scalar code (``simdlen=1``) runs
+    there; elsewhere inductor keeps its vectorized code."""
+    if os.environ.get("ATEN_CPU_CAPABILITY") != "default":
+        yield
+        return
+    import torch._inductor.config as inductor
+
+    with inductor.patch({"cpp.simdlen": 1}):
+        yield

@@ -1182,12 +1182,7 @@ MUTANTS = [
         "compile-traces-collectives",
         "torch.compile traces a collective of more than one rank into its graph",
         "megatronish/distributed/comm.py",
-        (
-            (
-                "return fn(*args, **kwargs) if group.size == 1 else eager(*args, **kwargs)",
-                "return fn(*args, **kwargs)",
-            ),
-        ),
+        (("else eager(*args, **kwargs)", "else fn(*args, **kwargs)"),),
         ("tests/model/test_compile.py::test_a_collective_of_more_than_one_rank_is_not_traced",),
     ),
     Mutant(
@@ -1203,6 +1198,34 @@ MUTANTS = [
         (
             "tests/model/test_compile.py::test_a_block_that_cannot_be_captured_whole_falls_back_in_pieces_and_says_why_once",
         ),
+    ),
+    Mutant(
+        "fp8-left-operand-layout",
+        "An fp8 GEMM's left operand reaches _scaled_mm in the layout inductor chose for it",
+        "megatronish/tensor_parallel/fp8.py",
+        (("a = a.contiguous()", "a = a"),),
+        ("tests/tensor_parallel/test_fp8.py::test_compiled_fp8_linears_equal_eager_ones",),
+    ),
+    Mutant(
+        "fp8-linears-in-bf16",
+        "trainer.fp8 marks the linears but the column-parallel ones still run in bf16",
+        "megatronish/tensor_parallel/layers.py",
+        (
+            (
+                "        if self.fp8 is not None:\n            return fp8_linear(",
+                "        if False:\n            return fp8_linear(",
+            ),
+        ),
+        (
+            "tests/tensor_parallel/test_fp8.py::test_the_blocks_linears_run_in_fp8_and_the_first_and_last_blocks_can_stay_bf16",
+        ),
+    ),
+    Mutant(
+        "fp8-plan-without-copies",
+        "The planner counts a tensorwise fp8 MLP's inputs at bf16 size",
+        "megatronish/plan/dense.py",
+        (("return -x.s * x.b * (x.h + x.f) * (e - 1)", "return 0"),),
+        ("tests/tensor_parallel/test_fp8.py::test_the_planner_counts_what_tensorwise_fp8_keeps",),
     ),
 ]
 

@@ -15,6 +15,7 @@ from megatronish.config.cp_rules import cp_exchange_errors
 from megatronish.config.data_rules import data_errors
 from megatronish.config.derived import default_ffn_hidden, pad_vocab
 from megatronish.config.dp_rules import data_parallel_errors
+from megatronish.config.fp8_rules import fp8_errors
 from megatronish.config.moe_rules import moe_errors
 from megatronish.config.pipeline_rules import (
     PIPELINE_SCHEDULES,
@@ -41,6 +42,7 @@ CHOICES = {
 NULLABLE_CHOICES = {
     "logging.wandb_mode": ("online", "offline", "disabled"),
     "parallel.grad_compression": ("powersgd", "int8"),
+    "trainer.fp8": ("tensorwise", "rowwise"),
 }
 
 
@@ -223,6 +225,7 @@ def config_errors(
     schedule = resolve_pipeline_schedule(schedule, p.vpp)
     if p.pp > 1 and (error := pipeline_schedule_error(schedule, p.pp, p.vpp, p.pp)):
         errors.append(error)  # the chunks per stage it needs (the microbatches: below)
+    errors += fp8_errors(cfg, schedule if p.pp > 1 else None)
     if p.grad_reduce_dtype == "bf16" and cfg.trainer.precision != "bf16":
         errors.append(
             "parallel.grad_reduce_dtype=bf16 needs trainer.precision=bf16 (fp32 training "

@@ -12,6 +12,7 @@ from megatronish.model.gpt import GPTChunk
 from megatronish.model.init import DeferredInit, init_parameters
 from megatronish.model.parallel_context import ParallelContext
 from megatronish.spec import ModelSpec
+from megatronish.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 
 def chunk_layer_ranges(layers_per_chunk: list[int] | tuple[int, ...]) -> list[range]:
@@ -82,6 +83,22 @@ def build_chunks(
             init_parameters(chunk, seed, ctx.tp.group.rank, ctx.tp.size)
         chunks.append(chunk)
     return chunks
+
+
+def apply_fp8(chunks: list[GPTChunk], recipe: str, skip_first_last: int, num_layers: int) -> int:
+    """``trainer.fp8``: the tensor-parallel linears of blocks ``skip_first_last`` to
+    ``num_layers - skip_first_last - 1`` (global indices) run their GEMMs in fp8 with ``recipe``;
+    the embedding, the head and the experts' grouped GEMMs stay bf16. Returns how many."""
+    marked = 0
+    for chunk in chunks:
+        for index, block in chunk.layers.items():
+            if not skip_first_last <= int(index) < num_layers - skip_first_last:
+                continue
+            for module in block.modules():
+                if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+                    module.fp8 = recipe
+                    marked += 1
+    return marked
 
 
 @contextlib.contextmanager

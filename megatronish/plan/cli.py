@@ -278,12 +278,16 @@ def with_device(options: dict, precision: str, tf32: bool = False) -> tuple[dict
     return {**filled, **options}, gpu
 
 
+def fp8_peak(gpu: GPUModel) -> str:
+    return "" if gpu.fp8_tflops is None else f", {gpu.fp8_tflops:g} fp8"
+
+
 def device_line(gpu: GPUModel, options: dict) -> str:
     """What ``device=NAME`` stands for, and the values the plan uses."""
     return (
         f"device {gpu.name}: {gpu.title} (datasheet: {gpu.memory_gb:g} GB at "
         f"{gpu.memory_tbps:g} TB/s, dense TFLOP/s {gpu.bf16_tflops:g} bf16, "
-        f"{gpu.tf32_tflops:g} tf32, {gpu.fp32_tflops:g} fp32); "
+        f"{gpu.tf32_tflops:g} tf32, {gpu.fp32_tflops:g} fp32{fp8_peak(gpu)}); "
         f"planning with {options['device_memory_gb']:g} GiB and {options['peak_tflops']:g} "
         "TFLOP/s per device"
     )

@@ -155,7 +155,32 @@ def layer_bytes(spec: ModelSpec, layout: Layout, core: bool = True) -> int:
         attn += attention_core_bytes(spec, layout)
     mlp = tokens * x.f * e * (4 if spec.is_llama else 2)
     dropout = 2 * tokens_r * x.h if spec.hidden_dropout > 0 else 0
-    return norms + attn + mlp + dropout
+    fp8 = fp8_attention_bytes(spec, layout) + fp8_mlp_bytes(spec, layout)
+    return norms + attn + mlp + dropout + fp8
+
+
+def fp8_attention_bytes(spec: ModelSpec, layout: Layout) -> int:
+    """What fp8 linears (``trainer.fp8=tensorwise``) change in attention's saved bytes: the qkv
+    linear keeps its full-sequence input in fp8 (1 byte an element, not ``e``); the projection
+    keeps an fp8 copy of its input beside the SDPA output it shares in bf16. Rowwise keeps the
+    bf16 inputs (backward casts them along other axes): no change. With
+    ``fp8_skip_first_last`` the plan counts only the copies, not the savings: it stays an
+    upper bound for the stages that hold bf16 blocks."""
+    if layout.fp8 != "tensorwise":
+        return 0
+    x, e = layer_shape(spec, layout), layout.activation_bytes
+    tokens = x.s * x.b
+    copy = tokens * x.a * x.d
+    return copy if layout.fp8_skip_first_last else copy - tokens * x.h * (e - 1)
+
+
+def fp8_mlp_bytes(spec: ModelSpec, layout: Layout) -> int:
+    """The dense MLP's part of :func:`fp8_attention_bytes`: fc1's full-sequence input and fc2's
+    input (the product or GELU output only fc2 keeps) in fp8."""
+    if layout.fp8 != "tensorwise" or layout.fp8_skip_first_last:
+        return 0
+    x, e = layer_shape(spec, layout), layout.activation_bytes
+    return -x.s * x.b * (x.h + x.f) * (e - 1)
 
 
 def _qk_norm_bytes(spec: ModelSpec, x: LayerShape, e: int) -> int:

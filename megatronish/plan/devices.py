@@ -38,17 +38,28 @@ class GPUModel:
     # Gb/s per GPU across nodes in the usual cluster of this class: one 400 Gb/s NDR NIC per
     # H100/H200/B200 (DGX/HGX), 200 Gb/s HDR per A100, 100 Gb/s Ethernet for PCIe/NVL and L40S
     network_gbps: float = 400.0
+    fp8_tflops: float | None = None  # dense; None: no fp8 tensor cores (before Hopper / Ada)
 
     def peak_tflops(self, precision: str, tf32: bool = False) -> float:
-        """Dense peak for ``trainer.precision`` (``bf16``, ``fp16``, ``fp32`` or ``tf32``);
-        ``tf32``: fp32 matmuls may use TF32 tensor cores."""
+        """Dense peak for ``precision`` (``fp8``, ``bf16``, ``fp16``, ``fp32`` or ``tf32``; see
+        :func:`peak_precision`); ``tf32``: fp32 matmuls may use TF32 tensor cores."""
+        if precision == "fp8":
+            if self.fp8_tflops is None:
+                raise ValueError(f"the {self.title} has no fp8 tensor cores (trainer.fp8)")
+            return self.fp8_tflops
         if precision in ("bf16", "fp16"):
             return self.bf16_tflops
         if precision == "tf32" or (precision == "fp32" and tf32):
             return self.tf32_tflops
         if precision == "fp32":
             return self.fp32_tflops
-        raise ValueError(f"no peak for precision {precision!r}: bf16, fp16, fp32 or tf32")
+        raise ValueError(f"no peak for precision {precision!r}: fp8, bf16, fp16, fp32 or tf32")
+
+
+def peak_precision(precision: str, fp8: str | None) -> str:
+    """The precision whose peak MFU counts against: ``fp8`` when ``trainer.fp8`` is on (most
+    GEMM FLOPs run there), else ``trainer.precision``."""
+    return "fp8" if fp8 else precision
 
 
 # Vendor datasheets, dense (no sparsity); memory bandwidth of the SXM board where a product
@@ -56,18 +67,73 @@ class GPUModel:
 # total memory than the datasheet size (ECC and driver reservations); these are that figure
 # rounded down to a whole GiB, to plan against.
 GPUS: tuple[GPUModel, ...] = (
-    GPUModel("h100", "H100 SXM 80GB", 989.0, 494.5, 67.0, 80, 79.0, 3.35, ("h100",), ("h100-sxm",)),
     GPUModel(
-        "h100-pcie", "H100 PCIe 80GB", 756.0, 378.0, 51.0, 80, 79.0, 2.0, ("h100", "pcie"), (), 100
+        "h100",
+        "H100 SXM 80GB",
+        989.0,
+        494.5,
+        67.0,
+        80,
+        79.0,
+        3.35,
+        ("h100",),
+        ("h100-sxm",),
+        fp8_tflops=1979.0,
     ),
     GPUModel(
-        "h100-nvl", "H100 NVL 94GB", 835.5, 417.5, 60.0, 94, 93.0, 3.9, ("h100", "nvl"), (), 100
+        "h100-pcie",
+        "H100 PCIe 80GB",
+        756.0,
+        378.0,
+        51.0,
+        80,
+        79.0,
+        2.0,
+        ("h100", "pcie"),
+        (),
+        100,
+        fp8_tflops=1513.0,
     ),
     GPUModel(
-        "h200", "H200 SXM 141GB", 989.0, 494.5, 67.0, 141, 139.0, 4.8, ("h200",), ("h200-sxm",)
+        "h100-nvl",
+        "H100 NVL 94GB",
+        835.5,
+        417.5,
+        60.0,
+        94,
+        93.0,
+        3.9,
+        ("h100", "nvl"),
+        (),
+        100,
+        fp8_tflops=1671.0,
     ),
     GPUModel(
-        "h200-nvl", "H200 NVL 141GB", 835.5, 417.5, 60.0, 141, 139.0, 4.8, ("h200", "nvl"), (), 100
+        "h200",
+        "H200 SXM 141GB",
+        989.0,
+        494.5,
+        67.0,
+        141,
+        139.0,
+        4.8,
+        ("h200",),
+        ("h200-sxm",),
+        fp8_tflops=1979.0,
+    ),
+    GPUModel(
+        "h200-nvl",
+        "H200 NVL 141GB",
+        835.5,
+        417.5,
+        60.0,
+        141,
+        139.0,
+        4.8,
+        ("h200", "nvl"),
+        (),
+        100,
+        fp8_tflops=1671.0,
     ),
     GPUModel(
         "a100", "A100 80GB", 312.0, 156.0, 19.5, 80, 79.0, 2.039, ("a100",), ("a100-80gb",), 200
@@ -75,8 +141,19 @@ GPUS: tuple[GPUModel, ...] = (
     GPUModel(
         "a100-40gb", "A100 40GB", 312.0, 156.0, 19.5, 40, 39.0, 1.555, ("a100", "40gb"), (), 200
     ),
-    GPUModel("b200", "B200 (HGX) 180GB", 2250.0, 1100.0, 75.0, 180, 178.0, 8.0, ("b200",)),
-    GPUModel("l40s", "L40S 48GB", 362.0, 183.0, 91.6, 48, 44.0, 0.864, ("l40s",), (), 100),
+    GPUModel(
+        "b200",
+        "B200 (HGX) 180GB",
+        2250.0,
+        1100.0,
+        75.0,
+        180,
+        178.0,
+        8.0,
+        ("b200",),
+        fp8_tflops=4500.0,
+    ),
+    GPUModel("l40s", "L40S 48GB", 362.0, 183.0, 91.6, 48, 44.0, 0.864, ("l40s",), (), 100, 733.0),
 )
 
 

@@ -50,6 +50,8 @@ class Layout:
     powersgd_rank: int = 4  # parallel.powersgd_rank (grad_compression=powersgd)
     powersgd_compress_vocab: bool = False  # parallel.powersgd_compress_vocab
     optimizer_offload: bool = False  # parallel.optimizer_offload: the update on the host
+    fp8: str | None = None  # trainer.fp8: tensorwise | rowwise (the blocks' linears in fp8)
+    fp8_skip_first_last: int = 0  # trainer.fp8_skip_first_last: blocks kept in bf16 each end
 
     @property
     def world_size(self) -> int:
@@ -246,6 +248,8 @@ def layout_from_config(cfg: TrainConfig, world_size: int) -> Layout:
         powersgd_rank=getattr(p, "powersgd_rank", 4),
         powersgd_compress_vocab=bool(getattr(p, "powersgd_compress_vocab", False)),
         optimizer_offload=bool(getattr(p, "optimizer_offload", False)),
+        fp8=getattr(t, "fp8", None),
+        fp8_skip_first_last=getattr(t, "fp8_skip_first_last", 0),
     )
 
 

@@ -158,7 +158,8 @@ def block_bytes(spec: ModelSpec, layout: Layout, moe_block: bool, core: bool = T
     layer = dense.layer_bytes(spec, layout, core)
     if not moe_block:
         return layer
-    return layer - dense.mlp_bytes(spec, layout) + mlp_bytes(spec, layout)
+    dense_mlp = dense.mlp_bytes(spec, layout) + dense.fp8_mlp_bytes(spec, layout)
+    return layer - dense_mlp + mlp_bytes(spec, layout)  # the experts' GEMMs stay bf16
 
 
 def blocks_bytes(

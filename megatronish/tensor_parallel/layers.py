@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatronish.distributed.comm import ParallelGroup
+from megatronish.tensor_parallel.fp8 import fp8_linear
 from megatronish.tensor_parallel.mappings import (
     copy_to_tp,
     gather_from_sp,
@@ -100,12 +101,15 @@ class ColumnParallelLinear(nn.Module):
                 replicated_heads=replicated,
             )
         self.weight_grad_store: WeightGradStore | None = None
+        self.fp8: str | None = None  # trainer.fp8's recipe where this linear runs in fp8
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
             x = gather_from_sp(x, self.group)
         else:
             x = copy_to_tp(x, self.group)
+        if self.fp8 is not None:
+            return fp8_linear(x, self.weight, self.bias, self.fp8)
         return linear(x, self.weight, self.bias, self.weight_grad_store)
 
 
@@ -145,9 +149,13 @@ class RowParallelLinear(nn.Module):
                 weight_decay=False,
             )
         self.weight_grad_store: WeightGradStore | None = None
+        self.fp8: str | None = None  # trainer.fp8's recipe where this linear runs in fp8
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight, store=self.weight_grad_store)
+        if self.fp8 is not None:
+            y = fp8_linear(x, self.weight, None, self.fp8)
+        else:
+            y = linear(x, self.weight, store=self.weight_grad_store)
         if self.sequence_parallel:
             y = reduce_scatter_to_sp(y, self.group)
         else:

@@ -23,7 +23,7 @@ from megatronish.distributed.launch import LaunchEnv, init_process_group, pick_d
 from megatronish.distributed.p2p import P2PCommunicator
 from megatronish.distributed.parallel_grid import rank_map_table
 from megatronish.distributed.topology import Topology
-from megatronish.model.build import build_chunks
+from megatronish.model.build import apply_fp8, build_chunks
 from megatronish.model.compile import compile_blocks
 from megatronish.model.parallel_context import ParallelContext
 from megatronish.model.recompute import apply_recompute
@@ -139,6 +139,17 @@ def build_model(
     )
     t = cfg.trainer
     apply_recompute(chunks, t.recompute, t.recompute_method, t.recompute_num_layers, rng)
+    if t.fp8 is not None:
+        marked = apply_fp8(chunks, t.fp8, t.fp8_skip_first_last, spec.num_layers)
+        if topo.rank == 0:
+            kept = f"the first and last {t.fp8_skip_first_last} blocks, " * bool(
+                t.fp8_skip_first_last
+            )
+            print(
+                f"[fp8] {t.fp8}: {marked} linear layers on this rank run in fp8; the embedding, "
+                f"the head, {kept}and any experts' grouped GEMMs in bf16",
+                flush=True,
+            )
     if t.compile:
         compile_model(cfg, topo, chunks)
     return chunks

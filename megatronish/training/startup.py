@@ -51,13 +51,14 @@ def epochs_line(kind: str, available: int, read: int) -> str:
     )
 
 
-def throughput_note(world_size: int) -> str:
+def throughput_note(world_size: int, fp8: str | None = None) -> str:
     """What tok/s and MFU on the step lines are."""
+    against = "; MFU counts against the device's fp8 peak (trainer.fp8)" if fp8 else ""
     if world_size == 1:
-        return "step lines: tok/s of this one device"
+        return "step lines: tok/s of this one device" + against
     return (
         f"step lines: tok/s is global (all {world_size} ranks), tok/s/dev = tok/s / "
-        f"{world_size}; MFU is per device"
+        f"{world_size}; MFU is per device" + against
     )
 
 
@@ -77,5 +78,5 @@ def log_startup(cfg: TrainConfig, job, trainer, logger) -> None:
     logger.info(
         f"training for {left} steps (step {trainer.state.step} -> {t.max_steps}), "
         f"{job.derived.tokens_per_step:,} tokens/step, device {topo.device}; "
-        + throughput_note(topo.world_size)
+        + throughput_note(topo.world_size, t.fp8)
     )

@@ -63,7 +63,7 @@ def test_a_collective_of_more_than_one_rank_is_not_traced():
 
 @pytest.mark.slow  # ~30 s with a cold inductor cache
 def test_one_process_compiled_with_inductor_trains_as_eager_and_resumes_bit_identically(
-    tmp_path,
+    tmp_path, scalar_code_on_baseline_kernels
 ):
     eager = train_layout(0, 1, [], STEPS + 1)
     trainer = build_trainer(0, 1, COMPILED, STEPS + 1)

@@ -25,8 +25,12 @@ def test_the_table_holds_the_required_gpus_with_consistent_numbers():
         assert g.bf16_tflops > g.tf32_tflops > 0 and g.fp32_tflops > 0, g.name
         assert 0 < g.usable_gib < g.memory_gb, g.name
         assert 0.5 < g.memory_tbps < 10, g.name  # TB/s, not GB/s
+        assert g.fp8_tflops is None or g.fp8_tflops == pytest.approx(2 * g.bf16_tflops, 0.02)
     h100 = gpu_named("h100")
     assert (h100.bf16_tflops, h100.fp32_tflops, h100.memory_gb) == (989.0, 67.0, 80)
+    assert (h100.peak_tflops("fp8"), gpu_named("a100").fp8_tflops) == (1979.0, None)
+    with pytest.raises(ValueError, match="no fp8 tensor cores"):
+        gpu_named("a100").peak_tflops("fp8")
     assert gpu_named("a100-40gb").memory_gb == 40 and gpu_named("h200").memory_gb == 141
     assert (h100.memory_tbps, gpu_named("h200").memory_tbps) == (3.35, 4.8)
 
@@ -41,6 +45,7 @@ def test_the_docs_table_is_the_code_table():
     expected = {
         g.name: [
             g.title,
+            f"{g.fp8_tflops:g}" if g.fp8_tflops else "-",
             f"{g.bf16_tflops:g}",
             f"{g.tf32_tflops:g}",
             f"{g.fp32_tflops:g}",

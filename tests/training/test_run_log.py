@@ -122,6 +122,8 @@ def test_the_epochs_line_says_how_often_each_sample_is_read():
 def test_the_throughput_note_names_global_and_per_device():
     assert "global (all 8 ranks)" in startup.throughput_note(8)
     assert "one device" in startup.throughput_note(1)
+    assert "fp8" not in startup.throughput_note(8)
+    assert "against the device's fp8 peak" in startup.throughput_note(8, "tensorwise")
 
 
 @pytest.mark.slow

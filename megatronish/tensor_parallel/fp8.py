@@ -1,0 +1,143 @@
+"""FP8 linear layers (``trainer.fp8``): a linear's three GEMMs in float8 with current scaling.
+
+A thin layer over ``torch._scaled_mm`` (on CUDA cuBLASLt's fp8 GEMMs; on CPU a reference kernel
+with the same contract, so the path is tested here). Not torchao's ``Float8Linear``: it swaps
+``nn.Linear`` modules and its tensor parallelism goes through DTensor, while our linears are our
+own tensor-parallel modules with their own collectives and ZeRO's flat buffers own the weights;
+the cast-and-scale arithmetic is small enough to own (the recipes are torchao's).
+
+Current scaling: every GEMM operand is scaled from its own amax at the time it is cast (no
+amax history), ``scale = amax / max_finite`` in fp32, ``q = clamp(t / scale)`` cast to fp8; the
+GEMM multiplies by the scales of both operands (it gets dequantization scales) and writes the
+output in the activations' dtype (bf16). e4m3 (more mantissa) for activations and weights, e5m2
+(more range) for output gradients, as in torchao and Transformer Engine.
+
+- ``tensorwise``: one scale per tensor. Forward keeps the fp8 copy of the input (and its scale)
+  for backward: half the bytes of the bf16 input a bf16 linear keeps. The weight is cast again
+  in backward from the parameter (unchanged within a step, so to the same bits): an fp8 copy
+  kept per microbatch in flight would cost more than the input saves once several are.
+- ``rowwise``: one scale per row of a GEMM's left operand and per column of its right one (the
+  dimensions that are not summed over), so an outlier token or output channel costs only its own
+  row's precision. The input and weight are quantized along other axes in backward than in
+  forward, so backward quantizes them again from the bf16 input and weight it keeps (torchao's
+  rowwise recipe does the same).
+
+For ``y = x W^T`` with ``x`` ``[M, K]``, ``W`` ``[N, K]`` and the output grad ``g`` ``[M, N]``:
+forward ``x W^T``, input grad ``g W``, weight grad ``g^T x``; each right operand is handed to
+``_scaled_mm`` column-major, as it requires.
+
+Tensor parallelism: each rank quantizes the operands it holds and its GEMM's output is
+dequantized on that rank, so results do not depend on other ranks' scales and no amax is
+all-reduced. Scales agree across tp ranks where the quantized tensor itself is the same on
+every rank: the input of a column-parallel linear (replicated, or all-gathered under sequence
+parallelism) and the output grad of a row-parallel one (replicated, or all-gathered). The weight
+shards, the input of a row-parallel linear and the output grad of a column-parallel one are
+split over tp, and their scales are each rank's own, as if each shard were its own tensor.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from torch.autograd.function import FunctionCtx
+
+RECIPES = ("tensorwise", "rowwise")
+E4M3 = torch.float8_e4m3fn
+E5M2 = torch.float8_e5m2
+_TINY = 1e-12  # an all-zero tensor gets scale 1e-12 / max: its fp8 copy is all zeros anyway
+
+
+def quantize(
+    t: torch.Tensor, dtype: torch.dtype, dim: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q, scale)``: ``t`` cast to the fp8 ``dtype`` after dividing by ``scale = amax /
+    max_finite`` (fp32), so ``q * scale`` approximates ``t``. ``dim``: one scale per slice along
+    it (keepdim; None: one for the whole tensor)."""
+    top = torch.finfo(dtype).max
+    t32 = t.float()
+    amax = t32.abs().amax() if dim is None else t32.abs().amax(dim=dim, keepdim=True)
+    scale = amax.clamp(min=_TINY) / top
+    return (t32 / scale).clamp(-top, top).to(dtype), scale
+
+
+def column_major(t: torch.Tensor) -> torch.Tensor:
+    """The same matrix with column-major strides (``_scaled_mm``'s right operand)."""
+    return t.t().contiguous().t()
+
+
+def scaled_mm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """``(a * scale_a) @ (b * scale_b)`` for fp8 ``a`` ``[M, K]`` and ``b`` ``[K, N]``; scales
+    fp32, scalar or ``[M, 1]`` / ``[1, N]``. cuBLASLt takes ``a`` row-major and ``b``
+    column-major only (CPU takes any layout; tests hold every call to CUDA's rule)."""
+    # A no-op where it is row-major already; inductor may lay out a quantized transpose either way.
+    a = a.contiguous()
+    return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+
+
+class _Fp8Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: FunctionCtx, x: torch.Tensor, weight: torch.Tensor, recipe: str
+    ) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1])
+        rowwise = recipe == "rowwise"
+        x8, sx = quantize(x2, E4M3, -1 if rowwise else None)
+        w8, sw = quantize(weight, E4M3, -1 if rowwise else None)
+        out = scaled_mm(x8, w8.t(), sx, sw.t() if rowwise else sw, x.dtype)
+        if rowwise:
+            ctx.save_for_backward(x2, weight)
+        else:  # the weight is the parameter itself: cast again in backward, to the same bits
+            ctx.save_for_backward(x8, sx, weight)
+        ctx.recipe, ctx.x_shape, ctx.dtypes = recipe, x.shape, (x.dtype, weight.dtype)
+        return out.view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(
+        ctx: FunctionCtx, grad: torch.Tensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
+        g = grad.reshape(-1, grad.shape[-1])
+        x_dtype, w_dtype = ctx.dtypes
+        want_x, want_w = ctx.needs_input_grad[:2]
+        grad_x = grad_w = None
+        if ctx.recipe == "rowwise":
+            x2, weight = ctx.saved_tensors
+            if want_x:  # g [M, N] by rows, W [N, K] by columns (K: the output's columns)
+                g8, sg = quantize(g, E5M2, -1)
+                w8, sw = quantize(weight, E4M3, 0)
+                grad_x = scaled_mm(g8, column_major(w8), sg, sw, x_dtype)
+            if want_w:  # g^T [N, M] by rows, x [M, K] by columns
+                gt8, sgt = quantize(g.t(), E5M2, -1)
+                xc8, sxc = quantize(x2, E4M3, 0)
+                grad_w = scaled_mm(gt8, column_major(xc8), sgt, sxc, w_dtype)
+        else:
+            x8, sx, weight = ctx.saved_tensors
+            g8, sg = quantize(g, E5M2)
+            if want_x:
+                w8, sw = quantize(weight, E4M3)
+                grad_x = scaled_mm(g8, column_major(w8), sg, sw, x_dtype)
+            if want_w:
+                grad_w = scaled_mm(g8.t().contiguous(), column_major(x8), sg, sx, w_dtype)
+        if grad_x is not None:
+            grad_x = grad_x.view(ctx.x_shape)
+        return grad_x, grad_w, None
+
+
+def fp8_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: str
+) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` with its GEMMs in fp8 (``recipe``: tensorwise | rowwise);
+    the bias is added in the activations' dtype."""
+    if recipe not in RECIPES:
+        raise ValueError(f"trainer.fp8={recipe!r}: use one of {', '.join(RECIPES)} (or null)")
+    y = _Fp8Linear.apply(x, weight, recipe)
+    return y if bias is None else y + bias

@@ -1,0 +1,230 @@
+"""``trainer.fp8``: each fp8 GEMM is the product of its dequantized operands to the output's
+rounding, the blocks' linears really run in fp8, and training tracks bf16 in every layout."""
+
+from collections import Counter
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from megatronish.config.validate import config_errors
+from megatronish.plan.estimate import make_plan
+from megatronish.plan.layout import layout_from_config, spec_of
+from megatronish.tensor_parallel.fp8 import E4M3, E5M2, _Fp8Linear, quantize
+from megatronish.testing import runs as test_runs
+from megatronish.testing.memory import activations_by_stage, measure_layout
+from megatronish.testing.multiproc import run_world
+from megatronish.testing.runs import build_trainer, losses_of, train_layout
+
+BF16 = ["trainer.precision=bf16"]
+TRACK_STEPS = 30
+TINY = 2.0**-126  # smallest normal fp32: below it only the accumulation's absolute error counts
+
+
+def dequantized(t, dtype, dim=None):
+    q, scale = quantize(t, dtype, dim)
+    return q.double() * scale.double()
+
+
+@pytest.mark.parametrize("dtype, mantissa, subnormal", [(E4M3, 3, 2.0**-9), (E5M2, 2, 2.0**-16)])
+@pytest.mark.parametrize("dim", [None, -1, 0])
+def test_quantize_scales_by_amax_and_rounds_each_value_to_its_format(
+    dtype, mantissa, subnormal, dim
+):
+    t = torch.randn(64, 48, dtype=torch.bfloat16) * torch.logspace(-3, 3, 48)
+    q, scale = quantize(t, dtype, dim)
+    top = torch.finfo(dtype).max
+    assert q.dtype == dtype and scale.dtype == torch.float32
+    amax = t.float().abs() if dim is None else t.float().abs()
+    amax = amax.amax() if dim is None else amax.amax(dim=dim, keepdim=True)
+    torch.testing.assert_close(scale, amax / top, rtol=0, atol=0)
+    assert q.float().abs().amax() <= top
+    # Round to nearest: half a spacing, relative for normals, absolute for subnormals.
+    error = (q.double() * scale.double() - t.double()).abs()
+    bound = t.double().abs() * 2.0 ** -(mantissa + 1) + scale.double() * subnormal / 2
+    assert (error <= bound).all(), float((error - bound).max())
+
+
+def _gemm_bound(a, b):
+    """bf16 rounding of the output plus fp32 accumulation over the summed dimension."""
+    ref = a @ b
+    return ref, ref.abs() * 2.0**-8 + (a.abs() @ b.abs()) * (a.shape[1] * 2.0**-23) + TINY
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_each_gemm_equals_the_product_of_its_dequantized_operands(recipe):
+    """Forward, input grad and weight grad: ``_scaled_mm``'s output is the exact product of the
+    operands' fp8 values times their scales, to the bf16 output's rounding; e4m3 for input and
+    weight, e5m2 for the output grad, scaled by tensor or by the rows and columns kept."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 32, 64, dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(48, 64) * 0.05).to(torch.bfloat16).requires_grad_()
+    g = torch.randn(3, 32, 48, dtype=torch.bfloat16) * 1e-3
+    y = _Fp8Linear.apply(x, w, recipe)
+    y.backward(g)
+    x2, g2 = x.detach().reshape(-1, 64), g.reshape(-1, 48)
+    wd = w.detach()
+    rows = recipe == "rowwise"
+    cases = {  # name: (got, left operand, right operand), dequantized as the recipe casts them
+        "forward": (
+            y.reshape(-1, 48),
+            dequantized(x2, E4M3, -1 if rows else None),
+            dequantized(wd, E4M3, -1 if rows else None).t(),
+        ),
+        "input grad": (
+            x.grad.reshape(-1, 64),
+            dequantized(g2, E5M2, -1 if rows else None),
+            dequantized(wd, E4M3, 0 if rows else None),
+        ),
+        "weight grad": (
+            w.grad,
+            dequantized(g2.t(), E5M2, -1 if rows else None),
+            dequantized(x2, E4M3, 0 if rows else None),
+        ),
+    }
+    for name, (got, a, b) in cases.items():
+        ref, bound = _gemm_bound(a, b)
+        assert got.dtype == torch.bfloat16, name
+        assert ((got.double() - ref).abs() <= bound).all(), name
+    exact = x2.double() @ wd.double().t()  # and fp8 is near the product it stands in for
+    assert (y.reshape(-1, 48).double() - exact).norm() / exact.norm() < 0.1
+
+
+class ScaledMatmuls(TorchDispatchMode):
+    """Counts ``_scaled_mm`` calls by operand dtypes, and the other matmuls by dtype."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: Counter = Counter()
+        self.scales: list[torch.Tensor] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func._schema.name.split("::")[-1]
+        if name == "_scaled_mm":
+            self.seen[(name, str(args[0].dtype), str(args[1].dtype))] += 1
+            self.scales.append(args[2].clone())
+            # cuBLASLt's layouts (the CPU kernel takes any): row-major left, column-major right
+            assert args[0].is_contiguous() and args[1].t().is_contiguous(), "operand layout"
+        elif name in ("mm", "addmm", "bmm"):
+            self.seen[(name,)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_every_fp8_gemm_takes_the_operand_layouts_cublas_takes(recipe):
+    x = torch.randn(2, 16, 32, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(48, 32, dtype=torch.bfloat16, requires_grad=True)
+    with ScaledMatmuls() as mode:
+        _Fp8Linear.apply(x, w, recipe).sum().backward()
+    assert sum(mode.seen.values()) == 3
+
+
+@pytest.mark.slow  # ~10 s: inductor compiles both recipes' forward and backward
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_compiled_fp8_linears_equal_eager_ones(recipe, scalar_code_on_baseline_kernels):
+    """Under torch.compile inductor lays out the casts itself and lowers ``_scaled_mm`` with
+    cuBLASLt's layout rule (a transposed output grad once reached it column-major)."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 16, 32, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(48, 32, dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(2, 16, 48, dtype=torch.bfloat16)
+
+    def grads(fn):
+        x.grad = w.grad = None
+        out = fn(x, w)
+        out.backward(g)
+        return out.detach(), x.grad, w.grad
+
+    eager = grads(lambda a, b: _Fp8Linear.apply(a, b, recipe))
+    compiled = grads(torch.compile(lambda a, b: _Fp8Linear.apply(a, b, recipe), fullgraph=True))
+    for a, b in zip(eager, compiled, strict=True):  # the same fp8 values; bf16 outputs
+        torch.testing.assert_close(b, a, rtol=2**-7, atol=1e-5)
+
+
+def test_the_blocks_linears_run_in_fp8_and_the_first_and_last_blocks_can_stay_bf16():
+    trainer = build_trainer(0, 1, [*BF16, "trainer.fp8=tensorwise"], 1)
+    microbatches = len(trainer.microbatches(trainer.train_data, 0))
+    with ScaledMatmuls() as mode:
+        trainer.train_step()
+    linears = 4 * 4 * microbatches  # 4 blocks x (qkv, proj, fc1, fc2)
+    fp8 = "torch.float8_e4m3fn"
+    assert mode.seen[("_scaled_mm", fp8, fp8)] == linears  # forward: input and weight e4m3
+    assert mode.seen[("_scaled_mm", "torch.float8_e5m2", fp8)] == 2 * linears  # both grads
+    skipped = build_trainer(0, 1, [*BF16, "trainer.fp8=rowwise", "trainer.fp8_skip_first_last=1"])
+    with ScaledMatmuls() as mode:
+        skipped.train_step()
+    assert mode.seen[("_scaled_mm", fp8, fp8)] == linears // 2  # blocks 1 and 2 only
+
+
+@pytest.mark.slow  # ~20 s: three 30-step bf16 runs in one process
+def test_thirty_steps_in_fp8_track_bf16_and_differ_from_it():
+    bf16 = build_trainer(0, 1, BF16, TRACK_STEPS).fit()
+    for recipe in ("tensorwise", "rowwise"):
+        fp8 = build_trainer(0, 1, [*BF16, f"trainer.fp8={recipe}"], TRACK_STEPS).fit()
+        gaps = [abs(a.loss - b.loss) / a.loss for a, b in zip(bf16, fp8, strict=True)]
+        assert max(gaps) < 0.02, (recipe, max(gaps))  # measured 0.5% on the tiny llama
+        assert gaps[-1] < 0.01, (recipe, gaps[-1])  # measured 0.06-0.09%
+        assert max(gaps) > 1e-4, recipe  # fp8 really ran: rounding this coarse shows
+
+
+def _fp8_run(rank, world, overrides):
+    run = train_layout(rank, world, overrides, 4)
+    trainer = build_trainer(rank, world, overrides, 1)
+    with ScaledMatmuls() as mode:
+        trainer.train_step()
+    return run, mode.scales[0]  # the first forward GEMM: block 0's qkv, its input's scale
+
+
+FP8_LAYOUTS = {
+    "tp2-sp": ["parallel.tp=2", "parallel.sp=true"],
+    "dp2-zero1": ["parallel.zero_stage=1"],
+}
+
+
+@pytest.mark.parametrize("layout", list(FP8_LAYOUTS))
+def test_fp8_layouts_track_one_fp8_process(layout):
+    """tp shards quantize with their own scales (the weight shards, the row-parallel input),
+    so tp tracks one process rather than equalling it; dp does not change what is quantized.
+    The column-parallel input is the same tensor on every tp rank, and so is its scale."""
+    fp8 = [*BF16, "trainer.fp8=tensorwise"]
+    one = train_layout(0, 1, fp8, 4)
+    runs = run_world(_fp8_run, 2, [*fp8, *FP8_LAYOUTS[layout]])
+    gaps = [abs(a - b) / a for a, b in zip(one.losses, losses_of([r[0] for r in runs]))]
+    assert max(gaps) < (5e-3 if layout == "tp2-sp" else 1e-6), gaps  # tp2-sp: 1.9e-4 measured
+    if layout == "tp2-sp":
+        assert torch.equal(runs[0][1], runs[1][1])
+
+
+@pytest.mark.slow  # ~15 s: two bf16 steps measured in one process
+def test_the_planner_counts_what_tensorwise_fp8_keeps():
+    """The linears' fp8 input copies: the planned saving against bf16 is the measured one."""
+    shape = ["model.seq_length=64", "trainer.micro_batch_size=4", "trainer.global_batch_size=16"]
+    planned, measured = {}, {}
+    for name, extra in (("bf16", BF16), ("fp8", [*BF16, "trainer.fp8=tensorwise"])):
+        overrides = [*shape, *extra]
+        measured[name] = activations_by_stage(measure_layout(1, overrides))[0]
+        cfg = test_runs.test_config(overrides, 5)
+        planned[name] = make_plan(spec_of(cfg), layout_from_config(cfg, 1)).stages[0].step_extra
+        assert 0.85 <= planned[name] / measured[name] <= 1.15, name
+    saved = measured["bf16"] - measured["fp8"]  # 196,544 bytes of 3.09 MB measured
+    assert saved > 0
+    assert planned["bf16"] - planned["fp8"] == pytest.approx(saved, rel=0.1)
+
+
+@pytest.mark.parametrize(
+    "overrides, fragment",
+    [
+        (["trainer.fp8=tensorwise"], "needs trainer.precision=bf16"),
+        ([*BF16, "trainer.fp8=blockwise"], "trainer.fp8='blockwise' is not one of"),
+        ([*BF16, "trainer.fp8=rowwise", "trainer.fp8_skip_first_last=2"], "keeps all 4 blocks"),
+        ([*BF16, "trainer.fp8_skip_first_last=-1"], "must be >= 0"),
+        (
+            [*BF16, "trainer.fp8=rowwise", "parallel.pp=2", "parallel.pipeline_schedule=zb-h1"],
+            "does not split its backward",
+        ),
+    ],
+)
+def test_fp8_config_errors_name_the_value_and_the_fix(overrides, fragment):
+    world = 2 if "parallel.pp=2" in overrides else 1
+    errors = config_errors(test_runs.test_config(overrides, 10), world, data=False)
+    assert any(fragment in e for e in errors), errors

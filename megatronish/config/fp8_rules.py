@@ -5,10 +5,37 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from megatronish.config.derived import default_ffn_hidden
 from megatronish.config.pipeline_rules import SPLIT_BACKWARD_SCHEDULES
 
 if TYPE_CHECKING:
     from megatronish.config.schema import TrainConfig
+
+
+FP8_MULTIPLE = 16  # torch._scaled_mm on CUDA: each operand's dimensions
+
+
+def fp8_gemm_sizes(cfg: TrainConfig) -> dict[str, int]:
+    """The dimensions of a rank's fp8 GEMMs (the tokens of a micro batch, as a column-parallel
+    linear sees them: all-gathered under sp; the widths of this tp rank's slices); empty when a
+    width does not split over tp (another rule says so)."""
+    m, p, t = cfg.model, cfg.parallel, cfg.trainer
+    heads, kv = m.num_attention_heads, m.num_query_groups or m.num_attention_heads
+    head_dim = m.head_dim or m.hidden_size // heads
+    ffn = m.ffn_hidden_size or default_ffn_hidden(m.arch, m.hidden_size)
+    widths = {
+        "q|k|v": (heads + 2 * kv) * head_dim,
+        "attention output": heads * head_dim,
+        "ffn": ffn,
+    }
+    if m.moe.num_experts and m.moe.shared_experts:
+        widths["shared experts' ffn"] = m.moe.shared_experts * m.moe.ffn_hidden_size
+    if any(w % p.tp for w in widths.values()) or m.seq_length % p.cp:
+        return {}
+    sizes = {f"{name} / tp": w // p.tp for name, w in widths.items()}
+    sizes["hidden"] = m.hidden_size
+    sizes["tokens per micro batch"] = t.micro_batch_size * m.seq_length // p.cp
+    return sizes
 
 
 def fp8_errors(cfg: TrainConfig, schedule: str | None) -> list[str]:
@@ -31,6 +58,14 @@ def fp8_errors(cfg: TrainConfig, schedule: str | None) -> list[str]:
             f"trainer.fp8_skip_first_last={skip} keeps all {layers} blocks in bf16 (the first and "
             f"last {skip}); lower it below {(layers + 1) // 2} or set trainer.fp8=null"
         )
+    if sizes := fp8_gemm_sizes(cfg):
+        odd = ", ".join(f"{name} {size}" for name, size in sizes.items() if size % FP8_MULTIPLE)
+        if odd:
+            errors.append(
+                f"trainer.fp8 needs every fp8 GEMM dimension on a rank to be a multiple of "
+                f"{FP8_MULTIPLE} (cuBLASLt's fp8 kernels), but {odd}; change the model's widths, "
+                "parallel.tp, or the tokens per micro batch"
+            )
     if schedule in SPLIT_BACKWARD_SCHEDULES:
         errors.append(
             f"trainer.fp8 does not split its backward for parallel.pipeline_schedule={schedule} "

@@ -219,12 +219,20 @@ def test_the_planner_counts_what_tensorwise_fp8_keeps():
         ([*BF16, "trainer.fp8=rowwise", "trainer.fp8_skip_first_last=2"], "keeps all 4 blocks"),
         ([*BF16, "trainer.fp8_skip_first_last=-1"], "must be >= 0"),
         (
+            [*BF16, "trainer.fp8=tensorwise", "model.ffn_hidden_size=120"],
+            "multiple of 16 (cuBLASLt's fp8 kernels), but ffn / tp 120;",
+        ),
+        (
+            [*BF16, "trainer.fp8=rowwise", "parallel.tp=2", "model.seq_length=20"],
+            "but tokens per micro batch 40;",
+        ),
+        (
             [*BF16, "trainer.fp8=rowwise", "parallel.pp=2", "parallel.pipeline_schedule=zb-h1"],
             "does not split its backward",
         ),
     ],
 )
 def test_fp8_config_errors_name_the_value_and_the_fix(overrides, fragment):
-    world = 2 if "parallel.pp=2" in overrides else 1
+    world = 2 if "parallel.pp=2" in overrides or "parallel.tp=2" in overrides else 1
     errors = config_errors(test_runs.test_config(overrides, 10), world, data=False)
     assert any(fragment in e for e in errors), errors

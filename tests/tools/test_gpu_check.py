@@ -44,6 +44,7 @@ SECTIONS = [
     "async_save",
     "documents",
     "ring_kernels",
+    "compiled",
 ]
 # Imported by torch when installed, done without otherwise (torch.utils._import_utils).
 TORCH_USES_IF_PRESENT = {"dill"}
@@ -77,7 +78,7 @@ def test_smoke_run_reports_every_section(tmp_path):
     for name in SECTIONS:
         assert f"[{name}] ok in" in r.stdout or f"[{name}] not applicable in" in r.stdout, name
     assert "[flash] not applicable: flash attention is a CUDA kernel" in r.stdout
-    assert "bit-identical" in r.stdout and "10 of 10 sections passed" in r.stdout
+    assert "bit-identical" in r.stdout and "11 of 11 sections passed" in r.stdout
     report = out.read_text()
     assert report.startswith("# megatronish on one GPU (smoke run")
     for i in range(1, len(SECTIONS) + 1):
@@ -87,6 +88,7 @@ def test_smoke_run_reports_every_section(tmp_path):
     assert re.search(r"\| dense \| n/a \| \d+ \|", report)  # syncs: the CPU harness's count
     assert "| 64 | 4 | " in report  # moe_experts: 256 routed rows over 64 experts
     assert "| asynchronous save |" in report
+    assert "| megatronish compiled |" in report and "| reference compiled |" in report
     assert (docs.read_bytes() if docs.exists() else None) == before  # docs/gpu.md untouched
     assert report.endswith(HOW_TO_RUN + "\n")
 

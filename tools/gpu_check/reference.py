@@ -4,6 +4,7 @@
 SDPA with grouped-query attention, untied head) loaded with the megatronish model's weights,
 trained on the same batches with bf16 autocast (on CUDA), torch's fused AdamW with the same
 groups and hyperparameters, and the same grad clipping: the same work as a megatronish step.
+``compile_backend``: each block compiled with ``torch.compile`` (the compiled-blocks section).
 """
 
 from __future__ import annotations
@@ -23,13 +24,16 @@ from megatronish.testing.reference_gpt import (
 class ReferenceRun:
     """``step()``: the next global batch -> forward -> backward -> clip -> AdamW; its loss."""
 
-    def __init__(self, trainer, bf16: bool):
+    def __init__(self, trainer, bf16: bool, compile_backend: str | None = None):
         self.trainer = trainer  # for its data and batch layout only
         device = trainer.topo.device
         with torch.device(device):
             self.model = ReferenceGPT(RefConfig.from_spec(trainer.spec, fused=True))
         weights = {n: p.detach() for n, p in trainer.chunks[0].named_parameters()}
         load_megatronish_weights(self.model, weights)
+        if compile_backend is not None:  # each block, as torchtitan and trainer.compile do
+            for block in self.model.layers:
+                block.compile(backend=compile_backend)
         o = trainer.cfg.optimizer
         self.optimizer = build_adamw(
             self.model, o.lr, o.weight_decay, (o.beta1, o.beta2), o.eps, fused=True

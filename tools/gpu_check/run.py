@@ -7,6 +7,7 @@ import traceback
 
 from gpu_check import (
     async_save,
+    compiled,
     documents,
     flash,
     memory,
@@ -31,6 +32,7 @@ SECTIONS = (
     async_save,
     documents,
     ring_kernels,
+    compiled,  # last: its compiles take the most time, and it is skipped when none is left
 )
 
 

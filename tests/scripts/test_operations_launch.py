@@ -193,22 +193,6 @@ def test_sbatch_header_asks_for_a_warning_signal_before_the_first_command():
 
 
 @pytest.mark.slow
-def test_sbatch_torchrun_mode_runs_one_torchrun_per_node_with_c10d_on_the_first_node(
-    cache_dir, tmp_path
-):
-    log, out = tmp_path / "job.log", tmp_path / "run"
-    proc = sbatch(overrides(cache_dir, out, 4), log, tmp_path / "slurm", "torchrun")
-    code, text = finish(proc, log)
-    assert code == 0, text[-3000:]
-    command = next(line for line in text.splitlines() if line.startswith("+ srun"))
-    assert "--ntasks-per-node=1" in command and "scripts/lib/run_torchrun.sh" in command
-    assert "--nnodes 1 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint localhost:" in command
-    assert "--rdzv-id 4242" in command
-    assert "tp=1 dp=2 pp=1" in text and "launcher exited with 0" in text
-    assert latest(out) == "step_0000004"
-
-
-@pytest.mark.slow
 def test_sbatch_srun_mode_usr2_saves_requeues_and_the_next_job_continues_bit_identically(
     cache_dir, tmp_path, uninterrupted
 ):
@@ -233,12 +217,19 @@ def test_sbatch_srun_mode_usr2_saves_requeues_and_the_next_job_continues_bit_ide
 
 
 @pytest.mark.slow
-def test_sbatch_torchrun_mode_usr2_ends_with_the_workers_code_not_torchruns(cache_dir, tmp_path):
+def test_sbatch_torchrun_mode_runs_one_torchrun_per_node_and_usr2_ends_with_the_workers_code(
+    cache_dir, tmp_path
+):
     state, out, log = tmp_path / "slurm", tmp_path / "run", tmp_path / "job.log"
     proc = sbatch(overrides(cache_dir, out, 1000), log, state, "torchrun", FAKE_SLURM_REQUEUE="1")
     wait_for(log, r"^step\s+3/1000", proc)
     proc.send_signal(signal.SIGUSR2)
     code, text = finish(proc, log)
+    command = next(line for line in text.splitlines() if line.startswith("+ srun"))
+    assert "--ntasks-per-node=1" in command and "scripts/lib/run_torchrun.sh" in command
+    assert "--nnodes 1 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint localhost:" in command
+    assert "--rdzv-id 4242" in command
+    assert "tp=1 dp=2 pp=1" in text
     step = stopped_step(text)
     assert "torchrun exited with 1, its workers with 4: exiting with 4" in text, text[-3000:]
     assert "launcher exited with 4" in text and code == 0

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from megatronish.config.schema import ParallelConfig, TrainConfig
+    from megatronish.config.schema import ModelConfig, ParallelConfig, TrainConfig
 
 
 def pad_vocab(vocab_size: int, multiple: int) -> int:
@@ -44,6 +44,16 @@ class Derived:
     max_position_embeddings: int
 
 
+def model_widths(model: ModelConfig) -> tuple[int, int, int]:
+    """``(ffn_hidden_size, num_query_groups, head_dim)`` with their defaults filled in."""
+    m = model
+    return (
+        m.ffn_hidden_size or default_ffn_hidden(m.arch, m.hidden_size),
+        m.num_query_groups or m.num_attention_heads,
+        m.head_dim or m.hidden_size // m.num_attention_heads,
+    )
+
+
 def data_parallel_size(parallel: ParallelConfig, world_size: int) -> int:
     """``parallel.dp``, or when null what the world leaves: ``world_size / (tp * cp * pp)``."""
     p = parallel
@@ -57,14 +67,15 @@ def derive(cfg: TrainConfig, world_size: int) -> Derived:
     chunks = p.pp * p.vpp
     split = p.pipeline_layer_split or even_layer_split(m.num_layers, chunks)
     gpt2 = m.arch == "gpt2"
+    ffn, kv, head_dim = model_widths(m)
     return Derived(
         world_size=world_size,
         dp=dp,
         num_microbatches=t.global_batch_size // (t.micro_batch_size * dp),
         tokens_per_step=t.global_batch_size * m.seq_length,
-        ffn_hidden_size=m.ffn_hidden_size or default_ffn_hidden(m.arch, m.hidden_size),
-        num_query_groups=m.num_query_groups or m.num_attention_heads,
-        head_dim=m.head_dim or m.hidden_size // m.num_attention_heads,
+        ffn_hidden_size=ffn,
+        num_query_groups=kv,
+        head_dim=head_dim,
         layers_per_chunk=tuple(split),
         bias=gpt2 if m.bias is None else m.bias,
         tie_embeddings=gpt2 if m.tie_embeddings is None else m.tie_embeddings,

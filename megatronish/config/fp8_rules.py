@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from megatronish.config.derived import default_ffn_hidden
+from megatronish.config.derived import model_widths
 from megatronish.config.pipeline_rules import SPLIT_BACKWARD_SCHEDULES
 
 if TYPE_CHECKING:
@@ -20,9 +20,8 @@ def fp8_gemm_sizes(cfg: TrainConfig) -> dict[str, int]:
     linear sees them: all-gathered under sp; the widths of this tp rank's slices); empty when a
     width does not split over tp (another rule says so)."""
     m, p, t = cfg.model, cfg.parallel, cfg.trainer
-    heads, kv = m.num_attention_heads, m.num_query_groups or m.num_attention_heads
-    head_dim = m.head_dim or m.hidden_size // heads
-    ffn = m.ffn_hidden_size or default_ffn_hidden(m.arch, m.hidden_size)
+    heads = m.num_attention_heads
+    ffn, kv, head_dim = model_widths(m)
     widths = {
         "q|k|v": (heads + 2 * kv) * head_dim,
         "attention output": heads * head_dim,

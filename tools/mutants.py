@@ -437,8 +437,8 @@ MUTANTS = [
         "grouped matmul's backward given an expanded (stride-0) incoming gradient",
         "megatronish/moe/grouped_mm.py",
         (
-            ("        grad = _contiguous_aligned(grad)", "        pass"),  # split backward's
-            ("        out.register_hook(_contiguous_aligned)", "        pass"),  # torch's
+            ("        grad = contiguous_aligned(grad)", "        pass"),  # split backward's
+            ("        out.register_hook(contiguous_aligned)", "        pass"),  # torch's
         ),
         (
             "tests/moe/test_moe_experts.py::test_experts_equal_a_per_expert_loop",
@@ -1226,6 +1226,24 @@ MUTANTS = [
         "megatronish/plan/dense.py",
         (("return -x.s * x.b * (x.h + x.f) * (e - 1)", "return 0"),),
         ("tests/tensor_parallel/test_fp8.py::test_the_planner_counts_what_tensorwise_fp8_keeps",),
+    ),
+    Mutant(
+        "fp8-experts-in-bf16",
+        "trainer.fp8 marks the experts but they run their GEMMs in bf16",
+        "megatronish/moe/experts.py",
+        (("if fp8 and rows.shape[0]:", "if False:"),),
+        (
+            "tests/tensor_parallel/test_fp8.py::test_the_experts_run_forward_and_input_grad_in_fp8_and_the_weight_grad_in_bf16",
+        ),
+    ),
+    Mutant(
+        "fp8-expert-stack-row-major",
+        "The experts' input-grad GEMM gets the fp8 weight stack row-major (CUDA refuses it)",
+        "megatronish/moe/fp8_grouped.py",
+        (("w8 = _column_major_stack(w8)", "w8 = w8"),),
+        (
+            "tests/tensor_parallel/test_fp8.py::test_each_expert_gemm_equals_the_product_of_its_dequantized_operands",
+        ),
     ),
 ]
 

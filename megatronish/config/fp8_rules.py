@@ -12,7 +12,7 @@ if TYPE_CHECKING:
     from megatronish.config.schema import TrainConfig
 
 
-FP8_MULTIPLE = 16  # torch._scaled_mm on CUDA: each operand's dimensions
+FP8_MULTIPLE = 16  # torch._scaled_mm and _scaled_grouped_mm on CUDA: the operands' widths
 
 
 def fp8_gemm_sizes(cfg: TrainConfig) -> dict[str, int]:
@@ -27,8 +27,11 @@ def fp8_gemm_sizes(cfg: TrainConfig) -> dict[str, int]:
         "attention output": heads * head_dim,
         "ffn": ffn,
     }
+    expert_ffn = m.moe.ffn_hidden_size or ffn
+    if m.moe.num_experts:  # the experts' grouped GEMMs are split over tp as the MLP is
+        widths["experts' ffn"] = expert_ffn
     if m.moe.num_experts and m.moe.shared_experts:
-        widths["shared experts' ffn"] = m.moe.shared_experts * m.moe.ffn_hidden_size
+        widths["shared experts' ffn"] = m.moe.shared_experts * expert_ffn
     if any(w % p.tp for w in widths.values()) or m.seq_length % p.cp:
         return {}
     sizes = {f"{name} / tp": w // p.tp for name, w in widths.items()}
@@ -62,8 +65,8 @@ def fp8_errors(cfg: TrainConfig, schedule: str | None) -> list[str]:
         if odd:
             errors.append(
                 f"trainer.fp8 needs every fp8 GEMM dimension on a rank to be a multiple of "
-                f"{FP8_MULTIPLE} (cuBLASLt's fp8 kernels), but {odd}; change the model's widths, "
-                "parallel.tp, or the tokens per micro batch"
+                f"{FP8_MULTIPLE} (cuBLASLt's and CUTLASS's fp8 kernels), but {odd}; change the "
+                "model's widths, parallel.tp, or the tokens per micro batch"
             )
     if schedule in SPLIT_BACKWARD_SCHEDULES:
         errors.append(

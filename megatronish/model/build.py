@@ -11,6 +11,7 @@ from torch.nn.modules.module import register_module_parameter_registration_hook
 from megatronish.model.gpt import GPTChunk
 from megatronish.model.init import DeferredInit, init_parameters
 from megatronish.model.parallel_context import ParallelContext
+from megatronish.moe.experts import GroupedExperts
 from megatronish.spec import ModelSpec
 from megatronish.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
@@ -85,11 +86,14 @@ def build_chunks(
     return chunks
 
 
-def apply_fp8(chunks: list[GPTChunk], recipe: str, skip_first_last: int, num_layers: int) -> int:
+def apply_fp8(
+    chunks: list[GPTChunk], recipe: str, skip_first_last: int, num_layers: int
+) -> tuple[int, int]:
     """``trainer.fp8``: the tensor-parallel linears of blocks ``skip_first_last`` to
-    ``num_layers - skip_first_last - 1`` (global indices) run their GEMMs in fp8 with ``recipe``;
-    the embedding, the head and the experts' grouped GEMMs stay bf16. Returns how many."""
-    marked = 0
+    ``num_layers - skip_first_last - 1`` (global indices) and their experts run their GEMMs in
+    fp8 with ``recipe`` (the experts as :mod:`megatronish.moe.fp8_grouped` says); the embedding
+    and the head stay bf16. Returns how many linears and how many blocks' experts."""
+    linears = experts = 0
     for chunk in chunks:
         for index, block in chunk.layers.items():
             if not skip_first_last <= int(index) < num_layers - skip_first_last:
@@ -97,8 +101,11 @@ def apply_fp8(chunks: list[GPTChunk], recipe: str, skip_first_last: int, num_lay
             for module in block.modules():
                 if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
                     module.fp8 = recipe
-                    marked += 1
-    return marked
+                    linears += 1
+                elif isinstance(module, GroupedExperts):
+                    module.fp8 = recipe
+                    experts += 1
+    return linears, experts
 
 
 @contextlib.contextmanager

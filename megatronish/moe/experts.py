@@ -9,12 +9,19 @@ rows), so checkpoints store them by global expert index and Mixtral's ``gate_up_
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatronish.moe.grouped_mm import expert_offsets, grouped_linear, grouped_mm_supported
+from megatronish.moe.fp8_grouped import fp8_experts_supported, fp8_grouped_linear
+from megatronish.moe.grouped_mm import (
+    device_capability,
+    expert_offsets,
+    grouped_linear,
+    grouped_mm_supported,
+)
 from megatronish.spec import ModelSpec
 from megatronish.tensor_parallel.sharding import ExpertShard, TPShard, mark_param
 from megatronish.tensor_parallel.weight_grad import WeightGradStore
@@ -55,6 +62,7 @@ class GroupedExperts(nn.Module):
             std=spec.init_std / math.sqrt(2 * spec.num_layers),
         )
         self.weight_grad_store: WeightGradStore | None = None
+        self.fp8: str | None = None  # trainer.fp8's recipe where these experts run in fp8
 
     def forward(
         self, rows: torch.Tensor, counts: list[int], offsets: torch.Tensor | None = None
@@ -62,16 +70,31 @@ class GroupedExperts(nn.Module):
         """``rows`` grouped by local expert (``counts`` rows each, host ints): two grouped
         matmuls (see :func:`~megatronish.moe.grouped_mm.grouped_linear`), the activation once
         over all rows. ``offsets``: the groups' int32 end rows already on ``rows``' device."""
+        store = self.weight_grad_store
+        fp8 = self.fp8 is not None and self.fp8_here(rows.device)
+        if fp8 and rows.shape[0]:
+            if offsets is None:
+                offsets = expert_offsets(counts, rows.device)
+            return self._mlp(rows, lambda x, w: fp8_grouped_linear(x, w, offsets, store))
         grouped = self.grouped
         if grouped is None:
             grouped = all(grouped_mm_supported(rows, w, counts) for w in (self.fc1, self.fc2))
         if grouped and offsets is None:
             offsets = expert_offsets(counts, rows.device)  # once for both matmuls
-        store = self.weight_grad_store
-        y = grouped_linear(rows, self.fc1, counts, offsets, grouped, store)
+        return self._mlp(rows, lambda x, w: grouped_linear(x, w, counts, offsets, grouped, store))
+
+    def _mlp(
+        self, rows: torch.Tensor, linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    ) -> torch.Tensor:
+        y = linear(rows, self.fc1)
         if self.llama:
             gate, up = y.chunk(2, dim=-1)
             y = F.silu(gate) * up
         else:
             y = F.gelu(y, approximate="tanh")
-        return grouped_linear(y, self.fc2, counts, offsets, grouped, store)
+        return linear(y, self.fc2)
+
+    @staticmethod
+    def fp8_here(device: torch.device) -> bool:
+        """Whether ``trainer.fp8`` experts on ``device`` run their GEMMs in fp8 (else bf16)."""
+        return fp8_experts_supported(device, device_capability(device))

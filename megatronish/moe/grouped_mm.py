@@ -81,7 +81,8 @@ def use_grouped_mm(
 
 
 @lru_cache(maxsize=16)
-def _capability(device: torch.device) -> tuple[int, int] | None:
+def device_capability(device: torch.device) -> tuple[int, int] | None:
+    """A CUDA device's compute capability (None elsewhere)."""
     return torch.cuda.get_device_capability(device) if device.type == "cuda" else None
 
 
@@ -90,7 +91,7 @@ def grouped_mm_supported(x: torch.Tensor, weight: torch.Tensor, counts: Sequence
     one ``torch._grouped_mm`` here (see the module's docstring for the rules)."""
     if x.dtype != weight.dtype or x.device != weight.device or x.shape[0] == 0:
         return False
-    capability = _capability(x.device)
+    capability = device_capability(x.device)
     here = use_grouped_mm(
         x.device.type, x.dtype, TORCH_VERSION, capability, rocm=torch.version.hip is not None
     )
@@ -108,7 +109,8 @@ def expert_offsets(counts: Sequence[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int32, device=device)
 
 
-def _contiguous_aligned(t: torch.Tensor) -> torch.Tensor:
+def contiguous_aligned(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a contiguous copy where it is not contiguous and 16-byte aligned."""
     return t if _aligned(t) else t.clone(memory_format=torch.contiguous_format)
 
 
@@ -170,7 +172,7 @@ class _GroupedMM(torch.autograd.Function):
         offsets: torch.Tensor,
         store: WeightGradStore | None,
     ) -> torch.Tensor:
-        x = _contiguous_aligned(x)
+        x = contiguous_aligned(x)
         ctx.save_for_backward(x, weight, offsets)
         ctx.weight, ctx.store = weight, store
         return torch._grouped_mm(x, weight.transpose(1, 2), offs=offsets)
@@ -182,7 +184,7 @@ class _GroupedMM(torch.autograd.Function):
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:
         x, weight, offsets = ctx.saved_tensors
         param = ctx.weight
-        grad = _contiguous_aligned(grad)  # its fp32 backward rejects an expanded grad
+        grad = contiguous_aligned(grad)  # its fp32 backward rejects an expanded grad
         grad_x = None
         if ctx.needs_input_grad[0]:
             grad_x = torch._grouped_mm(grad, weight, offs=offsets)
@@ -223,7 +225,7 @@ def grouped_linear(
         offsets = expert_offsets(counts, x.device)
     if store is not None and torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return _GroupedMM.apply(x, weight, offsets, store)
-    out = torch._grouped_mm(_contiguous_aligned(x), weight.transpose(1, 2), offs=offsets)
+    out = torch._grouped_mm(contiguous_aligned(x), weight.transpose(1, 2), offs=offsets)
     if out.requires_grad:  # torch's backward for it; its fp32 kernel rejects an expanded grad
-        out.register_hook(_contiguous_aligned)
+        out.register_hook(contiguous_aligned)
     return out

@@ -159,7 +159,7 @@ def block_bytes(spec: ModelSpec, layout: Layout, moe_block: bool, core: bool = T
     if not moe_block:
         return layer
     dense_mlp = dense.mlp_bytes(spec, layout) + dense.fp8_mlp_bytes(spec, layout)
-    return layer - dense_mlp + mlp_bytes(spec, layout)  # the experts' GEMMs stay bf16
+    return layer - dense_mlp + mlp_bytes(spec, layout)  # fp8 experts keep bf16 inputs too
 
 
 def blocks_bytes(

@@ -28,6 +28,7 @@ from megatronish.model.compile import compile_blocks
 from megatronish.model.parallel_context import ParallelContext
 from megatronish.model.recompute import apply_recompute
 from megatronish.moe.context import EPContext
+from megatronish.moe.experts import GroupedExperts
 from megatronish.spec import ModelSpec
 from megatronish.tensor_parallel.context import TPContext
 from megatronish.tensor_parallel.random import RNGTracker
@@ -140,19 +141,29 @@ def build_model(
     t = cfg.trainer
     apply_recompute(chunks, t.recompute, t.recompute_method, t.recompute_num_layers, rng)
     if t.fp8 is not None:
-        marked = apply_fp8(chunks, t.fp8, t.fp8_skip_first_last, spec.num_layers)
+        linears, experts = apply_fp8(chunks, t.fp8, t.fp8_skip_first_last, spec.num_layers)
         if topo.rank == 0:
-            kept = f"the first and last {t.fp8_skip_first_last} blocks, " * bool(
-                t.fp8_skip_first_last
-            )
-            print(
-                f"[fp8] {t.fp8}: {marked} linear layers on this rank run in fp8; the embedding, "
-                f"the head, {kept}and any experts' grouped GEMMs in bf16",
-                flush=True,
-            )
+            print(fp8_note(t.fp8, t.fp8_skip_first_last, linears, experts, topo.device), flush=True)
     if t.compile:
         compile_model(cfg, topo, chunks)
     return chunks
+
+
+def fp8_note(
+    recipe: str, skip_first_last: int, linears: int, experts: int, device: torch.device
+) -> str:
+    """The start-up line of ``trainer.fp8``: what runs in fp8 on the first rank, what not."""
+    kept = f", the first and last {skip_first_last} blocks" * bool(skip_first_last)
+    note = f"[fp8] {recipe}: {linears} linear layers on this rank run in fp8"
+    if experts and GroupedExperts.fp8_here(device):
+        note += (
+            f", and the experts of {experts} blocks (forward and input grad in fp8 with rowwise "
+            "scales, weight grad in bf16)"
+        )
+    elif experts:
+        note += f"; the experts stay bf16 (no fp8 grouped GEMM on {device.type} here)"
+    kept = f"the embedding, the head{kept}" if skip_first_last else "the embedding and the head"
+    return note + f"; {kept} in bf16"
 
 
 def compile_model(cfg: TrainConfig, topo: Topology, chunks: list) -> None:

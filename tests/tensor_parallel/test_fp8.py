@@ -8,6 +8,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatronish.config.validate import config_errors
+from megatronish.moe.fp8_grouped import fp8_grouped_linear, scaled_grouped_mm
+from megatronish.moe.grouped_mm import expert_offsets
 from megatronish.plan.estimate import make_plan
 from megatronish.plan.layout import layout_from_config, spec_of
 from megatronish.tensor_parallel.fp8 import E4M3, E5M2, _Fp8Linear, quantize
@@ -17,6 +19,7 @@ from megatronish.testing.multiproc import run_world
 from megatronish.testing.runs import build_trainer, losses_of, train_layout
 
 BF16 = ["trainer.precision=bf16"]
+MOE = ["model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.router.z_loss_coef=0.001"]
 TRACK_STEPS = 30
 TINY = 2.0**-126  # smallest normal fp32: below it only the accumulation's absolute error counts
 
@@ -105,8 +108,11 @@ class ScaledMatmuls(TorchDispatchMode):
             self.scales.append(args[2].clone())
             # cuBLASLt's layouts (the CPU kernel takes any): row-major left, column-major right
             assert args[0].is_contiguous() and args[1].t().is_contiguous(), "operand layout"
-        elif name in ("mm", "addmm", "bmm"):
-            self.seen[(name,)] += 1
+        elif name == "_scaled_grouped_mm":  # on CPU: torch's meta kernel checking CUDA's rules
+            self.seen[(name, str(args[0].dtype), str(args[1].dtype))] += 1
+            assert args[0].is_contiguous() and args[1].stride(-2) == 1, "operand layout"
+        elif name in ("mm", "addmm", "bmm", "_grouped_mm"):
+            self.seen[(name, str(args[0].dtype))] += 1
         return func(*args, **(kwargs or {}))
 
 
@@ -156,7 +162,75 @@ def test_the_blocks_linears_run_in_fp8_and_the_first_and_last_blocks_can_stay_bf
     assert mode.seen[("_scaled_mm", fp8, fp8)] == linears // 2  # blocks 1 and 2 only
 
 
-@pytest.mark.slow  # ~20 s: three 30-step bf16 runs in one process
+def test_each_expert_gemm_equals_the_product_of_its_dequantized_operands():
+    """The experts' forward and input grad: rowwise e4m3 operands (per token row; per expert
+    and output column of the weight stack) to the bf16 output's rounding, an expert without
+    rows included; the stack's grad is the bf16 grouped GEMM of the bf16 operands."""
+    torch.manual_seed(0)
+    counts = [5, 0, 27]
+    x = torch.randn(32, 64, dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(3, 48, 64) * 0.05).to(torch.bfloat16).requires_grad_()
+    g = torch.randn(32, 48, dtype=torch.bfloat16) * 1e-3
+    y = fp8_grouped_linear(x, w, expert_offsets(counts, x.device))
+    y.backward(g)
+    for e, (rows, xe, ge) in enumerate(
+        zip(
+            torch.arange(32).split(counts),
+            x.detach().split(counts),
+            g.split(counts),
+            strict=True,
+        )
+    ):
+        if not len(rows):
+            continue
+        wd = w.detach()[e]
+        forward = (y[rows], dequantized(xe, E4M3, -1), dequantized(wd, E4M3, -1).t())
+        input_grad = (x.grad[rows], dequantized(ge, E4M3, -1), dequantized(wd, E4M3, 0))
+        for name, (got, a, b) in {"forward": forward, "input grad": input_grad}.items():
+            ref, bound = _gemm_bound(a, b)
+            assert got.dtype == torch.bfloat16, name
+            assert ((got.double() - ref).abs() <= bound).all(), (name, e)
+        ref, bound = _gemm_bound(ge.t().double(), xe.double())
+        assert ((w.grad[e].double() - ref).abs() <= bound).all(), e
+    assert not w.grad[1].any()  # the expert without rows
+
+
+def test_the_expert_gemm_on_cpu_holds_to_the_cuda_kernels_rules():
+    """The CPU stand-in for ``torch._scaled_grouped_mm`` refuses what CUDA's kernel refuses."""
+    x8, sx = quantize(torch.randn(16, 32), E4M3, -1)
+    w8, sw = quantize(torch.randn(2, 48, 32), E4M3, -1)
+    offsets = expert_offsets([6, 10], x8.device)
+    ok = (x8, w8.transpose(-2, -1), sx.squeeze(-1), sw.squeeze(-1), offsets)
+    assert scaled_grouped_mm(*ok, torch.bfloat16).shape == (16, 48)
+    wrong = {
+        "column major": (x8, w8.transpose(-2, -1).contiguous(), *ok[2:]),
+        "E4M3": (x8, w8.to(E5M2).transpose(-2, -1), *ok[2:]),
+        "scale": (x8, ok[1], sx, *ok[3:]),  # [rows, 1] where CUDA takes [rows]
+    }
+    for fragment, args in wrong.items():
+        with pytest.raises(RuntimeError, match=fragment):
+            scaled_grouped_mm(*args, torch.bfloat16)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        scaled_grouped_mm(*ok, torch.float32)
+
+
+def test_the_experts_run_forward_and_input_grad_in_fp8_and_the_weight_grad_in_bf16():
+    trainer = build_trainer(0, 1, [*BF16, *MOE, "trainer.fp8=rowwise"], 1)
+    microbatches = len(trainer.microbatches(trainer.train_data, 0))
+    with ScaledMatmuls() as mode:
+        trainer.train_step()
+    stacks = 4 * 2 * microbatches  # 4 blocks x (fc1, fc2)
+    fp8 = "torch.float8_e4m3fn"
+    assert mode.seen[("_scaled_grouped_mm", fp8, fp8)] == 2 * stacks  # forward, input grad
+    assert mode.seen[("_grouped_mm", "torch.bfloat16")] == stacks  # the stacks' grads
+    skipped = [*BF16, *MOE, "trainer.fp8=tensorwise", "trainer.fp8_skip_first_last=1"]
+    with ScaledMatmuls() as mode:
+        build_trainer(0, 1, skipped, 1).train_step()
+    assert mode.seen[("_scaled_grouped_mm", fp8, fp8)] == stacks  # blocks 1 and 2 only
+    assert mode.seen[("_grouped_mm", "torch.bfloat16")] == 2 * stacks  # bf16 ones: all GEMMs
+
+
+@pytest.mark.slow  # ~30 s: five 30-step bf16 runs in one process
 def test_thirty_steps_in_fp8_track_bf16_and_differ_from_it():
     bf16 = build_trainer(0, 1, BF16, TRACK_STEPS).fit()
     for recipe in ("tensorwise", "rowwise"):
@@ -165,6 +239,10 @@ def test_thirty_steps_in_fp8_track_bf16_and_differ_from_it():
         assert max(gaps) < 0.02, (recipe, max(gaps))  # measured 0.5% on the tiny llama
         assert gaps[-1] < 0.01, (recipe, gaps[-1])  # measured 0.06-0.09%
         assert max(gaps) > 1e-4, recipe  # fp8 really ran: rounding this coarse shows
+    bf16 = build_trainer(0, 1, [*BF16, *MOE], TRACK_STEPS).fit()
+    fp8 = build_trainer(0, 1, [*BF16, *MOE, "trainer.fp8=rowwise"], TRACK_STEPS).fit()
+    gaps = [abs(a.loss - b.loss) / a.loss for a, b in zip(bf16, fp8, strict=True)]
+    assert 1e-4 < max(gaps) < 0.02 and gaps[-1] < 0.01, gaps  # the experts too
 
 
 def _fp8_run(rank, world, overrides):
@@ -175,9 +253,10 @@ def _fp8_run(rank, world, overrides):
     return run, mode.scales[0]  # the first forward GEMM: block 0's qkv, its input's scale
 
 
-FP8_LAYOUTS = {
-    "tp2-sp": ["parallel.tp=2", "parallel.sp=true"],
-    "dp2-zero1": ["parallel.zero_stage=1"],
+FP8_LAYOUTS = {  # name: (the model, the layout, the largest relative loss gap to one process)
+    "tp2-sp": ([], ["parallel.tp=2", "parallel.sp=true"], 5e-3),  # measured 1.9e-4
+    "dp2-zero1": ([], ["parallel.zero_stage=1"], 1e-6),  # measured 8.7e-8
+    "moe-ep2": (MOE, ["parallel.ep=2"], 5e-3),  # measured 3.7e-4 (bf16 ep2: 9.0e-5)
 }
 
 
@@ -185,12 +264,15 @@ FP8_LAYOUTS = {
 def test_fp8_layouts_track_one_fp8_process(layout):
     """tp shards quantize with their own scales (the weight shards, the row-parallel input),
     so tp tracks one process rather than equalling it; dp does not change what is quantized.
-    The column-parallel input is the same tensor on every tp rank, and so is its scale."""
-    fp8 = [*BF16, "trainer.fp8=tensorwise"]
+    The column-parallel input is the same tensor on every tp rank, and so is its scale. ep:
+    rowwise scales do not depend on which rows an expert gets, but its bf16 weight grad sums
+    both ranks' tokens in one GEMM (one rounding to bf16 where one process has two)."""
+    model, parallel, bound = FP8_LAYOUTS[layout]
+    fp8 = [*BF16, *model, "trainer.fp8=tensorwise"]
     one = train_layout(0, 1, fp8, 4)
-    runs = run_world(_fp8_run, 2, [*fp8, *FP8_LAYOUTS[layout]])
+    runs = run_world(_fp8_run, 2, [*fp8, *parallel])
     gaps = [abs(a - b) / a for a, b in zip(one.losses, losses_of([r[0] for r in runs]))]
-    assert max(gaps) < (5e-3 if layout == "tp2-sp" else 1e-6), gaps  # tp2-sp: 1.9e-4 measured
+    assert max(gaps) < bound, gaps
     if layout == "tp2-sp":
         assert torch.equal(runs[0][1], runs[1][1])
 
@@ -220,7 +302,7 @@ def test_the_planner_counts_what_tensorwise_fp8_keeps():
         ([*BF16, "trainer.fp8_skip_first_last=-1"], "must be >= 0"),
         (
             [*BF16, "trainer.fp8=tensorwise", "model.ffn_hidden_size=120"],
-            "multiple of 16 (cuBLASLt's fp8 kernels), but ffn / tp 120;",
+            "multiple of 16 (cuBLASLt's and CUTLASS's fp8 kernels), but ffn / tp 120;",
         ),
         (
             [*BF16, "trainer.fp8=rowwise", "parallel.tp=2", "model.seq_length=20"],

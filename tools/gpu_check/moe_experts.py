@@ -8,7 +8,9 @@ weights, input and incoming gradient (``torch.cuda.max_memory_allocated``). Less
 makes (weights and input), that is the backward's working memory, which must not grow with the
 number of experts: the experts' backward makes no per-expert tensor the size of the input or of
 a weight stack (``megatronish/moe/grouped_mm.py``). Fails when it grows by more than
-``GROWTH_LIMIT``. On the CPU (``--smoke``): toy sizes, times only.
+``GROWTH_LIMIT``. In bf16 on a GPU with fp8 grouped GEMMs a third row times the 8 experts with
+``trainer.fp8``'s expert GEMMs (``megatronish/moe/fp8_grouped.py``). On the CPU (``--smoke``):
+toy sizes, times only.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from gpu_check.report import SectionResult
 from megatronish.config.compose import load_config
 from megatronish.model.blocks import moe_layer
 from megatronish.model.parallel_context import ParallelContext
+from megatronish.moe.experts import GroupedExperts
 from megatronish.moe.grouped_mm import grouped_mm_supported
 from megatronish.spec import ModelSpec
 from megatronish.training.precision import DTYPES
@@ -48,12 +51,14 @@ TOY = [
 class LayerRun:
     """One MoE layer with its input and incoming gradient; ``step()`` is a forward + backward."""
 
-    def __init__(self, ctx: CheckContext, experts: int):
+    def __init__(self, ctx: CheckContext, experts: int, fp8: bool = False):
         cfg = load_config([*(TOY if ctx.smoke else FULL), f"model.moe.num_experts={experts}"])
         self.spec = ModelSpec.from_config(cfg.model, cfg.model.vocab_size)
         dtype, h = DTYPES[ctx.precision], self.spec.hidden_size
         gen = torch.Generator(ctx.device).manual_seed(experts)
         self.layer = moe_layer(self.spec, ParallelContext(), ctx.device).to(dtype)
+        self.layer.experts.fp8 = "rowwise" if fp8 else None
+        self.experts = experts
         with torch.no_grad():
             for p in self.layer.parameters():
                 p.normal_(0.0, self.spec.init_std, generator=gen)
@@ -103,8 +108,11 @@ def mib(n: int | None) -> str:
 
 
 def run(ctx: CheckContext, out: SectionResult) -> None:
-    runs = {e: LayerRun(ctx, e) for e in EXPERTS}
-    first = runs[EXPERTS[0]]
+    runs = {str(e): LayerRun(ctx, e) for e in EXPERTS}
+    few, many = EXPERTS
+    if ctx.precision == "bf16" and GroupedExperts.fp8_here(ctx.device):
+        runs[f"{few} fp8"] = LayerRun(ctx, few, fp8=True)
+    first = runs[str(few)]
     s, m = first.spec, first.spec.moe
     out.note(
         f"hidden {s.hidden_size}, expert ffn {m.ffn_hidden_size}, top-{m.top_k}, "
@@ -113,7 +121,7 @@ def run(ctx: CheckContext, out: SectionResult) -> None:
     )
     budget = ctx.share(SHARE)
     times = interleaved(
-        {e: r.step for e, r in runs.items()},
+        {name: r.step for name, r in runs.items()},
         ctx.max_repeats,
         ctx.steps_per_repeat,
         warmup=ctx.warmup,
@@ -122,19 +130,19 @@ def run(ctx: CheckContext, out: SectionResult) -> None:
         min_repeats=2,
     )
     rows, working = [], {}
-    for e, r in runs.items():
+    for name, r in runs.items():
         peak = r.peak_above_states()
         grads = r.grad_bytes()
-        working[e] = None if peak is None else peak - grads
+        working[name] = None if peak is None else peak - grads
         rows.append(
             [
-                str(e),
-                f"{r.tokens * m.top_k // e:,}",
-                "yes" if r.grouped() else "no",
-                f"{median(times[e]) * 1e3:.2f}",
+                name,
+                f"{r.tokens * m.top_k // r.experts:,}",
+                "fp8" if r.layer.experts.fp8 else "yes" if r.grouped() else "no",
+                f"{median(times[name]) * 1e3:.2f}",
                 mib(peak),
                 mib(grads),
-                mib(working[e]),
+                mib(working[name]),
             ]
         )
     out.table(
@@ -150,8 +158,11 @@ def run(ctx: CheckContext, out: SectionResult) -> None:
         ],
         rows,
     )
-    few, many = EXPERTS
+    few, many = str(few), str(many)
     out.note(f"time at {many} experts / at {few}: {median(times[many]) / median(times[few]):.2f}x")
+    if f"{few} fp8" in times:
+        ratio = median(times[f"{few} fp8"]) / median(times[few])
+        out.note(f"time with fp8 expert GEMMs / bf16 at {few} experts: {ratio:.2f}x")
     if working[few] is None:
         out.note("peak memory is measured on CUDA only")
         return

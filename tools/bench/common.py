@@ -10,6 +10,7 @@ import datetime
 import json
 import os
 import platform
+import random
 import statistics
 import sys
 import time
@@ -51,6 +52,19 @@ def paired_ratio(numerator: list[float], denominator: list[float]) -> float:
     """Median over repeats of ``numerator[i] / denominator[i]``: variants timed back to back saw
     the same load, so this is steadier than a ratio of medians."""
     return median([n / d for n, d in zip(numerator, denominator, strict=True)])
+
+
+def ratio_interval(
+    numerator: list[float], denominator: list[float], level: float = 0.9, resamples: int = 2000
+) -> tuple[float, float]:
+    """A bootstrap ``level`` interval of :func:`paired_ratio`: the repeats resampled with
+    replacement (fixed seed), the median of each resample's per-repeat ratios, their quantiles.
+    An interval that excludes 1 says the two variants differ beyond this run's noise."""
+    ratios = [n / d for n, d in zip(numerator, denominator, strict=True)]
+    rng = random.Random(0)
+    medians = sorted(median(rng.choices(ratios, k=len(ratios))) for _ in range(resamples))
+    tail = int((1 - level) / 2 * resamples)
+    return medians[tail], medians[resamples - 1 - tail]
 
 
 def interleaved(

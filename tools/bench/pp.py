@@ -18,7 +18,7 @@ import common
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from common import build_run, cli, median, paired_ratio, slowest, table
+from common import build_run, cli, median, paired_ratio, ratio_interval, slowest, table
 from torch import nn
 
 from megatronish.config.schema import ParallelConfig, TrainConfig
@@ -285,6 +285,7 @@ def schedule_rows(times: dict[str, list[float]], skipped: dict[str, str]) -> dic
             "skipped": {n: skipped[n] for n in names if n in skipped},
             "ratio": median(times[mish]) / median(times[peer]) if both else None,
             "paired_ratio": paired_ratio(times[mish], times[peer]) if both else None,
+            "paired_ratio_interval": ratio_interval(times[mish], times[peer]) if both else None,
         }
     return out
 
@@ -307,6 +308,9 @@ def _schedule_table_rows(schedules: dict[str, dict], tokens: int) -> list[list[o
                     tokens / s if ran else None,
                     s / peer if ran and peer else None,
                     row["paired_ratio"] if name == variant(VARIANTS[0], schedule) else None,
+                    _interval(row["paired_ratio_interval"])
+                    if name == variant(VARIANTS[0], schedule)
+                    else None,
                     s / interleaved if ran else None,
                     row["skipped"].get(name),
                 ]
@@ -314,8 +318,12 @@ def _schedule_table_rows(schedules: dict[str, dict], tokens: int) -> list[list[o
     return rows
 
 
+def _interval(bounds: tuple[float, float] | None) -> str | None:
+    return None if bounds is None else f"{bounds[0]:.3f}x - {bounds[1]:.3f}x"
+
+
 def run(quick: bool = False) -> dict:
-    repeats, steps, recorded = (3, 1, 2) if quick else (9, 2, 3)
+    repeats, steps, recorded = (3, 1, 2) if quick else (21, 1, 3)
     rows, skipped = runnable_rows()
     ranks = run_world(
         _rank, PP, repeats, steps, recorded, rows, timeout=1800, collective_timeout=300
@@ -325,6 +333,7 @@ def run(quick: bool = False) -> dict:
     med = {n: median(ts) for n, ts in times.items()}
     tokens = MICROBATCHES * MICRO_BATCH * m.seq_length
     paired = paired_ratio(times[VARIANTS[0]], times[VARIANTS[1]])
+    interval = ratio_interval(times[VARIANTS[0]], times[VARIANTS[1]])
     losses = _losses(ranks)
     bubbles = {split: bubble(ranks, split) for split in (str(EVEN), str(BALANCED))}
     schedules = schedule_rows(times, skipped)
@@ -348,6 +357,7 @@ def run(quick: bool = False) -> dict:
             "step_times_s": times,
             "median_step_s": med,
             "paired_ratio": paired,
+            "paired_ratio_interval": interval,
             "ratio": med[VARIANTS[0]] / med[VARIANTS[1]],
             "losses": losses,
             "schedules": schedules,
@@ -365,10 +375,11 @@ def run(quick: bool = False) -> dict:
                     "tokens/s|,.0f",
                     "step time / torch pipelining's|.2fx",
                     "same, median of per-repeat ratios|.2fx",
+                    "90% bootstrap interval of that median",
                 ],
                 [
-                    [n, med[n] * 1e3, tokens / med[n], med[n] / med[VARIANTS[1]], p]
-                    for n, p in zip(VARIANTS, (paired, None), strict=True)
+                    [n, med[n] * 1e3, tokens / med[n], med[n] / med[VARIANTS[1]], p, i]
+                    for n, p, i in zip(VARIANTS, (paired, None), (_interval(interval), None))
                 ],
             ),
             table(
@@ -383,6 +394,7 @@ def run(quick: bool = False) -> dict:
                     "tokens/s|,.0f",
                     "step time / torch pipelining's, same schedule|.2fx",
                     "same, median of per-repeat ratios|.2fx",
+                    "90% bootstrap interval of that median",
                     "step time / torch interleaved 1F1B's|.2fx",
                     "skipped because",
                 ],

@@ -1182,7 +1182,7 @@ MUTANTS = [
         "compile-traces-collectives",
         "torch.compile traces a collective of more than one rank into its graph",
         "megatronish/distributed/comm.py",
-        (("else eager(*args, **kwargs)", "else fn(*args, **kwargs)"),),
+        (("return eager(*args, **kwargs)", "return fn(*args, **kwargs)"),),
         ("tests/model/test_compile.py::test_a_collective_of_more_than_one_rank_is_not_traced",),
     ),
     Mutant(
@@ -1244,6 +1244,13 @@ MUTANTS = [
         (
             "tests/tensor_parallel/test_fp8.py::test_each_expert_gemm_equals_the_product_of_its_dequantized_operands",
         ),
+    ),
+    Mutant(
+        "collectives-import-the-compiler",
+        "The collectives are marked for torch.compile with torch.compiler.disable at import",
+        "megatronish/distributed/comm.py",
+        (("eager = _disable_dynamo(fn)", "eager = torch.compiler.disable(fn)"),),
+        ("tests/model/test_precision_switches.py::test_the_default_mode_costs_no_compiler_import",),
     ),
 ]
 

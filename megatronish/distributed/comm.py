@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
+from torch._compile import _disable_dynamo
 
 from megatronish.distributed.gloo_shards import (
     WorkGroup,
@@ -198,15 +199,21 @@ def between_graphs(group_arg: int) -> Callable[[Callable[..., T]], Callable[...,
     runs eagerly between captured graphs (a graph break), so its process-group call, its
     CommStats count and its named failures are the same in compiled code as in eager code (a
     traced c10d call would be recorded once, at trace time). A group of one is traced (its ops
-    are local). ``group_arg``: the position of the :class:`ParallelGroup` argument."""
+    are local). ``group_arg``: the position of the :class:`ParallelGroup` argument.
+
+    torch's lazy form of ``torch.compiler.disable``: ``torch.compiler.disable`` itself imports
+    dynamo (1.2 s of every process's start-up); this one imports it at its first call, which
+    only compiled code makes (eager code calls the collective itself)."""
 
     def wrap(fn: Callable[..., T]) -> Callable[..., T]:
-        eager = torch.compiler.disable(fn)
+        eager = _disable_dynamo(fn)
 
         @functools.wraps(fn)
         def collective(*args: Any, **kwargs: Any) -> T:
             group = args[group_arg] if len(args) > group_arg else kwargs["group"]
-            return fn(*args, **kwargs) if group.size == 1 else eager(*args, **kwargs)
+            if group.size == 1 or not torch.compiler.is_compiling():
+                return fn(*args, **kwargs)
+            return eager(*args, **kwargs)
 
         return collective
 

@@ -77,8 +77,8 @@ def graph_break_reason(error: Exception) -> str:
     (:func:`~megatronish.distributed.comm.between_graphs`) by its name."""
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     text = " ".join(lines)
-    collective = re.search(r"function `<function (\w+)[^`]*>` since it was wrapped", text)
-    if collective and "torch.compiler.disable" in text:
+    collective = re.search(r"function `(\w+)` in file \S*torch/_compile\.py", text)
+    if collective and "marked as skipped" in text:
         return f"the collective {collective.group(1)} runs eagerly between graphs"
     reason = lines[0]
     explanation = next((line for line in lines[1:] if line.startswith("Explanation:")), None)

@@ -25,6 +25,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+from torch._compile import _disable_dynamo
 
 from megatronish.moe.grouped_mm import contiguous_aligned
 from megatronish.tensor_parallel.fp8 import E4M3, quantize
@@ -50,7 +51,7 @@ def _on_meta(t: torch.Tensor) -> torch.Tensor:
     return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
 
 
-@torch.compiler.disable
+@_disable_dynamo  # torch.compiler.disable, importing dynamo only when called
 def _reference(
     a: torch.Tensor,
     b: torch.Tensor,

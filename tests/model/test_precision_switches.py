@@ -239,11 +239,14 @@ def test_deterministic_mode_switches_on_and_back_off(monkeypatch):
 
 
 def test_the_default_mode_costs_no_compiler_import():
-    """``trainer.deterministic=false`` (the default) leaves torch as it is: calling
-    ``torch.use_deterministic_algorithms`` at all imports torch._inductor and torch._dynamo (about
-    800 modules, seconds at every rank's start-up)."""
+    """Neither the entry point's imports nor ``trainer.deterministic=false`` (the default) import
+    torch._inductor or torch._dynamo (about 800 modules, seconds at every rank's start-up):
+    calling ``torch.use_deterministic_algorithms`` at all imports both, and so does
+    ``torch.compiler.disable`` (the collectives use torch's lazy form of it)."""
     code = (
-        "import sys; from megatronish.training.precision import apply_deterministic; "
+        "import sys; import megatronish.train, megatronish.training.job, "
+        "megatronish.training.trainer; "
+        "from megatronish.training.precision import apply_deterministic; "
         "apply_deterministic(False); "
         "print(sorted(m for m in ('torch._inductor', 'torch._dynamo') if m in sys.modules))"
     )

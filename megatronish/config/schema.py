@@ -183,8 +183,8 @@ class TrainerConfig:
     # shared filesystem lets a resumed run on other nodes skip compiling again
     compile_cache_dir: str | None = None
     # null | tensorwise | rowwise: the blocks' linear layers run their GEMMs in float8 with
-    # current scaling (e4m3 activations and weights, e5m2 output grads), the experts their
-    # forward and input grad (rowwise e4m3); needs precision=bf16
+    # current scaling (e4m3 activations and weights, e5m2 output grads; the experts' grouped
+    # GEMMs all e4m3, scaled by rows and columns); needs precision=bf16
     fp8: str | None = None
     fp8_skip_first_last: int = 0  # trainer.fp8: this many first and last blocks stay in bf16
     recompute_method: str = "uniform"  # uniform | block

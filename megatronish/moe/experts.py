@@ -75,7 +75,7 @@ class GroupedExperts(nn.Module):
         if fp8 and rows.shape[0]:
             if offsets is None:
                 offsets = expert_offsets(counts, rows.device)
-            return self._mlp(rows, lambda x, w: fp8_grouped_linear(x, w, offsets, store))
+            return self._mlp(rows, lambda x, w: fp8_grouped_linear(x, w, counts, offsets, store))
         grouped = self.grouped
         if grouped is None:
             grouped = all(grouped_mm_supported(rows, w, counts) for w in (self.fc1, self.fc2))

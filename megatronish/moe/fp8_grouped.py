@@ -1,16 +1,18 @@
 """The experts' grouped GEMMs in fp8 (``trainer.fp8`` in MoE blocks), through
 ``torch._scaled_grouped_mm``.
 
-Recipe, under both ``trainer.fp8`` recipes: the forward ``x W_e^T`` and the input grad ``g W_e``
-run in float8 e4m3 with rowwise scales (one per token row; one per output column of each
-expert's weight), current scaling as in :mod:`megatronish.tensor_parallel.fp8`; the weight grad
-``g_e^T x_e`` stays one bf16 grouped GEMM (torchao's "rowwise with the weight grad in high
-precision" recipe). Why, from ``torch._scaled_grouped_mm``'s CUDA contract (torch 2.11-2.13):
-it takes e4m3 operands only (so output grads are e4m3 here, not e5m2) and rowwise scales only
-(so tensorwise is rowwise for the experts); the weight-grad form (2d x 2d, groups along the
-summed token dimension) asserts on the device that every expert's token count is a multiple of
-16, which would need dispatch to pad every expert's rows. The input stays bf16 for the weight
-grad, so fp8 experts keep what bf16 experts keep.
+Recipe, under both ``trainer.fp8`` recipes, all three GEMMs in float8 e4m3 with current scaling
+as in :mod:`megatronish.tensor_parallel.fp8`, scaled along the dimensions that are not summed
+(torchao's MoE recipe): the forward ``x W_e^T`` by token row and by each expert's output column,
+the input grad ``g W_e`` by token row and by each expert's input column, the weight grad
+``g_e^T x_e`` by each expert's columns of ``g`` and of ``x`` over that expert's tokens. Why, from
+``torch._scaled_grouped_mm``'s CUDA contract (torch 2.11-2.13): e4m3 operands only (so output
+grads are e4m3 here, not e5m2) and rowwise scales only (so tensorwise is rowwise here). The
+weight grad sums over tokens, and its kernel asserts on the device that every group but the last
+is a multiple of 16 tokens: backward copies each expert's tokens into groups padded with zero
+rows to a multiple of 16 (at least 16, so no group is empty), computed on the device from the
+counts (no host read). The experts keep their bf16 inputs (each GEMM quantizes along its own
+axes), as bf16 experts do.
 
 Where: CUDA compute capability 9.x (the kernel is CUTLASS's SM90 rowwise one). On CPU torch has
 no kernel: :func:`scaled_grouped_mm` first runs torch's meta kernel on the same shapes, strides
@@ -22,13 +24,15 @@ CPU tests run the operands a GPU would get. Elsewhere the experts stay bf16
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
 from torch._compile import _disable_dynamo
 
-from megatronish.moe.grouped_mm import contiguous_aligned
-from megatronish.tensor_parallel.fp8 import E4M3, quantize
+from megatronish.moe.grouped_mm import contiguous_aligned, expert_offsets
+from megatronish.tensor_parallel.fp8 import E4M3, MIN_AMAX, column_major, quantize
 from megatronish.tensor_parallel.weight_grad import (
     GradPairs,
     WeightGradStore,
@@ -51,6 +55,9 @@ def _on_meta(t: torch.Tensor) -> torch.Tensor:
     return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
 
 
+ALIGN_ROWS = 16  # the fp8 weight-grad kernel's groups: 16-byte multiples of 1-byte elements
+
+
 @_disable_dynamo  # torch.compiler.disable, importing dynamo only when called
 def _reference(
     a: torch.Tensor,
@@ -62,15 +69,33 @@ def _reference(
 ) -> torch.Tensor:
     args = (_on_meta(a), _on_meta(b), _on_meta(scale_a), _on_meta(scale_b))
     torch._scaled_grouped_mm(*args, offs=_on_meta(offsets), out_dtype=out_dtype)  # CUDA's checks
-    out = a.new_empty(a.shape[0], b.shape[-1], dtype=out_dtype)
+    ends = offsets.tolist()  # a host tensor here
+    summed = b.dim() == 2  # 2d x 2d: the groups split the summed dimension
+    if summed and any((e - s) % ALIGN_ROWS for s, e in zip([0, *ends[:-2]], ends[:-1])):
+        raise RuntimeError(  # CUDA's kernel asserts this on the device
+            f"expected every group but the last to be a multiple of {ALIGN_ROWS} rows: {ends}"
+        )
+    if summed:
+        n, k = a.shape[0], b.shape[1]
+        out = a.new_empty(len(ends), n, k, dtype=out_dtype)
+    else:
+        out = a.new_empty(a.shape[0], b.shape[-1], dtype=out_dtype)
     start = 0
-    for expert, end in enumerate(offsets.tolist()):  # a host tensor here
-        if end > start:
+    for group, end in enumerate(ends):
+        if summed:  # the group's columns of a and rows of b, in the layouts cuBLASLt takes
+            out[group] = torch._scaled_mm(
+                a[:, start:end].contiguous(),
+                column_major(b[start:end]),
+                scale_a=scale_a[group * n : (group + 1) * n, None],
+                scale_b=scale_b[None, group * k : (group + 1) * k],
+                out_dtype=out_dtype,
+            )
+        elif end > start:
             out[start:end] = torch._scaled_mm(
                 a[start:end],
-                b[expert],
+                b[group],
                 scale_a=scale_a[start:end, None],
-                scale_b=scale_b[expert, None],
+                scale_b=scale_b[group, None],
                 out_dtype=out_dtype,
             )
         start = end
@@ -86,7 +111,10 @@ def scaled_grouped_mm(
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
     """Rows ``[offsets[e-1], offsets[e])`` of fp8 ``a [rows, k]`` times ``b[e] [k, n]``, scaled
-    by ``scale_a [rows]`` and ``scale_b [experts, n]``: ``[rows, n]`` in ``out_dtype``."""
+    by ``scale_a [rows]`` and ``scale_b [experts, n]``: ``[rows, n]`` in ``out_dtype``. With a
+    2-d ``b [rows, k]``: group ``e`` is columns ``[offsets[e-1], offsets[e])`` of ``a [n, rows]``
+    times those rows of ``b``, scaled by ``scale_a [experts * n]`` and ``scale_b [experts * k]``
+    (expert-major): ``[experts, n, k]``."""
     if a.device.type == "cpu":
         return _reference(a, b, scale_a, scale_b, offsets, out_dtype)
     return torch._scaled_grouped_mm(a, b, scale_a, scale_b, offs=offsets, out_dtype=out_dtype)
@@ -97,16 +125,48 @@ def _column_major_stack(t: torch.Tensor) -> torch.Tensor:
     return t.transpose(-2, -1).contiguous().transpose(-2, -1)
 
 
+class PaddedGroups:
+    """Where the rows of a matrix grouped by expert (``counts`` rows each) go when every group
+    is padded with zero rows to a multiple of :data:`ALIGN_ROWS` (at least that many): the
+    per-group numbers cross to the device once (as the offsets do), the rest is computed there."""
+
+    def __init__(self, counts: Sequence[int], device: torch.device):
+        padded = [max(ALIGN_ROWS, -(-c // ALIGN_ROWS) * ALIGN_ROWS) for c in counts]
+        starts = list(itertools.accumulate([0, *counts[:-1]]))
+        padded_ends = list(itertools.accumulate(padded))
+        shifts = [end - p - start for end, p, start in zip(padded_ends, padded, starts)]
+        table = torch.tensor([list(counts), shifts, padded_ends], dtype=torch.int64, device=device)
+        self.groups, self.rows = len(counts), padded_ends[-1]
+        experts = torch.arange(self.groups, device=device)
+        self.group_of_row = torch.repeat_interleave(experts, table[0], output_size=sum(counts))
+        self.destination = torch.arange(len(self.group_of_row), device=device)
+        self.destination += table[1][self.group_of_row]
+        self.offsets = table[2].to(torch.int32)
+
+    def quantize(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``t [rows, c]`` in e4m3 scaled per group and column (``scale [groups * c]``,
+        expert-major), its groups padded: ``[padded rows, c]``."""
+        top = torch.finfo(E4M3).max
+        t32 = t.float()
+        index = self.group_of_row[:, None].expand_as(t32)
+        amax = t32.new_zeros(self.groups, t.shape[1]).scatter_reduce_(0, index, t32.abs(), "amax")
+        scale = amax.clamp(min=MIN_AMAX) / top
+        padded = t32.new_zeros(self.rows, t.shape[1])
+        padded.index_copy_(0, self.destination, (t32 / scale[self.group_of_row]).clamp(-top, top))
+        return padded.to(E4M3), scale.flatten()
+
+
 class Fp8GroupedLinear(torch.autograd.Function):
-    """``x [rows, k]`` grouped by ``offsets`` times ``weight [experts, n, k]`` (each group by
-    its expert's transpose): forward and input grad in fp8, the stack's grad in bf16 through
-    a store."""
+    """``x [rows, k]`` grouped by ``offsets`` (``counts`` rows each) times ``weight [experts, n,
+    k]`` (each group by its expert's transpose), its three GEMMs in fp8; the stack's grad goes
+    through a store."""
 
     @staticmethod
     def forward(
         ctx: FunctionCtx,
         x: torch.Tensor,
         weight: torch.Tensor,
+        counts: tuple[int, ...],
         offsets: torch.Tensor,
         store: WeightGradStore | None,
     ) -> torch.Tensor:
@@ -117,14 +177,14 @@ class Fp8GroupedLinear(torch.autograd.Function):
             x8, w8.transpose(-2, -1), sx.squeeze(-1), sw.squeeze(-1), offsets, x.dtype
         )
         ctx.save_for_backward(x, weight, offsets)
-        ctx.weight, ctx.store = weight, store
+        ctx.weight, ctx.store, ctx.counts = weight, store, counts
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(
         ctx: FunctionCtx, grad: torch.Tensor
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None, None]:
         x, weight, offsets = ctx.saved_tensors
         param = ctx.weight
         grad = contiguous_aligned(grad)
@@ -135,20 +195,30 @@ class Fp8GroupedLinear(torch.autograd.Function):
             w8 = _column_major_stack(w8)
             grad_x = scaled_grouped_mm(g8, w8, sg.squeeze(-1), sw.squeeze(1), offsets, x.dtype)
         if not ctx.needs_input_grad[1]:
-            return grad_x, None, None, None
+            return grad_x, None, None, None, None
+        counts = ctx.counts
 
-        def job() -> GradPairs:
-            return [(param, torch._grouped_mm(grad.t(), x, offs=offsets))]
+        def job() -> GradPairs:  # sums over each expert's tokens, in groups of 16
+            groups = PaddedGroups(counts, x.device)
+            g8, sg = groups.quantize(grad)
+            x8, sx = groups.quantize(x)
+            a = g8.t().contiguous()  # [n, padded rows], row-major
+            grad_w = scaled_grouped_mm(a, column_major(x8), sg, sx, groups.offsets, x.dtype)
+            return [(param, grad_w)]
 
-        return grad_x, grad_of(weight_grads(ctx.store, job), param), None, None
+        return grad_x, grad_of(weight_grads(ctx.store, job), param), None, None, None
 
 
 def fp8_grouped_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
-    offsets: torch.Tensor,
+    counts: Sequence[int],
+    offsets: torch.Tensor | None = None,
     store: WeightGradStore | None = None,
 ) -> torch.Tensor:
-    """:func:`~megatronish.moe.grouped_mm.grouped_linear` with the forward and input-grad GEMMs
-    in fp8 (``offsets``: the groups' int32 end rows on ``x``'s device; at least one row)."""
-    return Fp8GroupedLinear.apply(x, weight, offsets, store)
+    """:func:`~megatronish.moe.grouped_mm.grouped_linear` with its three GEMMs in fp8
+    (``counts``: each expert's rows, host ints, at least one row in all; ``offsets``: their
+    int32 end rows on ``x``'s device, else built from ``counts``)."""
+    if offsets is None:
+        offsets = expert_offsets(counts, x.device)
+    return Fp8GroupedLinear.apply(x, weight, tuple(counts), offsets, store)

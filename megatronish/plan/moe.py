@@ -159,7 +159,7 @@ def block_bytes(spec: ModelSpec, layout: Layout, moe_block: bool, core: bool = T
     if not moe_block:
         return layer
     dense_mlp = dense.mlp_bytes(spec, layout) + dense.fp8_mlp_bytes(spec, layout)
-    return layer - dense_mlp + mlp_bytes(spec, layout)  # fp8 experts keep bf16 inputs too
+    return layer - dense_mlp + mlp_bytes(spec, layout)  # fp8 experts keep their bf16 inputs
 
 
 def blocks_bytes(

@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
-_TINY = 1e-12  # an all-zero tensor gets scale 1e-12 / max: its fp8 copy is all zeros anyway
+MIN_AMAX = 1e-12  # an all-zero tensor gets scale 1e-12 / max: its fp8 copy is all zeros anyway
 
 
 def quantize(
@@ -58,7 +58,7 @@ def quantize(
     top = torch.finfo(dtype).max
     t32 = t.float()
     amax = t32.abs().amax() if dim is None else t32.abs().amax(dim=dim, keepdim=True)
-    scale = amax.clamp(min=_TINY) / top
+    scale = amax.clamp(min=MIN_AMAX) / top
     return (t32 / scale).clamp(-top, top).to(dtype), scale
 
 

@@ -156,10 +156,7 @@ def fp8_note(
     kept = f", the first and last {skip_first_last} blocks" * bool(skip_first_last)
     note = f"[fp8] {recipe}: {linears} linear layers on this rank run in fp8"
     if experts and GroupedExperts.fp8_here(device):
-        note += (
-            f", and the experts of {experts} blocks (forward and input grad in fp8 with rowwise "
-            "scales, weight grad in bf16)"
-        )
+        note += f", and the experts of {experts} blocks (e4m3, scaled by rows and columns)"
     elif experts:
         note += f"; the experts stay bf16 (no fp8 grouped GEMM on {device.type} here)"
     kept = f"the embedding, the head{kept}" if skip_first_last else "the embedding and the head"

@@ -9,8 +9,8 @@ makes (weights and input), that is the backward's working memory, which must not
 number of experts: the experts' backward makes no per-expert tensor the size of the input or of
 a weight stack (``megatronish/moe/grouped_mm.py``). Fails when it grows by more than
 ``GROWTH_LIMIT``. In bf16 on a GPU with fp8 grouped GEMMs a third row times the 8 experts with
-``trainer.fp8``'s expert GEMMs (``megatronish/moe/fp8_grouped.py``). On the CPU (``--smoke``):
-toy sizes, times only.
+``trainer.fp8``'s expert GEMMs (``megatronish/moe/fp8_grouped.py``), its working memory included
+(the weight grad's padded fp8 copies). On the CPU (``--smoke``): toy sizes, times only.
 """
 
 from __future__ import annotations

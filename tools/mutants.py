@@ -1256,8 +1256,8 @@ MUTANTS = [
         "megatronish/moe/fp8_grouped.py",
         (
             (
-                "padded = [max(ALIGN_ROWS, -(-c // ALIGN_ROWS) * ALIGN_ROWS) for c in counts]",
-                "padded = list(counts)",
+                "up = (size + ALIGN_ROWS - 1) // ALIGN_ROWS * ALIGN_ROWS",
+                "up = size",
             ),
         ),
         (

@@ -10,9 +10,9 @@ the input grad ``g W_e`` by token row and by each expert's input column, the wei
 grads are e4m3 here, not e5m2) and rowwise scales only (so tensorwise is rowwise here). The
 weight grad sums over tokens, and its kernel asserts on the device that every group but the last
 is a multiple of 16 tokens: backward copies each expert's tokens into groups padded with zero
-rows to a multiple of 16 (at least 16, so no group is empty), computed on the device from the
-counts (no host read). The experts keep their bf16 inputs (each GEMM quantizes along its own
-axes), as bf16 experts do.
+rows to a multiple of 16 (at least 16, so no group is empty), placed on the device from the
+offsets there (no host read, no host-to-device copy). The experts keep their bf16 inputs (each
+GEMM quantizes along its own axes), as bf16 experts do.
 
 Where: CUDA compute capability 9.x (the kernel is CUTLASS's SM90 rowwise one). On CPU torch has
 no kernel: :func:`scaled_grouped_mm` first runs torch's meta kernel on the same shapes, strides
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 from torch._compile import _disable_dynamo
@@ -56,6 +56,7 @@ def _on_meta(t: torch.Tensor) -> torch.Tensor:
 
 
 ALIGN_ROWS = 16  # the fp8 weight-grad kernel's groups: 16-byte multiples of 1-byte elements
+T = TypeVar("T", int, torch.Tensor)
 
 
 @_disable_dynamo  # torch.compiler.disable, importing dynamo only when called
@@ -66,10 +67,10 @@ def _reference(
     scale_b: torch.Tensor,
     offsets: torch.Tensor,
     out_dtype: torch.dtype,
+    ends: list[int],
 ) -> torch.Tensor:
     args = (_on_meta(a), _on_meta(b), _on_meta(scale_a), _on_meta(scale_b))
     torch._scaled_grouped_mm(*args, offs=_on_meta(offsets), out_dtype=out_dtype)  # CUDA's checks
-    ends = offsets.tolist()  # a host tensor here
     summed = b.dim() == 2  # 2d x 2d: the groups split the summed dimension
     if summed and any((e - s) % ALIGN_ROWS for s, e in zip([0, *ends[:-2]], ends[:-1])):
         raise RuntimeError(  # CUDA's kernel asserts this on the device
@@ -109,14 +110,17 @@ def scaled_grouped_mm(
     scale_b: torch.Tensor,
     offsets: torch.Tensor,
     out_dtype: torch.dtype,
+    ends: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """Rows ``[offsets[e-1], offsets[e])`` of fp8 ``a [rows, k]`` times ``b[e] [k, n]``, scaled
     by ``scale_a [rows]`` and ``scale_b [experts, n]``: ``[rows, n]`` in ``out_dtype``. With a
     2-d ``b [rows, k]``: group ``e`` is columns ``[offsets[e-1], offsets[e])`` of ``a [n, rows]``
     times those rows of ``b``, scaled by ``scale_a [experts * n]`` and ``scale_b [experts * k]``
-    (expert-major): ``[experts, n, k]``."""
+    (expert-major): ``[experts, n, k]``. ``ends``: ``offsets`` on the host, where known (the
+    CPU stand-in reads them; a GPU never does)."""
     if a.device.type == "cpu":
-        return _reference(a, b, scale_a, scale_b, offsets, out_dtype)
+        ends = offsets.tolist() if ends is None else list(ends)
+        return _reference(a, b, scale_a, scale_b, offsets, out_dtype, ends)
     return torch._scaled_grouped_mm(a, b, scale_a, scale_b, offs=offsets, out_dtype=out_dtype)
 
 
@@ -125,23 +129,32 @@ def _column_major_stack(t: torch.Tensor) -> torch.Tensor:
     return t.transpose(-2, -1).contiguous().transpose(-2, -1)
 
 
-class PaddedGroups:
-    """Where the rows of a matrix grouped by expert (``counts`` rows each) go when every group
-    is padded with zero rows to a multiple of :data:`ALIGN_ROWS` (at least that many): the
-    per-group numbers cross to the device once (as the offsets do), the rest is computed there."""
+def padded_size(size: T) -> T:
+    """``size`` rows (an int, or a tensor of sizes) padded to a multiple of :data:`ALIGN_ROWS`,
+    at least that many."""
+    up = (size + ALIGN_ROWS - 1) // ALIGN_ROWS * ALIGN_ROWS
+    return up.clamp(min=ALIGN_ROWS) if isinstance(up, torch.Tensor) else max(up, ALIGN_ROWS)
 
-    def __init__(self, counts: Sequence[int], device: torch.device):
-        padded = [max(ALIGN_ROWS, -(-c // ALIGN_ROWS) * ALIGN_ROWS) for c in counts]
-        starts = list(itertools.accumulate([0, *counts[:-1]]))
-        padded_ends = list(itertools.accumulate(padded))
-        shifts = [end - p - start for end, p, start in zip(padded_ends, padded, starts)]
-        table = torch.tensor([list(counts), shifts, padded_ends], dtype=torch.int64, device=device)
-        self.groups, self.rows = len(counts), padded_ends[-1]
-        experts = torch.arange(self.groups, device=device)
-        self.group_of_row = torch.repeat_interleave(experts, table[0], output_size=sum(counts))
-        self.destination = torch.arange(len(self.group_of_row), device=device)
-        self.destination += table[1][self.group_of_row]
-        self.offsets = table[2].to(torch.int32)
+
+class PaddedGroups:
+    """Where the rows of a matrix grouped by expert go when every group is padded with zero
+    rows (:func:`padded_size`): from the groups' end rows on the device (``offsets``), on the
+    device (no host-to-device copy); ``counts`` (the same on the host) give only sizes."""
+
+    def __init__(self, counts: Sequence[int], offsets: torch.Tensor):
+        padded = [padded_size(c) for c in counts]
+        self.groups, self.rows = len(counts), sum(padded)
+        self.ends = list(itertools.accumulate(padded))  # on the host, for the CPU stand-in
+        ends = offsets.long()
+        sizes = torch.diff(ends, prepend=ends.new_zeros(1))
+        padded_sizes = padded_size(sizes)
+        padded_ends = padded_sizes.cumsum(0)
+        shifts = padded_ends - padded_sizes - (ends - sizes)  # padded start - start, per group
+        experts = torch.arange(self.groups, device=ends.device)
+        self.group_of_row = torch.repeat_interleave(experts, sizes, output_size=sum(counts))
+        self.destination = torch.arange(len(self.group_of_row), device=ends.device)
+        self.destination += shifts[self.group_of_row]
+        self.offsets = padded_ends.to(torch.int32)
 
     def quantize(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``t [rows, c]`` in e4m3 scaled per group and column (``scale [groups * c]``,
@@ -173,8 +186,9 @@ class Fp8GroupedLinear(torch.autograd.Function):
         x = contiguous_aligned(x)
         x8, sx = quantize(x, E4M3, -1)  # per row, over k
         w8, sw = quantize(weight, E4M3, -1)  # per expert and output column, over k
+        ends = list(itertools.accumulate(counts))
         out = scaled_grouped_mm(
-            x8, w8.transpose(-2, -1), sx.squeeze(-1), sw.squeeze(-1), offsets, x.dtype
+            x8, w8.transpose(-2, -1), sx.squeeze(-1), sw.squeeze(-1), offsets, x.dtype, ends
         )
         ctx.save_for_backward(x, weight, offsets)
         ctx.weight, ctx.store, ctx.counts = weight, store, counts
@@ -193,17 +207,21 @@ class Fp8GroupedLinear(torch.autograd.Function):
             g8, sg = quantize(grad, E4M3, -1)  # per row, over n
             w8, sw = quantize(weight, E4M3, 1)  # per expert and input column, over n
             w8 = _column_major_stack(w8)
-            grad_x = scaled_grouped_mm(g8, w8, sg.squeeze(-1), sw.squeeze(1), offsets, x.dtype)
+            ends = list(itertools.accumulate(ctx.counts))
+            grad_x = scaled_grouped_mm(
+                g8, w8, sg.squeeze(-1), sw.squeeze(1), offsets, x.dtype, ends
+            )
         if not ctx.needs_input_grad[1]:
             return grad_x, None, None, None, None
         counts = ctx.counts
 
         def job() -> GradPairs:  # sums over each expert's tokens, in groups of 16
-            groups = PaddedGroups(counts, x.device)
+            groups = PaddedGroups(counts, offsets)
             g8, sg = groups.quantize(grad)
             x8, sx = groups.quantize(x)
             a = g8.t().contiguous()  # [n, padded rows], row-major
-            grad_w = scaled_grouped_mm(a, column_major(x8), sg, sx, groups.offsets, x.dtype)
+            b = column_major(x8)
+            grad_w = scaled_grouped_mm(a, b, sg, sx, groups.offsets, x.dtype, groups.ends)
             return [(param, grad_w)]
 
         return grad_x, grad_of(weight_grads(ctx.store, job), param), None, None, None

@@ -218,6 +218,8 @@ MOE_LAYOUTS = {
         "parallel.moe_dispatch_order=ep_first",
         "model.moe.capacity_factor=1.0",
     ],
+    # fp8 experts: the weight grad's padded groups are placed on the device, from the offsets
+    "ep2-fp8": [*MOE, "parallel.ep=2", "trainer.precision=bf16", "trainer.fp8=rowwise"],
     # DeepSeek-V3's router: the bias's update after the backward reads nothing on the host
     "ep2-balanced": [
         *MOE,

@@ -1264,6 +1264,15 @@ MUTANTS = [
             "tests/tensor_parallel/test_fp8.py::test_each_expert_gemm_equals_the_product_of_its_dequantized_operands",
         ),
     ),
+    Mutant(
+        "compiled-attention-asks-in-graph",
+        "Under torch.compile the K/V layout is asked of torch's checks inside the traced graph",
+        "megatronish/context_parallel/attention_kernel.py",
+        (("if gqa and torch.compiler.is_compiling():", "if False:"),),
+        (
+            "tests/model/test_attention_kernel.py::test_compiled_attention_is_one_graph_with_the_checks_asked_while_tracing",
+        ),
+    ),
 ]
 
 

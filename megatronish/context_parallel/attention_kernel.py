@@ -318,6 +318,45 @@ def expand_kv_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
     return x[:, :, None].expand(b, kv, heads // kv, s, d).reshape(b, heads, s, d)
 
 
+TensorSpec = tuple[tuple[int, ...], tuple[int, ...], torch.dtype, bool]  # shape, strides, ...
+
+
+def _spec(t: torch.Tensor | None) -> TensorSpec | None:
+    return None if t is None else (tuple(t.shape), tuple(t.stride()), t.dtype, t.requires_grad)
+
+
+def expand_kv_of(
+    device: torch.device,
+    q: TensorSpec,
+    k: TensorSpec,
+    v: TensorSpec,
+    attn_mask: TensorSpec | None,
+    mask: str,
+    dropout_p: float,
+    is_causal: bool,
+    grad_enabled: bool,
+) -> bool:
+    """:func:`kernel_for`'s ``expand_kv`` for tensors described by their shape, strides, dtype
+    and ``requires_grad`` (uninitialised ones of that layout are asked about). Under
+    ``torch.compile`` dynamo calls it once while tracing and keeps the answer as a constant of
+    the graph (it is marked as ``torch._dynamo.assume_constant_result`` marks a function): the
+    checks themselves (``storage_offset``, ``SDPAParams``, ``can_use_*``) cannot be traced."""
+
+    def like(spec: TensorSpec | None) -> torch.Tensor | None:
+        if spec is None:
+            return None
+        shape, stride, dtype, grad = spec
+        return torch.empty_strided(shape, stride, dtype=dtype, device=device).requires_grad_(grad)
+
+    with torch.set_grad_enabled(grad_enabled):
+        args = like(q), like(k), like(v)
+        return kernel_for(*args, mask, like(attn_mask), dropout_p, is_causal).expand_kv
+
+
+# What torch._dynamo.assume_constant_result sets, without importing dynamo at start-up.
+expand_kv_of._dynamo_marked_constant = True
+
+
 def sdpa(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -328,10 +367,17 @@ def sdpa(
     is_causal: bool = False,
 ) -> torch.Tensor:
     """``F.scaled_dot_product_attention`` of ``[b, heads, s, d]`` queries and ``[b, kv_heads,
-    s_k, d]`` keys/values, laid out for the kernel :func:`kernel_for` picks."""
+    s_k, d]`` keys/values, laid out for the kernel :func:`kernel_for` picks (under
+    ``torch.compile``: :func:`expand_kv_of`, decided once per graph)."""
     heads = q.shape[1]
     gqa = k.shape[1] != heads
-    if gqa and kernel_for(q, k, v, mask, attn_mask, dropout_p, is_causal).expand_kv:
+    if gqa and torch.compiler.is_compiling():
+        specs = _spec(q), _spec(k), _spec(v), _spec(attn_mask)
+        grad = torch.is_grad_enabled()
+        expand = expand_kv_of(q.device, *specs, mask, float(dropout_p), bool(is_causal), grad)
+    else:
+        expand = gqa and kernel_for(q, k, v, mask, attn_mask, dropout_p, is_causal).expand_kv
+    if expand:
         k, v, gqa = expand_kv_heads(k, heads), expand_kv_heads(v, heads), False
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, enable_gqa=gqa

@@ -393,3 +393,44 @@ def test_the_plan_is_for_the_configured_device():
     for device in ("auto", "cuda"):  # auto plans for the GPU (a login node has none)
         cfg = tiny_config([f"trainer.device={device}"], 1)
         assert layout_from_config(cfg, 1).device_type == "cuda"
+
+
+@pytest.mark.parametrize(
+    "checks, dtype, expanded",
+    [
+        ("fake", torch.float32, True),  # torch <= 2.13: the memory-efficient kernel, expanded
+        ("fake", torch.bfloat16, False),  # flash takes grouped K/V
+        ("torch's", torch.float32, None),  # the real SDPAParams and can_use_* (on CPU tensors)
+    ],
+)
+def test_compiled_attention_is_one_graph_with_the_checks_asked_while_tracing(
+    monkeypatch, checks, dtype, expanded
+):
+    """torch's checks cannot be traced (``storage_offset``, ``SDPAParams``, ``can_use_*``): under
+    torch.compile the K/V layout is decided once, while tracing, and the block stays one graph
+    (fullgraph) on CUDA as on CPU, with the layout eager attention would give SDPA."""
+    torch_ = FakeCudaTorch()
+    sdpa_checks = torch_.checks() if checks == "fake" else ak.TORCH_CHECKS
+    _use_checks(monkeypatch, sdpa_checks)
+    q, k, v = (t.requires_grad_() for t in _qkv(dtype))
+    eager = ak.sdpa(q, k, v, "causal", is_causal=True)
+    asked = len(torch_.asked)
+    sdpa_checks.cache.clear()  # asked again while tracing
+    graphs = []
+
+    def recorded(gm, example_inputs):
+        graphs.append(gm.code)
+        return gm.forward
+
+    compiled = torch.compile(
+        lambda q, k, v: ak.sdpa(q, k, v, "causal", is_causal=True),
+        backend=recorded,
+        fullgraph=True,
+    )
+    out = compiled(q, k, v)
+    compiled(q, k, v)
+    torch.testing.assert_close(out, eager, rtol=1e-5, atol=1e-6)
+    assert len(graphs) == 1
+    if checks == "fake":
+        assert (".expand(" in graphs[0]) == expanded, graphs[0]
+        assert len(torch_.asked) == 2 * asked  # once more, while tracing; not per call

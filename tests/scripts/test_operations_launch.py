@@ -104,26 +104,38 @@ def stopped_step(text: str, signal_name: str = "SIGTERM") -> int:
     return int(m.group(1))
 
 
-# -- graceful stop under torchrun ---------------------------------------------------------------
+# -- graceful stop and elastic restart under torchrun --------------------------------------------
 @pytest.mark.slow
-def test_sigterm_to_torchrun_saves_stops_and_the_next_launch_continues_bit_identically(
+def test_sigterm_saves_and_stops_then_the_next_launch_survives_a_killed_worker_bit_identically(
     cache_dir, tmp_path, uninterrupted
 ):
+    """SIGTERM to torchrun: the workers save and stop (exit 4). The next launch resumes there;
+    a worker killed in it makes torchrun (``--max-restarts 1``) start a new group, which
+    resumes from the latest checkpoint; the end is the uninterrupted run's, bit for bit."""
     out, log = tmp_path / "run", tmp_path / "first.log"
     proc = launch_local(overrides(cache_dir, out, 1000), log)
     wait_for(log, r"^step\s+3/1000", proc)
     proc.send_signal(signal.SIGTERM)  # launch_local.sh passes it on to torchrun, torchrun on
     code, text = finish(proc, log)
     step = stopped_step(text)
-    assert 3 <= step < FINAL, text[-3000:]
+    assert 3 <= step < FINAL - 12, text[-3000:]
     assert "stopped early (signal SIGTERM), exit code 4" in text
     assert code == 4  # the workers' code, not torchrun's 1 (scripts/lib/run_torchrun.sh)
     assert latest(out) == f"step_{step:07d}"
 
     log = tmp_path / "second.log"
-    code, text = finish(launch_local(overrides(cache_dir, out, FINAL), log), log)
+    args = overrides(cache_dir, out, FINAL, "checkpoint.interval=4")
+    proc = launch_local(args, log, TORCHRUN_ARGS="--max-restarts 1")
+    saved = (step // 4 + 1) * 4  # the first checkpoint this launch writes
+    wait_for(log, rf"^step\s+{saved + 2}/", proc)
+    workers = training_workers(proc.pid)
+    assert len(workers) == 2, workers
+    os.kill(workers[-1], signal.SIGKILL)
+    code, text = finish(proc, log)  # torchrun stops the survivor and starts a new group
     assert code == 0, text[-3000:]
     assert f"resumed from {out / 'checkpoints' / f'step_{step:07d}'}" in text
+    restarted = re.findall(r"resumed from \S+step_(\d+)", text)[1:]
+    assert restarted and int(restarted[0]) >= saved, text[-3000:]
     assert_same_tensors(final_tensors(out), uninterrupted)
 
 
@@ -141,25 +153,6 @@ def test_sigusr2_to_torchrun_reaches_the_workers_which_save_and_stop(cache_dir, 
     assert latest(out) == f"step_{step:07d}"
     alive = [pid for pid in workers if os.path.exists(f"/proc/{pid}")]
     assert not alive, f"workers {alive} outlived torchrun"
-
-
-# -- elastic restart ----------------------------------------------------------------------------
-@pytest.mark.slow
-def test_sigkill_of_a_worker_restarts_from_the_latest_checkpoint_under_max_restarts(
-    cache_dir, tmp_path, uninterrupted
-):
-    out, log = tmp_path / "run", tmp_path / "log"
-    args = overrides(cache_dir, out, FINAL, "checkpoint.interval=4")
-    proc = launch_local(args, log, TORCHRUN_ARGS="--max-restarts 1")
-    wait_for(log, r"^step\s+6/", proc)
-    workers = training_workers(proc.pid)
-    assert len(workers) == 2, workers
-    os.kill(workers[-1], signal.SIGKILL)
-    code, text = finish(proc, log)  # torchrun stops the survivor and starts a new group
-    assert code == 0, text[-3000:]
-    resumed = re.search(r"resumed from \S+step_(\d+)", text)
-    assert resumed and int(resumed.group(1)) >= 4, text[-3000:]
-    assert_same_tensors(final_tensors(out), uninterrupted)
 
 
 # -- SLURM scripts ------------------------------------------------------------------------------

@@ -164,9 +164,10 @@ class PaddedGroups:
         index = self.group_of_row[:, None].expand_as(t32)
         amax = t32.new_zeros(self.groups, t.shape[1]).scatter_reduce_(0, index, t32.abs(), "amax")
         scale = amax.clamp(min=MIN_AMAX) / top
-        padded = t32.new_zeros(self.rows, t.shape[1])
-        padded.index_copy_(0, self.destination, (t32 / scale[self.group_of_row]).clamp(-top, top))
-        return padded.to(E4M3), scale.flatten()
+        q = (t32 / scale[self.group_of_row]).clamp(-top, top).to(E4M3)
+        padded = torch.zeros(self.rows, t.shape[1], dtype=torch.uint8, device=t.device)
+        padded.index_copy_(0, self.destination, q.view(torch.uint8))  # zero bytes are +0.0
+        return padded.view(E4M3), scale.flatten()
 
 
 class Fp8GroupedLinear(torch.autograd.Function):

@@ -192,7 +192,7 @@ class Fp8GroupedLinear(torch.autograd.Function):
             x8, w8.transpose(-2, -1), sx.squeeze(-1), sw.squeeze(-1), offsets, x.dtype, ends
         )
         ctx.save_for_backward(x, weight, offsets)
-        ctx.weight, ctx.store, ctx.counts = weight, store, counts
+        ctx.weight, ctx.store, ctx.counts, ctx.ends = weight, store, counts, ends
         return out
 
     @staticmethod
@@ -208,9 +208,8 @@ class Fp8GroupedLinear(torch.autograd.Function):
             g8, sg = quantize(grad, E4M3, -1)  # per row, over n
             w8, sw = quantize(weight, E4M3, 1)  # per expert and input column, over n
             w8 = _column_major_stack(w8)
-            ends = list(itertools.accumulate(ctx.counts))
             grad_x = scaled_grouped_mm(
-                g8, w8, sg.squeeze(-1), sw.squeeze(1), offsets, x.dtype, ends
+                g8, w8, sg.squeeze(-1), sw.squeeze(1), offsets, x.dtype, ctx.ends
             )
         if not ctx.needs_input_grad[1]:
             return grad_x, None, None, None, None

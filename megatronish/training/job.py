@@ -153,14 +153,16 @@ def fp8_note(
     recipe: str, skip_first_last: int, linears: int, experts: int, device: torch.device
 ) -> str:
     """The start-up line of ``trainer.fp8``: what runs in fp8 on the first rank, what not."""
-    kept = f", the first and last {skip_first_last} blocks" * bool(skip_first_last)
     note = f"[fp8] {recipe}: {linears} linear layers on this rank run in fp8"
     if experts and GroupedExperts.fp8_here(device):
         note += f", and the experts of {experts} blocks (e4m3, scaled by rows and columns)"
     elif experts:
         note += f"; the experts stay bf16 (no fp8 grouped GEMM on {device.type} here)"
-    kept = f"the embedding, the head{kept}" if skip_first_last else "the embedding and the head"
-    return note + f"; {kept} in bf16"
+    if skip_first_last:
+        return (
+            note + f"; the embedding, the head, the first and last {skip_first_last} blocks in bf16"
+        )
+    return note + "; the embedding and the head in bf16"
 
 
 def compile_model(cfg: TrainConfig, topo: Topology, chunks: list) -> None:

@@ -1273,6 +1273,34 @@ MUTANTS = [
             "tests/model/test_attention_kernel.py::test_compiled_attention_is_one_graph_with_the_checks_asked_while_tracing",
         ),
     ),
+    Mutant(
+        "pipeline-waits-for-every-group",
+        "The engine waits for every posted group before each compute, ignoring Step.ready",
+        "megatronish/pipeline/engine.py",
+        (
+            (
+                "need = completed + len(in_flight) if step.ready is None else step.ready",
+                "need = completed + len(in_flight)",
+            ),
+        ),
+        (
+            "tests/pipeline/test_pipeline_nccl_sim.py::test_the_engine_posts_and_waits_exactly_as_planned",
+        ),
+    ),
+    Mutant(
+        "early-receives-unwaited",
+        "Interleaved 1F1B's computes wait for no group, their inputs' included",
+        "megatronish/pipeline/grouping.py",
+        (
+            (
+                "ready = max((holder[message(recv)] for recv in needed), default=0)",
+                "ready = 0",
+            ),
+        ),
+        (
+            "tests/pipeline/test_pipeline_nccl_sim.py::test_interleaved_computes_wait_only_for_the_groups_holding_their_data",
+        ),
+    ),
 ]
 
 

@@ -3,10 +3,10 @@ ring attention's K/V blocks.
 
 A rank's sends and receives between two computes go out as one group: one
 ``torch.distributed.batch_isend_irecv`` call (NCCL runs it as one ``ncclGroupStart/End``),
-waited on as a unit (by the pipeline before its next compute, by ring attention after the
-block the transfers overlap). Which transfers share a group is decided by the callers
-(:mod:`megatronish.pipeline.grouping`, :mod:`megatronish.context_parallel.ring`); this module
-only posts them. Shapes are known from the config, so there is no shape handshake.
+waited on as a unit (by the pipeline before the first compute that needs its data, by ring
+attention after the block the transfers overlap). Which transfers share a group is decided by
+the callers (:mod:`megatronish.pipeline.grouping`, :mod:`megatronish.context_parallel.ring`);
+this module only posts them. Shapes are known from the config, so there is no shape handshake.
 
 Both talk to a :class:`P2PCommunicator`, so another one can be substituted: a recording
 one (tests replay the groups in :mod:`megatronish.pipeline.nccl_sim`) or a strict one that makes

@@ -3,7 +3,10 @@
 The steps come from :mod:`megatronish.pipeline.grouping` (pure functions of pp, vpp, the
 schedule, the number of microbatches and the rank): before each compute, one group of sends and
 receives is posted through a :class:`~megatronish.distributed.p2p.P2PCommunicator` (default:
-batched isend/irecv on the pipeline group) and waited on as a unit. The executor keeps the input
+batched isend/irecv on the pipeline group). Groups are waited on as units, in posting order:
+by default each before the compute it precedes; with early receives (interleaved 1F1B,
+:attr:`~megatronish.pipeline.grouping.Step.ready`) only once a compute needs a group's data,
+so receives posted ahead complete while earlier computes run. The executor keeps the input
 and output of every forward until its backward, frees the data of an output once its send is
 posted (the group keeps the sent buffer until it completes; the backward does not need the
 data), and scales each microbatch loss by ``loss_scale`` so a step equals the non-pipelined one.
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -215,14 +219,23 @@ def forward_backward_pipeline(
                     weight_grads.run((mb, c))
             hooks.after_compute(virtual[c], "bwd")
 
+    in_flight: deque[Posted] = deque()  # posted groups not yet waited for, oldest first
+    completed = 0  # groups waited for
     for step in training_steps(pp, vpp, m, rank, schedule, op_times):
         posted = _post(poster, step, inputs, outputs, grads_in, shape, topo.device)
+        if posted is not None:
+            in_flight.append(posted)
         for op in step.weights:  # W needs nothing in flight: it fills the transfer's time
             weight(op.microbatch, op.chunk)
         op = step.compute
         if op is not None:  # its first params gather while the p2p group completes
             hooks.prefetch(virtual[op.chunk], "fwd" if op.kind == "fwd" else "bwd")
-        poster.wait(posted, since=time.perf_counter() if step.weights else None)
+        need = completed + len(in_flight) if step.ready is None else step.ready
+        quiet = not step.weights  # nothing ran since this step's group was posted
+        while completed < need:  # in posting order, as NCCL completes a rank's groups
+            group = in_flight.popleft()
+            poster.wait(group, since=None if group is posted and quiet else time.perf_counter())
+            completed, quiet = completed + 1, False
         if op is None:
             continue
         with span(f"{op.kind} mb{op.microbatch} c{op.chunk}"):
@@ -231,6 +244,8 @@ def forward_backward_pipeline(
             else:
                 deferred = op.kind == "bwd_input" and op.chunk > 0
                 backward(op.microbatch, op.chunk, deferred=deferred)
+    while in_flight:  # sends no later compute waited for
+        poster.wait(in_flight.popleft(), since=time.perf_counter())
     return losses
 
 

@@ -4,35 +4,49 @@ On NCCL the point-to-point calls between two ranks run in order, and a send comp
 the peer's matching receive runs. Posting every send and receive on its own therefore hangs once
 messages outgrow NCCL's buffers: with pp=2 and 4 microbatches rank 0 posts [send act0, send
 act1, recv grad0] and rank 1 [recv act0, send grad0, recv act1], so both end up with a send at
-the head. Each rank therefore posts groups (one ``batch_isend_irecv``) and waits for a group as a
-unit before its next compute:
+the head. Each rank therefore posts groups (one ``batch_isend_irecv``), one before each compute,
+and waits for them as units, in posting order (one stream: a rank's next group starts only once
+the previous one completed, whether or not the rank waited for it):
 
-* A rank's computes are cut into segments: every warm-up forward and every cool-down backward
-  alone; in the steady state every forward and every backward alone for plain 1F1B (a backward
-  needs the gradient of the forward just before it), every forward+backward pair for
-  interleaved 1F1B.
-* Between two segments there is one group: the sends of the segment before and the receives of
-  the segment after. Plain 1F1B thus posts Megatron's ``send_forward_recv_backward`` and
-  ``send_backward_recv_forward`` (``send_forward_recv_forward`` in warm-up); interleaved 1F1B
-  posts ``send_forward_backward_recv_forward_backward`` after each steady pair, so the forward's
-  output leaves after the pair's backward. Forward-only (evaluation) runs every forward alone.
+* Plain 1F1B and ZB-H1 cut a rank's computes into segments of one compute. Before each segment
+  there is one group, the sends of the segment before and the receives of this one, and the
+  compute waits for it: Megatron's ``send_forward_recv_backward`` and
+  ``send_backward_recv_forward`` (``send_forward_recv_forward`` in warm-up). Forward-only
+  (evaluation) runs every forward alone, for every schedule but the V.
+* Interleaved 1F1B posts early receives, planned by running all ranks together in time
+  (:func:`_joint_steps`, torch pipelining's idea): each compute's output leaves in the group
+  posted right after it, a group also receives every message its sender has produced by then
+  (in the planned time), and a compute waits only for the groups holding its data
+  (:attr:`Step.ready`). A receive is thus in flight while the computes before its own run,
+  instead of starting when its compute is due, which on gloo costs a round trip per message
+  on the busiest rank. Megatron-LM without overlap posts
+  ``send_forward_backward_recv_forward_backward`` after each steady forward+backward pair
+  instead, so a forward's output leaves only after the pair's backward.
 
-Grouping each compute's sends with only the next compute's receives hangs interleaved 1F1B:
-with pp=2, vpp=2, m=4 rank 0 sends grad (0, 2) in a group of its own, which rank 1 receives
-only after its group sending grad (1, 3), which rank 0 receives only after that send.
-``tests/pipeline/test_pipeline_nccl_sim.py`` replays what the engine posts in
-:mod:`megatronish.pipeline.nccl_sim` for many layouts.
+Grouping each compute's sends with only the next compute's receives, each compute waiting for
+its own group, hangs interleaved 1F1B: with pp=2, vpp=2, m=4 rank 0 sends grad (0, 2) in a group
+of its own, which rank 1 receives only after its group sending grad (1, 3), which rank 0
+receives only after that send. Early receives do not: the plan runs the ranks' computes one at
+a time in an order that respects every dependency, and a group only receives what a compute
+planned before it has produced; the simulator finds no circular wait in any layout the tests
+reach. Posting every receive one step ahead, regardless of its send, hangs every schedule: a
+receive posted early holds back the rank's later sends. ``tests/pipeline/test_pipeline_nccl_sim.py``
+replays what the engine posts and waits for in :mod:`megatronish.pipeline.nccl_sim` for many
+layouts.
 
 The zero-bubble schedules post like 1F1B, one segment per forward and per B: a W moves no data,
 so it joins no group. It runs after the group before the next compute is posted and before that
 group is waited for, filling the time its transfers take (a B's gradient leaves before the W
-that follows the B runs). A hand-over between two chunks on the same rank (the turn of the V)
-posts nothing.
+that follows the B runs). The V is planned like interleaved 1F1B's early receives, but each
+compute waits for its whole group (a receive joins a group early only from a peer the group
+also sends to). A hand-over between two chunks on the same rank (the turn of the V) posts
+nothing.
 """
 
 from __future__ import annotations
 
 import functools
+from collections import deque
 from dataclasses import dataclass
 
 from megatronish.config.pipeline_rules import resolve_pipeline_schedule
@@ -41,7 +55,6 @@ from megatronish.pipeline.ops import INPUT_GRAD_KINDS, DeadlockError, Op, messag
 from megatronish.pipeline.schedule import (
     compute_order,
     message_order,
-    num_warmup,
     transfers_around,
     v_shape,
 )
@@ -50,11 +63,16 @@ from megatronish.pipeline.schedule import (
 @dataclass(frozen=True)
 class Step:
     """One p2p group (sends and receives, possibly none), the W ops that run while it is in
-    flight, then one compute op (or None)."""
+    flight, then one compute op (or None).
+
+    ``ready``: how many of the rank's groups (non-empty ones, counted in posting order from the
+    first) must have completed before the compute: the ones holding its data. None: every group
+    posted so far, this step's included (the compute waits for its own group)."""
 
     group: tuple[Op, ...]
     compute: Op | None
     weights: tuple[Op, ...] = ()
+    ready: int | None = None
 
 
 def _recv_of(message: tuple[str, int, int], peer: int) -> Op:
@@ -133,6 +151,13 @@ OpTimes = tuple[float, float, float]  # relative times of a chunk's F, B and W
 EQUAL_TIMES: OpTimes = (1.0, 1.0, 1.0)
 
 
+def _duration(op: Op, times: OpTimes) -> float:
+    """A compute's planned time: F, B, or a whole backward (B + W)."""
+    if op.kind == "fwd":
+        return times[0]
+    return times[1] + (times[2] if op.kind == "bwd" else 0.0)
+
+
 def _take(
     inbox: list[tuple[Op, float]],
     op: Op,
@@ -162,6 +187,7 @@ def _joint_steps(
     schedule: str,
     forward_only: bool,
     times: OpTimes = EQUAL_TIMES,
+    early: bool = False,
 ) -> dict[int, tuple[Step, ...]]:
     """Every rank's steps, planned by running all ranks together in time (torch pipelining's
     ``_add_send_recv`` idea, with equal times for F, B and W): the rank whose next compute can
@@ -172,7 +198,16 @@ def _joint_steps(
     order. Used for the V placement, whose neighbours exchange messages both ways (an activation
     going up one leg, a gradient coming down the other); the NCCL simulator proves it. Planned
     with the chunk's relative F, B and W ``times``, the groups keep the simulated bubble of the
-    schedule at those times."""
+    schedule at those times.
+
+    ``early``: early receives. A group also posts every receive whose data its sender has
+    produced by the time the group is posted (when the rank's previous compute ends), from any
+    peer, and each compute waits only for the groups holding its data (:attr:`Step.ready`), so a
+    receive is in flight while the computes before its own run, as torch pipelining posts them.
+    A compute is planned only once its input exists, so a group only receives what a compute
+    planned before it has produced; the time rule decides how early.
+    :func:`~megatronish.pipeline.nccl_sim.run_programs` finds no circular wait among the
+    ranks' streams in any layout the tests reach."""
     last = pp * vpp - 1
     v = v_shape(schedule)
     plans = {}
@@ -187,6 +222,8 @@ def _joint_steps(
     sends: dict[int, list[Op]] = {r: [] for r in range(pp)}
     ended: dict[tuple[str, int, int], float] = {}  # computes by (kind, mb, chunk), and messages
     steps: dict[int, list[Step]] = {r: [] for r in range(pp)}
+    posted = dict.fromkeys(range(pp), 0)  # non-empty groups each rank has posted
+    holder: dict[tuple[str, int, int], int] = {}  # (receiver's) group count holding a message
 
     def input_time(rank: int, op: Op) -> float | None:
         """When ``op``'s input exists (None: not yet produced)."""
@@ -217,10 +254,21 @@ def _joint_steps(
         r = min(starts, key=lambda rank: (starts[rank], rank))
         computes, weights_before = plans[r]
         op = computes[position[r]]
-        peers = {s.peer for s in sends[r]}
-        group = tuple(sends[r] + _take(inbox[r], op, peers, starts[r], (pp, vpp, schedule)))
-        steps[r].append(Step(group, op, tuple(weights_before.get(position[r], ()))))
-        clock[r] = starts[r] + (times[0] if op.kind == "fwd" else times[1])
+        transfers = (pp, vpp, schedule)
+        if early:
+            take = _take(inbox[r], op, set(range(pp)), clock[r], transfers)
+        else:
+            take = _take(inbox[r], op, {s.peer for s in sends[r]}, starts[r], transfers)
+        group = tuple(sends[r] + take)
+        ready = None
+        if early:
+            posted[r] += bool(group)
+            holder.update((message(recv), posted[r]) for recv in take)
+            needed, _ = transfers_around(pp, vpp, op, schedule)
+            ready = max((holder[message(recv)] for recv in needed), default=0)
+        weights = tuple(weights_before.get(position[r], ()))
+        steps[r].append(Step(group, op, weights, ready))
+        clock[r] = starts[r] + _duration(op, times)
         ended[(op.kind, op.microbatch, op.chunk)] = clock[r]
         _, sends[r] = transfers_around(pp, vpp, op, schedule)
         for send in sends[r]:
@@ -257,18 +305,12 @@ def _training_steps(
 ) -> tuple[Step, ...]:
     order = compute_order(pp, vpp, num_microbatches, rank, schedule)
     pairs = message_order(pp, vpp, num_microbatches, schedule)
-    if v_shape(schedule):
-        return _joint_steps(pp, vpp, num_microbatches, schedule, False, op_times)[rank]
-    if schedule != "interleaved":  # one segment per forward and per backward (or B)
-        computes, weights_before = _split_weights(order)
-        segments = [[op] for op in computes]
-        return tuple(_steps(pp, vpp, segments, schedule, pairs, rank, weights_before))
-    warmup = num_warmup(pp, vpp, num_microbatches, rank)
-    cooldown_from = len(order) - warmup
-    segments = [[op] for op in order[:warmup]]
-    segments += [order[i : i + 2] for i in range(warmup, cooldown_from, 2)]
-    segments += [[op] for op in order[cooldown_from:]]
-    return tuple(_steps(pp, vpp, segments, schedule, pairs, rank))
+    if v_shape(schedule) or schedule == "interleaved":
+        early = schedule == "interleaved"
+        return _joint_steps(pp, vpp, num_microbatches, schedule, False, op_times, early)[rank]
+    computes, weights_before = _split_weights(order)  # one segment per forward and per B
+    segments = [[op] for op in computes]
+    return tuple(_steps(pp, vpp, segments, schedule, pairs, rank, weights_before))
 
 
 def forward_only_steps(
@@ -286,7 +328,25 @@ def forward_only_steps(
 
 
 def run_order(steps: list[Step]) -> list[Op]:
-    """Every op of ``steps`` in the order the executor runs them (its timeline's order)."""
-    return [
-        op for s in steps for op in (*s.group, *s.weights, *((s.compute,) if s.compute else ()))
-    ]
+    """Every op of ``steps`` in the order in time of the executor's timeline events: a group's
+    sends when it is posted if it also receives (else when it is waited for), its receives when
+    it is waited for (in posting order, before the first compute that needs it:
+    :attr:`Step.ready`), the step's W ops between posting and waiting, then its compute."""
+    out: list[Op] = []
+    in_flight: deque[tuple[list[Op], list[Op]]] = deque()
+    completed = 0
+    for step in steps:
+        sends = [op for op in step.group if op.kind.startswith("send")]
+        recvs = [op for op in step.group if op.kind.startswith("recv")]
+        if step.group:
+            in_flight.append((sends, recvs))
+        if sends and recvs:
+            out += sends
+        out += step.weights
+        need = completed + len(in_flight) if step.ready is None else step.ready
+        while completed < need:
+            group_sends, group_recvs = in_flight.popleft()
+            out += group_recvs or group_sends
+            completed += 1
+        out += [step.compute] if step.compute else []
+    return out + [op for group_sends, group_recvs in in_flight for op in group_recvs or group_sends]

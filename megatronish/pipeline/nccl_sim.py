@@ -27,7 +27,17 @@ from dataclasses import dataclass, field
 
 from megatronish.pipeline.ops import DeadlockError
 
-__all__ = ["DeadlockError", "MismatchError", "P2P", "SimReport", "run_groups"]
+__all__ = [
+    "Compute",
+    "DeadlockError",
+    "MismatchError",
+    "P2P",
+    "Post",
+    "SimReport",
+    "Wait",
+    "run_groups",
+    "run_programs",
+]
 
 
 @dataclass(frozen=True)
@@ -76,12 +86,38 @@ def _check(groups: Groups, compute: Mapping[int, Sequence[float]] | None) -> Non
                     raise ValueError(f"rank {rank}: {op} names no other rank of {sorted(groups)}")
 
 
+@dataclass(frozen=True)
+class Post:
+    """A rank posts ``group`` (one ``batch_isend_irecv``) without waiting for it."""
+
+    group: tuple[P2P, ...]
+
+
+@dataclass(frozen=True)
+class Wait:
+    """A rank waits until its ``group``-th posted group (0-based) has completed."""
+
+    group: int
+
+
+@dataclass(frozen=True)
+class Compute:
+    """A rank computes for ``time`` units."""
+
+    time: float
+
+
+Event = Post | Wait | Compute
+Programs = Mapping[int, Sequence[Event]]
+
+
 def run_groups(
     groups: Groups,
     compute: Mapping[int, Sequence[float]] | None = None,
     overlap: Mapping[int, Sequence[float]] | None = None,
 ) -> SimReport:
-    """Run every rank's ``groups`` (rank -> groups in posting order) to completion.
+    """Run every rank's ``groups`` (rank -> groups in posting order) to completion, each group
+    waited for before the rank's next compute.
 
     With ``compute``, rank r computes ``compute[r][i]`` time units after its group i completed
     and then issues group i + 1; with ``overlap`` it also computes ``overlap[r][i]`` right after
@@ -91,56 +127,72 @@ def run_groups(
     _check(groups, compute)
     if overlap is not None:
         _check(groups, overlap)
-    current = dict.fromkeys(groups, 0)  # index of the group a rank has issued
-    left = dict.fromkeys(groups, 0)  # transfers of that group not yet matched
-    done: dict[int, set[int]] = {r: set() for r in groups}  # matched transfers of that group
-    clock = dict.fromkeys(groups, 0.0)  # when the current group was issued, later completed
-    busy = dict.fromkeys(groups, 0.0)
+    programs: dict[int, list[Event]] = {}
+    for rank, rank_groups in groups.items():
+        events: list[Event] = []
+        posted = 0
+        for i, group in enumerate(rank_groups):
+            if group:
+                events.append(Post(tuple(group)))
+            if overlap is not None:
+                events.append(Compute(overlap[rank][i]))
+            if group:
+                events.append(Wait(posted))
+                posted += 1
+            if compute is not None:
+                events.append(Compute(compute[rank][i]))
+        programs[rank] = events
+    return run_programs(programs)
+
+
+def run_programs(programs: Programs) -> SimReport:
+    """Run every rank's events (rank -> :class:`Post`, :class:`Wait`, :class:`Compute` in
+    order) to completion under NCCL's semantics: a rank's posted groups run one after the other
+    (a group's transfers start once the previous group completed: one stream), a send completes
+    only with its matched receive, and the rank itself blocks only at a :class:`Wait`. Every
+    posted group must complete. Times as :func:`run_groups` (latency-free transfers)."""
+    posts = {r: [e.group for e in p if isinstance(e, Post)] for r, p in programs.items()}
+    _check(posts, None)
+    if any(not group for rank_groups in posts.values() for group in rank_groups):
+        raise ValueError("an empty group is never posted: leave its Post out")
+    position = dict.fromkeys(programs, 0)  # next event of each rank
+    clock = dict.fromkeys(programs, 0.0)
+    busy = dict.fromkeys(programs, 0.0)
+    posted: dict[int, list[tuple[P2P, ...]]] = {r: [] for r in programs}
+    issued_at: dict[int, list[float]] = {r: [] for r in programs}
+    completed: dict[int, list[float]] = {r: [] for r in programs}  # completion times, in order
+    left = dict.fromkeys(programs, 0)  # unmatched transfers of the running (head) group
+    head_at = dict.fromkeys(programs, 0.0)  # when the head group started, later its last match
+    done: dict[int, set[int]] = {r: set() for r in programs}  # matched transfers of the head
     sends: dict[tuple[int, int], deque] = {}
     recvs: dict[tuple[int, int], deque] = {}
-    touched: list[tuple[int, int]] = []
-    issued = matched = 0
+    matched = 0
 
-    def spend(rank: int, times: Mapping[int, Sequence[float]] | None) -> None:
-        spent = times[rank][current[rank]] if times is not None else 0.0
-        clock[rank] += spent
-        busy[rank] += spent
-
-    def run(rank: int) -> None:  # the current group completed: compute, then move on
-        spend(rank, compute)
-        current[rank] += 1
-
-    def issue(rank: int) -> None:
-        nonlocal issued
-        rank_groups = groups[rank]
-        while current[rank] < len(rank_groups) and not rank_groups[current[rank]]:
-            spend(rank, overlap)
-            run(rank)  # an empty group completes at once
-        if current[rank] == len(rank_groups):
+    def start_head(rank: int) -> None:
+        """Start the rank's oldest uncompleted group if it was posted: its transfers queue."""
+        head = len(completed[rank])
+        if head == len(posted[rank]):
             return
-        issued += 1
+        group = posted[rank][head]
+        at = max([issued_at[rank][head], *completed[rank][-1:]])
+        left[rank], head_at[rank] = len(group), at
         done[rank].clear()
-        group = rank_groups[current[rank]]
-        left[rank] = len(group)
         for i, op in enumerate(group):
             pair = (rank, op.peer) if op.kind == "send" else (op.peer, rank)
             queue = sends if op.kind == "send" else recvs
-            queue.setdefault(pair, deque()).append((rank, i, op, clock[rank]))
-            touched.append(pair)
-        spend(rank, overlap)
+            queue.setdefault(pair, deque()).append((rank, i, op, at))
+            match(pair)
 
     def complete(rank: int, index: int, at: float) -> None:
         done[rank].add(index)
         left[rank] -= 1
-        clock[rank] = max(clock[rank], at)
+        head_at[rank] = max(head_at[rank], at)
         if left[rank] == 0:
-            run(rank)
-            issue(rank)
+            completed[rank].append(head_at[rank])
+            start_head(rank)
 
-    for rank in groups:
-        issue(rank)
-    while touched:
-        pair = touched.pop()
+    def match(pair: tuple[int, int]) -> None:
+        nonlocal matched
         out, into = sends.get(pair), recvs.get(pair)
         while out and into:
             (src, i, send, sent_at), (dst, j, recv, posted_at) = out.popleft(), into.popleft()
@@ -153,20 +205,43 @@ def run_groups(
             at = max(sent_at, posted_at)
             complete(src, i, at)
             complete(dst, j, at)
-    stuck = [r for r in groups if current[r] < len(groups[r])]
+
+    def advance(rank: int) -> bool:
+        events, moved = programs[rank], False
+        while position[rank] < len(events):
+            event = events[position[rank]]
+            if isinstance(event, Post):
+                posted[rank].append(event.group)
+                issued_at[rank].append(clock[rank])
+                if len(posted[rank]) - 1 == len(completed[rank]):
+                    start_head(rank)
+            elif isinstance(event, Wait):
+                if event.group >= len(completed[rank]):
+                    return moved
+                clock[rank] = max(clock[rank], completed[rank][event.group])
+            else:
+                clock[rank] += event.time
+                busy[rank] += event.time
+            position[rank] += 1
+            moved = True
+        return moved
+
+    while any([advance(rank) for rank in programs]):
+        pass
+    stuck = [
+        r for r in programs if position[r] < len(programs[r]) or len(completed[r]) < len(posted[r])
+    ]
     if stuck:
         raise DeadlockError(
-            "p2p groups deadlock: " + "; ".join(_waiting(r, groups, current, done) for r in stuck)
+            "p2p groups deadlock: "
+            + "; ".join(_waiting(r, programs[r], len(completed[r]), done[r]) for r in stuck)
         )
-    return SimReport(issued, matched, dict(clock), busy)
+    finish = {r: max([clock[r], *completed[r][-1:]]) for r in programs}
+    return SimReport(sum(map(len, posted.values())), matched, finish, busy)
 
 
-def _waiting(
-    rank: int, groups: Groups, current: Mapping[int, int], done: Mapping[int, set[int]]
-) -> str:
-    index = current[rank]
-    group = groups[rank][index]
-    ops = ", ".join(
-        f"{op} ({'done' if i in done[rank] else 'pending'})" for i, op in enumerate(group)
-    )
-    return f"rank {rank} waits in group {index} of {len(groups[rank])}: [{ops}]"
+def _waiting(rank: int, events: Sequence[Event], index: int, done: set[int]) -> str:
+    groups = [e.group for e in events if isinstance(e, Post)]
+    group = groups[index] if index < len(groups) else ()
+    ops = ", ".join(f"{op} ({'done' if i in done else 'pending'})" for i, op in enumerate(group))
+    return f"rank {rank} waits in group {index} of {len(groups)}: [{ops}]"

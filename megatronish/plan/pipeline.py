@@ -32,6 +32,7 @@ bubble, and the messages between stages.
 from __future__ import annotations
 
 import functools
+from collections import deque
 from collections.abc import Callable
 
 from torch import nn
@@ -167,31 +168,27 @@ def interleaving_factor(pp: int, vpp: int) -> float:
 
 
 def p2p_workspace(spec: ModelSpec, layout: Layout) -> int:
-    """Pipeline buffers beside a compute. Groups complete before the next compute, so 1F1B holds
-    none there (a received grad is the backward's incoming grad); interleaved 1F1B receives a
-    pair's grad before its forward and sends the forward's output after its backward: one
-    activation (``pipeline/grouping.py``). The zero-bubble schedules: what their groups receive
-    ahead of its compute (:func:`early_receives`: none for ZB-H1, which posts as 1F1B does)."""
+    """Pipeline buffers beside a compute: what the executor's groups hold then
+    (:func:`p2p_buffers`, one hidden state each). 1F1B and ZB-H1 hold none (each compute
+    waits for its group first, and a received grad is the backward's incoming grad);
+    interleaved 1F1B's early receives and the V hold a few."""
     if layout.pp == 1:
         return 0
-    if splits_backward(layout.schedule):
-        m, times = layout.num_microbatches, split_backward_times(spec)
-        most = most_early_receives(layout.pp, layout.vpp, m, layout.schedule, times)
-        return most * hidden_bytes(spec, layout)
-    if layout.vpp == 1:
-        return 0
-    return hidden_bytes(spec, layout)
+    m = min(layout.num_microbatches, 2 * layout.pp)  # the steady state holds no more than that
+    times = split_backward_times(spec)
+    most = most_p2p_buffers(layout.pp, layout.vpp, m, layout.schedule, times)
+    return most * hidden_bytes(spec, layout)
 
 
 @functools.lru_cache(maxsize=256)
-def most_early_receives(
+def most_p2p_buffers(
     pp: int, vpp: int, microbatches: int, schedule: str, times: tuple[float, float, float]
 ) -> int:
-    """:func:`early_receives` of the rank that has the most (every stage plans with it)."""
-    return max(early_receives(pp, vpp, microbatches, r, schedule, times) for r in range(pp))
+    """:func:`p2p_buffers` of the rank that has the most (every stage plans with it)."""
+    return max(p2p_buffers(pp, vpp, microbatches, r, schedule, times) for r in range(pp))
 
 
-def early_receives(
+def p2p_buffers(
     pp: int,
     vpp: int,
     microbatches: int,
@@ -199,18 +196,26 @@ def early_receives(
     schedule: str,
     times: tuple[float, float, float] = (1.0, 1.0, 1.0),
 ) -> int:
-    """The most messages (activations or grads, one hidden state each) ``rank`` has received
-    for a later compute while it computes, as the executor posts the schedule's groups
+    """The most messages (activations or grads, one hidden state each) beside one of
+    ``rank``'s computes, as the executor posts and waits for the schedule's groups
     (:func:`~megatronish.pipeline.grouping.training_steps`; ``times``: a chunk's relative F, B
-    and W, with which the trainer plans the V placement's groups)."""
+    and W, with which the trainer plans): receives posted for a later compute, and sent
+    outputs whose group the rank has not waited for yet (the group keeps them until then)."""
     waiting: set[tuple[str, int, int]] = set()
-    most = 0
+    unwaited: deque[int] = deque()  # sends of each posted group not yet waited for
+    completed = most = 0
     for step in training_steps(pp, vpp, microbatches, rank, schedule, times):
         waiting |= {message(op) for op in step.group if op.kind.startswith("recv")}
+        if step.group:
+            unwaited.append(sum(op.kind.startswith("send") for op in step.group))
+        need = completed + len(unwaited) if step.ready is None else step.ready
+        while completed < need:
+            unwaited.popleft()
+            completed += 1
         if step.compute is not None:
             needed, _ = transfers_around(pp, vpp, step.compute, schedule)
             waiting -= {message(op) for op in needed}
-            most = max(most, len(waiting))
+            most = max(most, len(waiting) + sum(unwaited))
     return most
 
 

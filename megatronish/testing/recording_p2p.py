@@ -23,31 +23,39 @@ from megatronish.pipeline.engine import (
     forward_backward_pipeline,
     forward_only_pipeline,
 )
-from megatronish.pipeline.nccl_sim import P2P
+from megatronish.pipeline.nccl_sim import P2P, Event, Post, Wait
 from megatronish.tensor_parallel.weight_grad import WeightGradStore
 
 Groups = dict[int, list[list[P2P]]]  # pipeline rank -> the groups it posted, in order
+Programs = dict[int, list[Event]]  # pipeline rank -> its posts and waits, in order
 
 
-class _Done:
+class _Recorded:
+    """A posted group whose ``wait`` is noted in the communicator's program."""
+
+    def __init__(self, program: list[Event], index: int):
+        self.program, self.index = program, index
+
     def wait(self) -> None:
-        pass
+        self.program.append(Wait(self.index))
 
 
 class RecordingP2P:
-    """A communicator that records each group as :class:`P2P` entries and receives zeros."""
+    """A communicator that records each group as :class:`P2P` entries and receives zeros;
+    ``program`` also notes when each group is waited for (:class:`Post` and :class:`Wait`)."""
 
     def __init__(self):
         self.groups: list[list[P2P]] = []
+        self.program: list[Event] = []
 
-    def post(self, transfers: Sequence[Transfer]) -> _Done:
-        self.groups.append(
-            [P2P(t.kind, t.peer, t.message, tuple(t.tensor.shape)) for t in transfers]
-        )
+    def post(self, transfers: Sequence[Transfer]) -> _Recorded:
+        group = [P2P(t.kind, t.peer, t.message, tuple(t.tensor.shape)) for t in transfers]
+        self.groups.append(group)
+        self.program.append(Post(tuple(group)))
         for t in transfers:
             if t.kind == "recv":
                 t.tensor.zero_()
-        return _Done()
+        return _Recorded(self.program, len(self.groups) - 1)
 
 
 class StubChunk(nn.Module):
@@ -103,9 +111,11 @@ def record_engine(
     shape: PipelineShape,
     forward_only: bool = False,
     schedule: str | None = None,
-) -> Groups:
-    """Run the engine once per pipeline rank (``chunks_of(rank)``); the groups each posted."""
-    groups: Groups = {}
+    programs: bool = False,
+) -> Groups | Programs:
+    """Run the engine once per pipeline rank (``chunks_of(rank)``); the groups each posted
+    (``programs``: its posts and waits, for :func:`~megatronish.pipeline.nccl_sim.run_programs`)."""
+    groups: dict = {}
     for rank in range(pp):
         comm = RecordingP2P()
         topo = stub_topology(pp, rank)
@@ -134,5 +144,5 @@ def record_engine(
                 schedule=schedule,
                 weight_grads=store,
             )
-        groups[rank] = comm.groups
+        groups[rank] = comm.program if programs else comm.groups
     return groups

@@ -8,11 +8,28 @@ from megatronish.model.build import build_chunks
 from megatronish.model.parallel_context import ParallelContext
 from megatronish.pipeline.engine import PipelineShape
 from megatronish.pipeline.grouping import forward_only_steps, training_steps, transfers_around
-from megatronish.pipeline.nccl_sim import P2P, DeadlockError, MismatchError, run_groups
+from megatronish.pipeline.nccl_sim import (
+    P2P,
+    Compute,
+    DeadlockError,
+    MismatchError,
+    Post,
+    Wait,
+    run_groups,
+    run_programs,
+)
+from megatronish.pipeline.ops import message
 from megatronish.pipeline.schedule import compute_order, message_order
 from megatronish.pipeline.simulate import analytic_bubble
 from megatronish.spec import ModelSpec
-from megatronish.testing.p2p_sequences import as_p2p, one_op_at_a_time, planned_groups
+from megatronish.testing.p2p_sequences import (
+    as_p2p,
+    megatron_pairs,
+    one_op_at_a_time,
+    planned_groups,
+    planned_programs,
+    step_program,
+)
 from megatronish.testing.recording_p2p import record_engine, stub_chunks
 
 SHAPE = (2, 1, 3)
@@ -64,6 +81,32 @@ def test_a_rank_issues_its_next_group_only_when_the_current_one_completed():
     assert run_groups(groups).messages == 3
 
 
+def test_a_group_not_waited_for_still_holds_back_the_ranks_later_groups():
+    # One stream per rank: each posts a receive ahead, then the send the peer needs; neither
+    # host waits before posting both, yet each send queues behind a receive that never ends.
+    programs = {
+        0: [Post((recv(1, "b"),)), Post((send(1, "a"),)), Wait(0), Wait(1)],
+        1: [Post((recv(0, "a"),)), Post((send(0, "b"),)), Wait(0), Wait(1)],
+    }
+    with pytest.raises(DeadlockError, match=r"rank 0 waits in group 0 of 2: \[recv b"):
+        run_programs(programs)
+    programs[1] = [Post((send(0, "b"),)), Post((recv(0, "a"),)), Wait(0), Wait(1)]
+    assert run_programs(programs).messages == 2  # the receive posted after the peer's send
+
+
+def test_a_rank_computes_while_its_group_is_in_flight():
+    # Rank 0 posts its send and computes; rank 1 receives at 1: the send completed during the
+    # compute, so waiting for it costs nothing. A group never waited for must still complete.
+    programs = {
+        0: [Post((send(1, "a"),)), Compute(2.0), Wait(0)],
+        1: [Compute(1.0), Post((recv(0, "a"),)), Wait(0), Compute(1.0)],
+    }
+    report = run_programs(programs)
+    assert report.finish == {0: 2.0, 1: 2.0} and report.busy == {0: 2.0, 1: 2.0}
+    with pytest.raises(DeadlockError, match=r"rank 1 waits in group 0 of 1: \[recv a"):
+        run_programs({0: [], 1: [Post((recv(0, "a"),))]})
+
+
 def test_swapped_messages_and_wrong_shapes_are_caught():
     with pytest.raises(MismatchError, match="posted in different orders"):
         run_groups({0: [[send(1, "a"), send(1, "b")]], 1: [[recv(0, "b"), recv(0, "a")]]})
@@ -76,7 +119,7 @@ def test_a_peer_outside_the_world_is_refused():
         run_groups({0: [[send(0, "a")]], 1: []})
 
 
-# -- the old order, and why interleaving needs pairs -------------------------------------------
+# -- the old order, and why interleaving needs care ------------------------------------------
 def test_old_order_for_pp2_m4_deadlocks_with_both_sends_at_the_head():
     seq = one_op_at_a_time(2, 1, 4, SHAPE)
     assert [str(g[0]) for g in seq[0][:3]] == [
@@ -131,7 +174,7 @@ def test_planned_groups_keep_every_message_and_each_pairs_order():
 
 
 # -- coverage: what the engine posts, recorded --------------------------------------------------
-def recorded(pp, vpp, m, split, forward_only):
+def recorded(pp, vpp, m, split, forward_only, programs=False):
     tokens = torch.zeros((1, 2), dtype=torch.long)
     return record_engine(
         pp,
@@ -140,7 +183,12 @@ def recorded(pp, vpp, m, split, forward_only):
         lambda r: stub_chunks(pp, vpp, r, split, SHAPE),
         PipelineShape(SHAPE),
         forward_only,
+        programs=programs,
     )
+
+
+def posts_and_waits(programs):
+    return {r: [e for e in events if not isinstance(e, Compute)] for r, events in programs.items()}
 
 
 @pytest.mark.parametrize(
@@ -148,15 +196,13 @@ def recorded(pp, vpp, m, split, forward_only):
     [pytest.param(1.0, 2.0, marks=pytest.mark.slow), (1.0, 1.0), (2.0, 3.0)],  # ~6 s
 )
 def test_planned_groups_keep_the_analytic_bubble(fwd, bwd):
-    # Interleaving sends a steady forward's output after the backward that follows it; timed
-    # with latency-free transfers, the bubble stays (pp - 1) / (vpp * m) everywhere.
+    # Timed with latency-free transfers (each compute waiting for the groups it needs, every
+    # rank's groups one after the other), the bubble stays (pp - 1) / (vpp * m) everywhere.
     for pp in range(2, 9):
         for vpp, m in configs(pp):
-            steps = {r: training_steps(pp, vpp, m, r) for r in range(pp)}
-            groups = {r: [[as_p2p(op, SHAPE) for op in s.group] for s in steps[r]] for r in steps}
-            times = {"fwd": fwd, "bwd": bwd, None: 0.0}
-            compute = {r: [times[s.compute and s.compute.kind] for s in steps[r]] for r in steps}
-            report = run_groups(groups, compute)
+            report = run_programs(
+                planned_programs(training_steps, pp, vpp, m, SHAPE, (fwd, bwd, 0))
+            )
             assert report.busy[0] == m * vpp * (fwd + bwd)
             bubble = (max(report.finish.values()) - report.busy[0]) / report.busy[0]
             assert bubble == pytest.approx(analytic_bubble(pp, vpp, m), rel=1e-12)
@@ -180,7 +226,7 @@ def test_engine_groups_never_deadlock(pp):
         splits = [even, uneven] if m in (1 if vpp == 1 else pp, 3 * pp) else [even]
         for split in splits:
             for forward_only in (False, True):
-                report = run_groups(recorded(pp, vpp, m, split, forward_only))
+                report = run_programs(recorded(pp, vpp, m, split, forward_only, programs=True))
                 per_mb = (pp * vpp - 1) * (1 if forward_only else 2)
                 assert report.messages == m * per_mb
                 cases += 1
@@ -189,11 +235,13 @@ def test_engine_groups_never_deadlock(pp):
 
 @pytest.mark.parametrize(("pp", "vpp", "m"), [(2, 1, 4), (4, 2, 8), (3, 4, 3), (5, 1, 2)])
 @pytest.mark.parametrize("forward_only", [False, True])
-def test_the_engine_posts_exactly_the_planned_groups(pp, vpp, m, forward_only):
+def test_the_engine_posts_and_waits_exactly_as_planned(pp, vpp, m, forward_only):
     steps_of = forward_only_steps if forward_only else training_steps
     assert recorded(pp, vpp, m, [1] * (pp * vpp), forward_only) == planned_groups(
         steps_of, pp, vpp, m, SHAPE
     )
+    planned = posts_and_waits(planned_programs(steps_of, pp, vpp, m, SHAPE))
+    assert recorded(pp, vpp, m, [1] * (pp * vpp), forward_only, programs=True) == planned
 
 
 def test_real_model_chunks_post_the_same_groups():
@@ -225,3 +273,83 @@ def test_real_model_chunks_post_the_same_groups():
         )
         assert run_groups(real).messages == (1 if forward_only else 2) * m * (pp * vpp - 1)
         assert real == planned_groups(steps_of, pp, vpp, m, shape)
+
+
+# -- interleaved 1F1B: early receives ----------------------------------------------------------
+def test_interleaved_computes_wait_only_for_the_groups_holding_their_data():
+    # Each compute waits for the groups up to the one holding its input and no further, and a
+    # good share of the receives is posted before an earlier compute (in flight while it runs).
+    for pp, vpp, m, share in [(2, 2, 8, 0.35), (4, 2, 8, 0.3), (4, 4, 12, 0.4), (8, 2, 24, 0.3)]:
+        ahead = total = 0
+        for rank in range(pp):
+            posted, holder = 0, {}
+            for step in training_steps(pp, vpp, m, rank):
+                before, posted = posted, posted + bool(step.group)
+                recvs = [op for op in step.group if op.kind.startswith("recv")]
+                holder.update((message(op), posted) for op in recvs)
+                if step.compute is None:
+                    continue
+                needed, _ = transfers_around(pp, vpp, step.compute)
+                assert step.ready == max((holder[message(op)] for op in needed), default=0)
+                total += len(needed)
+                ahead += sum(holder[message(op)] <= before for op in needed)
+        assert ahead >= share * total, (pp, vpp, m, ahead, total)
+
+
+def test_receives_posted_a_step_ahead_regardless_of_their_sends_hang():
+    # The naive way to post early: every step's receives one step sooner, each compute waiting
+    # for the group that holds them. A receive then sits ahead of the sends its data needs.
+    def one_step_ahead(pp, vpp, m, rank):
+        steps = training_steps(pp, vpp, m, rank, "1f1b" if vpp == 1 else "interleaved")
+        kind = lambda s, k: tuple(as_p2p(op, SHAPE) for op in s.group if op.kind.startswith(k))
+        events, posted, holds = [], 0, {}
+
+        def post(group, holding):  # holding: the step whose receives the group carries
+            nonlocal posted
+            posted += bool(group)
+            events.extend([Post(group)] if group else [])
+            holds[holding] = posted
+
+        post(kind(steps[0], "recv"), 0)
+        for i, step in enumerate(steps):
+            after = kind(steps[i + 1], "recv") if i + 1 < len(steps) else ()
+            post(kind(step, "send") + after, i + 1)
+            events += [Wait(k) for k in range(holds[i])] if step.compute else []
+        return events + [Wait(k) for k in range(posted)]
+
+    for pp, vpp, m in [(2, 1, 4), (4, 1, 8), (2, 2, 4)]:
+        with pytest.raises(DeadlockError, match=r"waits in group \d+ of \d+: \[recv"):
+            run_programs({r: one_step_ahead(pp, vpp, m, r) for r in range(pp)})
+
+
+@pytest.mark.parametrize("times", [(1.0, 2.0, 0.0), (1.0, 1.5, 0.5), (3.0, 4.0, 2.0)])
+def test_interleaved_groups_planned_with_any_chunk_times_keep_the_analytic_bubble(times):
+    # The trainer plans with the model's F, B and W; whatever they are, no rank's stream waits
+    # in a circle, and timed at those times the bubble is (pp - 1) / (vpp * m).
+    f, b, w = times
+    for pp in (2, 3, 4, 8):
+        for vpp, m in ((2, pp), (3, 2 * pp), (4, 3 * pp)):
+            programs = planned_programs(training_steps, pp, vpp, m, SHAPE, times, op_times=times)
+            report = run_programs(programs)
+            assert report.busy[0] == pytest.approx(m * vpp * (f + b + w))
+            bubble = (max(report.finish.values()) - report.busy[0]) / report.busy[0]
+            assert bubble == pytest.approx(analytic_bubble(pp, vpp, m), rel=1e-9)
+
+
+def test_early_receives_idle_no_more_than_megatrons_pairs_when_the_plan_is_off():
+    # The plan assumes equal chunks; here the last one (head and loss) takes up to 3x as long.
+    # On NCCL a receive posted before its send holds back the rank's later groups, yet with
+    # latency-free transfers early receives idle no more than Megatron's pairs, and as much
+    # where the plan was right.
+    for heavy in (1.0, 2.0, 3.0):
+        for pp, vpp, m in [(2, 2, 8), (4, 2, 8), (4, 2, 16), (8, 2, 16), (4, 4, 8)]:
+            weight = lambda op, h=heavy, last=pp * vpp - 1: h if op.chunk == last else 1.0
+            idle = {}
+            for name, steps_of in (("early", training_steps), ("pairs", megatron_pairs)):
+                programs = {
+                    r: step_program(steps_of(pp, vpp, m, r), SHAPE, (1.0, 2.0, 0.0), weight)
+                    for r in range(pp)
+                }
+                report = run_programs(programs)
+                idle[name] = max(report.finish.values()) - max(report.busy.values())
+            assert idle["early"] <= idle["pairs"] + 1e-9, (heavy, pp, vpp, m, idle)

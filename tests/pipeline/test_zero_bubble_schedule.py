@@ -11,11 +11,11 @@ import torch
 from megatronish.model.build import chunk_ids_of_stage, holds_last_chunk, stage_of_chunk
 from megatronish.pipeline.engine import PipelineShape
 from megatronish.pipeline.grouping import forward_only_steps, training_steps
-from megatronish.pipeline.nccl_sim import run_groups
+from megatronish.pipeline.nccl_sim import Post, run_programs
 from megatronish.pipeline.ops import Op
 from megatronish.pipeline.schedule import compute_order, message_order
 from megatronish.pipeline.simulate import analytic_bubble, bubble_fraction, simulate
-from megatronish.testing.p2p_sequences import as_p2p, planned_groups
+from megatronish.testing.p2p_sequences import planned_groups, planned_programs
 from megatronish.testing.recording_p2p import record_engine, stub_chunks
 
 VPP = {"zb-h1": 1, "zbv": 2}
@@ -134,8 +134,9 @@ def nccl_cases(pp):
     return [(s, m) for s in VPP for m in microbatch_counts(pp)]
 
 
-def recorded(pp, schedule, m, forward_only, split=None):
-    """What the engine posts, run once per rank on stub chunks (``split``: layers per chunk)."""
+def recorded(pp, schedule, m, forward_only, split=None, programs=False):
+    """What the engine posts, run once per rank on stub chunks (``split``: layers per chunk;
+    ``programs``: its posts and waits)."""
     vpp = VPP[schedule]
     tokens = torch.zeros((1, 2), dtype=torch.long)
     split = split or [1] * (pp * vpp)
@@ -147,6 +148,7 @@ def recorded(pp, schedule, m, forward_only, split=None):
         PipelineShape(SHAPE),
         forward_only,
         schedule,
+        programs=programs,
     )
 
 
@@ -160,8 +162,11 @@ def test_engine_posts_never_deadlock_and_keep_each_pairs_order(pp):
         splits = [None, uneven] if m in (1, 3 * pp) else [None]
         for split in splits:
             for forward_only in (False, True):
-                groups = recorded(pp, schedule, m, forward_only, split)
-                report = run_groups(groups)  # raises on a deadlock or a mismatched pair
+                programs = recorded(pp, schedule, m, forward_only, split, programs=True)
+                report = run_programs(programs)  # raises on a deadlock or a mismatched pair
+                groups = {
+                    r: [e.group for e in p if isinstance(e, Post)] for r, p in programs.items()
+                }
                 moved = (2 * pp - 2 if schedule == "zbv" else pp - 1) * m
                 assert report.messages == moved * (1 if forward_only else 2)
                 if not forward_only:
@@ -173,13 +178,10 @@ def test_engine_posts_never_deadlock_and_keep_each_pairs_order(pp):
 
 
 def posted_bubble(pp, vpp, m, schedule, times, plan_times):
-    f, b, w = times
-    steps = {r: training_steps(pp, vpp, m, r, schedule, plan_times) for r in range(pp)}
-    groups = {r: [[as_p2p(op, SHAPE) for op in s.group] for s in steps[r]] for r in steps}
-    t = {"fwd": f, "bwd_input": b, "bwd_weight": w, None: 0.0}
-    compute = {r: [t[s.compute and s.compute.kind] for s in steps[r]] for r in steps}
-    overlap = {r: [sum(t[op.kind] for op in s.weights) for s in steps[r]] for r in steps}
-    report = run_groups(groups, compute, overlap)
+    programs = planned_programs(
+        training_steps, pp, vpp, m, SHAPE, times, schedule=schedule, op_times=plan_times
+    )
+    report = run_programs(programs)  # W between posting a group and waiting for it
     return (max(report.finish.values()) - report.busy[0]) / report.busy[0]
 
 

@@ -19,9 +19,9 @@ from megatronish.plan.layout import layout_from_config, spec_of
 from megatronish.plan.pipeline import (
     bubble,
     capped_microbatches,
-    early_receives,
     embedding_volume,
     exposed_messages,
+    p2p_buffers,
     peak_in_flight,
     pp_volume,
 )
@@ -150,17 +150,23 @@ def test_capped_microbatches_give_the_peak_of_more():
                     for m in range(cap, cap + 3 * pp)
                 }
                 assert len(peaks) == 1, (schedule, pp, r)
-                early = {early_receives(pp, vpp, m, r, schedule) for m in range(cap, cap + 3 * pp)}
+                early = {p2p_buffers(pp, vpp, m, r, schedule) for m in range(cap, cap + 3 * pp)}
                 assert len(early) == 1, (schedule, pp, r)
 
 
-def test_early_receives_agree_with_the_1f1b_and_interleaved_rules():
-    for pp in (2, 3, 4):
-        for r in range(pp):
-            assert early_receives(pp, 1, 2 * pp, r, "1f1b") == 0
-            assert early_receives(pp, 1, 2 * pp, r, "zb-h1") == 0
-            assert early_receives(pp, 2, 2 * pp, r, "interleaved") == 1
-        assert max(early_receives(pp, 2, 2 * pp, r, "zbv") for r in range(pp)) == 2
+def test_p2p_buffers_beside_a_compute_per_schedule():
+    for pp in (2, 3, 4, 8):
+        for r in range(pp):  # each compute waits for its group first: nothing beside it
+            assert p2p_buffers(pp, 1, 2 * pp, r, "1f1b") == 0
+            assert p2p_buffers(pp, 1, 2 * pp, r, "zb-h1") == 0
+        assert max(p2p_buffers(pp, 2, 2 * pp, r, "zbv") for r in range(pp)) == 2
+        # Interleaved 1F1B's early receives: the first rank's warm-up outputs stay in flight
+        # until its first receive is due; every rank holds a few, however many microbatches.
+        interleaved = [
+            p2p_buffers(pp, 2, m, r, "interleaved") for m in (2 * pp, 4 * pp) for r in range(pp)
+        ]
+        assert interleaved[0] == pp - 1 and max(interleaved) <= 2 * pp
+        assert interleaved[:pp] == interleaved[pp:]  # m = 2 pp holds what more do
 
 
 def test_zbv_turns_locally_and_holds_the_tied_embedding_on_stage_0():

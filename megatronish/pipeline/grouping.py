@@ -13,15 +13,16 @@ the previous one completed, whether or not the rank waited for it):
   compute waits for it: Megatron's ``send_forward_recv_backward`` and
   ``send_backward_recv_forward`` (``send_forward_recv_forward`` in warm-up). Forward-only
   (evaluation) runs every forward alone, for every schedule but the V.
-* Interleaved 1F1B posts early receives, planned by running all ranks together in time
-  (:func:`_joint_steps`, torch pipelining's idea): each compute's output leaves in the group
-  posted right after it, a group also receives every message its sender has produced by then
-  (in the planned time), and a compute waits only for the groups holding its data
-  (:attr:`Step.ready`). A receive is thus in flight while the computes before its own run,
-  instead of starting when its compute is due, which on gloo costs a round trip per message
-  on the busiest rank. Megatron-LM without overlap posts
-  ``send_forward_backward_recv_forward_backward`` after each steady forward+backward pair
-  instead, so a forward's output leaves only after the pair's backward.
+* Interleaved 1F1B and the V (``zbv``) post early receives, planned by running all ranks
+  together in time (:func:`_joint_steps`, torch pipelining's idea): each compute's output leaves
+  in the group posted right after it, a group also receives every message its sender has
+  produced by the time the rank's next compute starts (in the planned time), and a compute waits
+  only for the groups holding its data (:attr:`Step.ready`). A receive is thus in flight while
+  the computes before its own run, instead of starting when its compute is due, which on gloo
+  costs a round trip per message on the busiest rank, and a send no longer waits for the
+  peer's next compute. Megatron-LM without overlap posts
+  ``send_forward_backward_recv_forward_backward`` after each steady forward+backward pair of
+  interleaved 1F1B instead, so a forward's output leaves only after the pair's backward.
 
 Grouping each compute's sends with only the next compute's receives, each compute waiting for
 its own group, hangs interleaved 1F1B: with pp=2, vpp=2, m=4 rank 0 sends grad (0, 2) in a group
@@ -37,10 +38,8 @@ layouts.
 The zero-bubble schedules post like 1F1B, one segment per forward and per B: a W moves no data,
 so it joins no group. It runs after the group before the next compute is posted and before that
 group is waited for, filling the time its transfers take (a B's gradient leaves before the W
-that follows the B runs). The V is planned like interleaved 1F1B's early receives, but each
-compute waits for its whole group (a receive joins a group early only from a peer the group
-also sends to). A hand-over between two chunks on the same rank (the turn of the V) posts
-nothing.
+that follows the B runs). A hand-over between two chunks on the same rank (the turn of the V)
+posts nothing.
 """
 
 from __future__ import annotations
@@ -159,20 +158,16 @@ def _duration(op: Op, times: OpTimes) -> float:
 
 
 def _take(
-    inbox: list[tuple[Op, float]],
-    op: Op,
-    send_peers: set[int],
-    now: float,
-    transfers: tuple[int, int, str],
+    inbox: list[tuple[Op, float]], op: Op, now: float, transfers: tuple[int, int, str]
 ) -> list[Op]:
     """The receives to post before ``op``, removed from ``inbox`` (delivered, not yet posted,
-    with the time their data exists): the one ``op`` needs and each peer's earlier ones (pair
-    order), and from a peer this group also sends to, what that peer has sent by ``now`` (so
-    crossing sends meet their receives in the same groups without waiting for later data)."""
+    with the time their data exists): the one ``op`` needs, every one whose data exists by
+    ``now``, and each peer's earlier ones (pair order; so crossing sends meet their receives in
+    the same groups without waiting for later data)."""
     needed, _ = transfers_around(*transfers[:2], op, transfers[2])
     upto: dict[int, int] = {}
     for i, (recv, at) in enumerate(inbox):
-        if any(message(recv) == message(n) for n in needed) or (at <= now):
+        if any(message(recv) == message(n) for n in needed) or at <= now:
             upto[recv.peer] = i
     take = [recv for i, (recv, _) in enumerate(inbox) if i <= upto.get(recv.peer, -1)]
     inbox[:] = [(recv, at) for recv, at in inbox if recv not in take]
@@ -193,21 +188,19 @@ def _joint_steps(
     ``_add_send_recv`` idea, with equal times for F, B and W): the rank whose next compute can
     start first runs it; the receive of each message it sends is delivered to the receiver at
     once, and posted in the receiver's group before the compute that needs it, or earlier
-    when the receiver sends to that peer in a group after the data exists. Sends and receives
-    thus meet in groups posted around the same time and every pair's messages keep their send
-    order. Used for the V placement, whose neighbours exchange messages both ways (an activation
-    going up one leg, a gradient coming down the other); the NCCL simulator proves it. Planned
-    with the chunk's relative F, B and W ``times``, the groups keep the simulated bubble of the
-    schedule at those times.
+    when a group is posted after the data exists. Sends and receives thus meet in groups posted
+    around the same time and every pair's messages keep their send order. Planned with the
+    chunk's relative F, B and W ``times``, the groups keep the simulated bubble of the schedule
+    at those times.
 
-    ``early``: early receives. A group also posts every receive whose data its sender has
-    produced by the time the group is posted (when the rank's previous compute ends), from any
-    peer, and each compute waits only for the groups holding its data (:attr:`Step.ready`), so a
+    ``early``: early receives (training under interleaved 1F1B and the V, whose neighbours
+    exchange messages both ways: an activation going up one leg, a gradient coming down the
+    other): each compute waits only for the groups holding its data (:attr:`Step.ready`), so a
     receive is in flight while the computes before its own run, as torch pipelining posts them.
-    A compute is planned only once its input exists, so a group only receives what a compute
-    planned before it has produced; the time rule decides how early.
-    :func:`~megatronish.pipeline.nccl_sim.run_programs` finds no circular wait among the
-    ranks' streams in any layout the tests reach."""
+    Without it (evaluation of the V) a compute waits for its whole group. A compute is planned
+    only once its input exists, so a group only receives what a compute planned before it has
+    produced; :func:`~megatronish.pipeline.nccl_sim.run_programs` finds no circular wait among
+    the ranks' streams in any layout the tests reach."""
     last = pp * vpp - 1
     v = v_shape(schedule)
     plans = {}
@@ -254,16 +247,11 @@ def _joint_steps(
         r = min(starts, key=lambda rank: (starts[rank], rank))
         computes, weights_before = plans[r]
         op = computes[position[r]]
-        transfers = (pp, vpp, schedule)
-        if early:
-            take = _take(inbox[r], op, set(range(pp)), clock[r], transfers)
-        else:
-            take = _take(inbox[r], op, {s.peer for s in sends[r]}, starts[r], transfers)
-        group = tuple(sends[r] + take)
+        group = tuple(sends[r] + _take(inbox[r], op, starts[r], (pp, vpp, schedule)))
         ready = None
         if early:
             posted[r] += bool(group)
-            holder.update((message(recv), posted[r]) for recv in take)
+            holder.update((message(recv), posted[r]) for recv in group if recv.kind[:4] == "recv")
             needed, _ = transfers_around(pp, vpp, op, schedule)
             ready = max((holder[message(recv)] for recv in needed), default=0)
         weights = tuple(weights_before.get(position[r], ()))
@@ -306,8 +294,7 @@ def _training_steps(
     order = compute_order(pp, vpp, num_microbatches, rank, schedule)
     pairs = message_order(pp, vpp, num_microbatches, schedule)
     if v_shape(schedule) or schedule == "interleaved":
-        early = schedule == "interleaved"
-        return _joint_steps(pp, vpp, num_microbatches, schedule, False, op_times, early)[rank]
+        return _joint_steps(pp, vpp, num_microbatches, schedule, False, op_times, True)[rank]
     computes, weights_before = _split_weights(order)  # one segment per forward and per B
     segments = [[op] for op in computes]
     return tuple(_steps(pp, vpp, segments, schedule, pairs, rank, weights_before))

@@ -170,11 +170,11 @@ def interleaving_factor(pp: int, vpp: int) -> float:
 def p2p_workspace(spec: ModelSpec, layout: Layout) -> int:
     """Pipeline buffers beside a compute: what the executor's groups hold then
     (:func:`p2p_buffers`, one hidden state each). 1F1B and ZB-H1 hold none (each compute
-    waits for its group first, and a received grad is the backward's incoming grad);
-    interleaved 1F1B's early receives and the V hold a few."""
+    waits for its group first, and a received grad is the backward's incoming grad); the early
+    receives of interleaved 1F1B and of the V hold a few."""
     if layout.pp == 1:
         return 0
-    m = min(layout.num_microbatches, 2 * layout.pp)  # the steady state holds no more than that
+    m = min(layout.num_microbatches, 3 * layout.pp)  # more hold no more (tested)
     times = split_backward_times(spec)
     most = most_p2p_buffers(layout.pp, layout.vpp, m, layout.schedule, times)
     return most * hidden_bytes(spec, layout)

@@ -150,8 +150,8 @@ def test_capped_microbatches_give_the_peak_of_more():
                     for m in range(cap, cap + 3 * pp)
                 }
                 assert len(peaks) == 1, (schedule, pp, r)
-                early = {p2p_buffers(pp, vpp, m, r, schedule) for m in range(cap, cap + 3 * pp)}
-                assert len(early) == 1, (schedule, pp, r)
+                early = {p2p_buffers(pp, vpp, m, r, schedule) for m in range(3 * pp, 6 * pp)}
+                assert len(early) == 1, (schedule, pp, r)  # p2p_workspace walks 3 pp of them
 
 
 def test_p2p_buffers_beside_a_compute_per_schedule():
@@ -159,14 +159,16 @@ def test_p2p_buffers_beside_a_compute_per_schedule():
         for r in range(pp):  # each compute waits for its group first: nothing beside it
             assert p2p_buffers(pp, 1, 2 * pp, r, "1f1b") == 0
             assert p2p_buffers(pp, 1, 2 * pp, r, "zb-h1") == 0
-        assert max(p2p_buffers(pp, 2, 2 * pp, r, "zbv") for r in range(pp)) == 2
-        # Interleaved 1F1B's early receives: the first rank's warm-up outputs stay in flight
-        # until its first receive is due; every rank holds a few, however many microbatches.
+        # Early receives: the first rank's warm-up outputs stay in flight until its first
+        # receive is due (the V's first rank sends up both legs); every rank holds a few,
+        # however many microbatches.
+        zbv = [p2p_buffers(pp, 2, m, r, "zbv") for m in (3 * pp, 5 * pp) for r in range(pp)]
+        assert zbv[0] == 2 * (pp - 1) and max(zbv) <= 2 * pp and zbv[:pp] == zbv[pp:]
         interleaved = [
-            p2p_buffers(pp, 2, m, r, "interleaved") for m in (2 * pp, 4 * pp) for r in range(pp)
+            p2p_buffers(pp, 2, m, r, "interleaved") for m in (3 * pp, 5 * pp) for r in range(pp)
         ]
         assert interleaved[0] == pp - 1 and max(interleaved) <= 2 * pp
-        assert interleaved[:pp] == interleaved[pp:]  # m = 2 pp holds what more do
+        assert interleaved[:pp] == interleaved[pp:]  # 3 pp hold what more do
 
 
 def test_zbv_turns_locally_and_holds_the_tied_embedding_on_stage_0():

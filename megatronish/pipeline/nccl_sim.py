@@ -1,22 +1,25 @@
 """NCCL's point-to-point semantics as a pure simulation: can these posted groups hang?
 
-The model, per rank a list of groups (what one ``batch_isend_irecv`` posts):
+The model, per rank a program of events (:func:`run_programs`): post a group (what one
+``batch_isend_irecv`` posts), wait for one, compute.
 
-* A rank issues its groups one at a time: the next one only once every send and receive of
-  the current one has completed (the engine waits for a group before its next compute, and
-  NCCL runs a rank's groups in order on one stream).
-* For every ordered pair (src, dst) the issued sends of src to dst and the issued receives of
+* A rank's posted groups run one after the other: a group's transfers start only once the
+  previous group completed, whether or not the rank waited for it (NCCL runs a rank's groups
+  in order on one stream). The rank itself blocks only where it waits.
+* For every ordered pair (src, dst) the started sends of src to dst and the started receives of
   dst from src form two FIFOs; the heads match. A send completes only when matched with the
   peer's receive (NCCL's rendezvous for messages larger than its buffers, the worst case), so
-  a send at the head of a FIFO blocks its whole group.
+  a send at the head of a FIFO blocks its whole group and every group behind it.
 * Matched transfers must agree on the message and its shape: order-based matching would
   otherwise swap tensors silently.
-* Optionally a rank computes for a given time after each group, which times the bubble of a
-  posting plan (latency-free transfers), and for another given time between issuing a group and
-  waiting for it (the W ops of a zero-bubble schedule, which need none of its data).
+* Every posted group must complete. Computes take given times, which times the bubble of a
+  posting plan (latency-free transfers).
 
-:func:`run_groups` raises :class:`~megatronish.pipeline.ops.DeadlockError` naming every
-stuck rank's group when no rank can move, :class:`MismatchError` on a wrong pairing.
+:func:`run_groups` is the special case of a rank waiting for each group before its next
+compute (optionally computing between issuing a group and waiting for it: the W ops of a
+zero-bubble schedule, which need none of its data). Both raise
+:class:`~megatronish.pipeline.ops.DeadlockError` naming every stuck rank's group when no rank
+can move, :class:`MismatchError` on a wrong pairing.
 """
 
 from __future__ import annotations

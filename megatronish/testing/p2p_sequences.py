@@ -43,18 +43,17 @@ def step_program(
 ) -> list[Event]:
     """What the engine does with ``steps``: post each group, run the step's W ops, wait for the
     groups its compute needs (:attr:`Step.ready`) one by one, compute; at the end wait for the
-    rest.
-    ``times``: a chunk's F, B and W (a whole backward B + W); None: computes take no time;
+    rest. ``times``: a chunk's F, B and W (a whole backward B + W); None: computes take no time;
     ``weight(op)`` scales an op's time (a heavier chunk)."""
     f, b, w = times or (0.0, 0.0, 0.0)
     duration = {"fwd": f, "bwd": b + w, "bwd_input": b}
+    scale = weight or (lambda op: 1.0)
     events: list[Event] = []
     posted = completed = 0
     for step in steps:
         if step.group:
             events.append(Post(tuple(as_p2p(op, shape) for op in step.group)))
             posted += 1
-        scale = weight or (lambda op: 1.0)
         if step.weights:
             events.append(Compute(sum(w * scale(op) for op in step.weights)))
         need = posted if step.ready is None else step.ready

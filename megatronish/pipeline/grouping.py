@@ -314,6 +314,18 @@ def forward_only_steps(
     return _steps(pp, vpp, forwards, schedule, activations, rank)
 
 
+def waited_counts(steps: list[Step]) -> list[int]:
+    """Per step, how many of the rank's groups the executor has waited for (in posting order)
+    once the step's compute may start: every group posted so far, or the step's
+    :attr:`Step.ready` count (never fewer than before)."""
+    counts, posted, completed = [], 0, 0
+    for step in steps:
+        posted += bool(step.group)
+        completed = max(completed, posted if step.ready is None else step.ready)
+        counts.append(completed)
+    return counts
+
+
 def run_order(steps: list[Step]) -> list[Op]:
     """Every op of ``steps`` in the order in time of the executor's timeline events: a group's
     sends when it is posted if it also receives (else when it is waited for), its receives when
@@ -322,7 +334,7 @@ def run_order(steps: list[Step]) -> list[Op]:
     out: list[Op] = []
     in_flight: deque[tuple[list[Op], list[Op]]] = deque()
     completed = 0
-    for step in steps:
+    for step, need in zip(steps, waited_counts(steps), strict=True):
         sends = [op for op in step.group if op.kind.startswith("send")]
         recvs = [op for op in step.group if op.kind.startswith("recv")]
         if step.group:
@@ -330,7 +342,6 @@ def run_order(steps: list[Step]) -> list[Op]:
         if sends and recvs:
             out += sends
         out += step.weights
-        need = completed + len(in_flight) if step.ready is None else step.ready
         while completed < need:
             group_sends, group_recvs = in_flight.popleft()
             out += group_recvs or group_sends

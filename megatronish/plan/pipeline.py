@@ -41,7 +41,7 @@ from megatronish.config.pipeline_rules import resolve_pipeline_schedule
 from megatronish.data_parallel.grads import tied_rule
 from megatronish.model.build import chunk_ids_of_stage, stage_of_chunk
 from megatronish.model.flops import split_backward_times
-from megatronish.pipeline.grouping import training_steps
+from megatronish.pipeline.grouping import training_steps, waited_counts
 from megatronish.pipeline.ops import message
 from megatronish.pipeline.schedule import schedule_ops, splits_backward, transfers_around, v_shape
 from megatronish.pipeline.simulate import analytic_bubble, simulate
@@ -204,11 +204,11 @@ def p2p_buffers(
     waiting: set[tuple[str, int, int]] = set()
     unwaited: deque[int] = deque()  # sends of each posted group not yet waited for
     completed = most = 0
-    for step in training_steps(pp, vpp, microbatches, rank, schedule, times):
+    steps = training_steps(pp, vpp, microbatches, rank, schedule, times)
+    for step, need in zip(steps, waited_counts(steps), strict=True):
         waiting |= {message(op) for op in step.group if op.kind.startswith("recv")}
         if step.group:
             unwaited.append(sum(op.kind.startswith("send") for op in step.group))
-        need = completed + len(unwaited) if step.ready is None else step.ready
         while completed < need:
             unwaited.popleft()
             completed += 1

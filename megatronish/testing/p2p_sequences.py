@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from megatronish.pipeline.grouping import OpTimes, Step, _steps
+from megatronish.pipeline.grouping import OpTimes, Step, _steps, waited_counts
 from megatronish.pipeline.nccl_sim import P2P, Compute, Event, Post, Wait
 from megatronish.pipeline.ops import Op, message
 from megatronish.pipeline.schedule import compute_order, message_order, num_warmup, schedule_ops
@@ -50,15 +50,14 @@ def step_program(
     scale = weight or (lambda op: 1.0)
     events: list[Event] = []
     posted = completed = 0
-    for step in steps:
+    for step, need in zip(steps, waited_counts(steps), strict=True):
         if step.group:
             events.append(Post(tuple(as_p2p(op, shape) for op in step.group)))
             posted += 1
         if step.weights:
             events.append(Compute(sum(w * scale(op) for op in step.weights)))
-        need = posted if step.ready is None else step.ready
         events += [Wait(i) for i in range(completed, need)]  # one by one, in posting order
-        completed = max(completed, need)
+        completed = need
         if step.compute is not None:
             events.append(Compute(duration[step.compute.kind] * scale(step.compute)))
     return events + [Wait(i) for i in range(completed, posted)]

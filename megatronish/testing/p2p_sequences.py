@@ -6,6 +6,7 @@ hangs)."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from megatronish.pipeline.grouping import OpTimes, Step, _steps, waited_counts
 from megatronish.pipeline.nccl_sim import P2P, Compute, Event, Post, Wait
@@ -14,6 +15,18 @@ from megatronish.pipeline.schedule import compute_order, message_order, num_warm
 
 Groups = dict[int, list[list[P2P]]]  # pipeline rank -> its groups in posting order
 Programs = dict[int, list[Event]]  # pipeline rank -> what it posts, waits for and computes
+
+
+@dataclass(frozen=True)
+class Ran:
+    """A compute in a recorded order of posts, waits and computes, by its timeline name
+    (``bwd_weight mb0 c1``)."""
+
+    name: str
+
+    @classmethod
+    def of(cls, op: Op) -> Ran:
+        return cls(f"{op.kind} mb{op.microbatch} c{op.chunk}")
 
 
 def as_p2p(op: Op, shape: tuple[int, ...]) -> P2P:
@@ -40,25 +53,32 @@ def step_program(
     shape: tuple[int, ...],
     times: OpTimes | None = None,
     weight: Callable[[Op], float] | None = None,
-) -> list[Event]:
+    named: bool = False,
+) -> list[Event | Ran]:
     """What the engine does with ``steps``: post each group, run the step's W ops, wait for the
     groups its compute needs (:attr:`Step.ready`) one by one, compute; at the end wait for the
     rest. ``times``: a chunk's F, B and W (a whole backward B + W); None: computes take no time;
-    ``weight(op)`` scales an op's time (a heavier chunk)."""
+    ``weight(op)`` scales an op's time (a heavier chunk). ``named``: every W and compute as its
+    :class:`Ran` instead of a timed :class:`Compute` (the order
+    :func:`~megatronish.testing.recording_p2p.record_engine` records)."""
     f, b, w = times or (0.0, 0.0, 0.0)
     duration = {"fwd": f, "bwd": b + w, "bwd_input": b}
     scale = weight or (lambda op: 1.0)
-    events: list[Event] = []
+    events: list[Event | Ran] = []
     posted = completed = 0
     for step, need in zip(steps, waited_counts(steps), strict=True):
         if step.group:
             events.append(Post(tuple(as_p2p(op, shape) for op in step.group)))
             posted += 1
-        if step.weights:
+        if step.weights and named:
+            events += [Ran.of(op) for op in step.weights]
+        elif step.weights:
             events.append(Compute(sum(w * scale(op) for op in step.weights)))
         events += [Wait(i) for i in range(completed, need)]  # one by one, in posting order
         completed = need
-        if step.compute is not None:
+        if step.compute is not None and named:
+            events.append(Ran.of(step.compute))
+        elif step.compute is not None:
             events.append(Compute(duration[step.compute.kind] * scale(step.compute)))
     return events + [Wait(i) for i in range(completed, posted)]
 

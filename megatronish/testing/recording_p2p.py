@@ -2,12 +2,14 @@
 
 :class:`RecordingP2P` needs no process group: it notes every group and fills receives with
 zeros, so one process runs every rank's real engine in turn (:func:`record_engine`), on
-:func:`stub_chunks` (a few scalar weights each) or on real model chunks.
+:func:`stub_chunks` (a few scalar weights each) or on real model chunks. :class:`NotingTimeline`
+also notes where each compute begins among the posts and waits.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -19,15 +21,17 @@ from megatronish.distributed.topology import Topology
 from megatronish.model.build import chunk_ids_of_stage
 from megatronish.pipeline.engine import (
     PipelineShape,
+    Timeline,
     attach_split_backward,
     forward_backward_pipeline,
     forward_only_pipeline,
 )
 from megatronish.pipeline.nccl_sim import P2P, Event, Post, Wait
 from megatronish.tensor_parallel.weight_grad import WeightGradStore
+from megatronish.testing.p2p_sequences import Ran
 
 Groups = dict[int, list[list[P2P]]]  # pipeline rank -> the groups it posted, in order
-Programs = dict[int, list[Event]]  # pipeline rank -> its posts and waits, in order
+Programs = dict[int, list[Event | Ran]]  # pipeline rank -> its posts and waits (and computes)
 
 
 class _Recorded:
@@ -56,6 +60,21 @@ class RecordingP2P:
             if t.kind == "recv":
                 t.tensor.zero_()
         return _Recorded(self.program, len(self.groups) - 1)
+
+
+class NotingTimeline(Timeline):
+    """A timeline that also appends a :class:`Ran` to ``program`` as each op's span begins, so
+    the program holds the engine's posts, waits and computes in the order it ran them."""
+
+    def __init__(self, program: list[Event | Ran]):
+        super().__init__()
+        self.program = program
+
+    @contextlib.contextmanager
+    def span(self, name: str) -> Iterator[None]:
+        self.program.append(Ran(name))
+        with super().span(name):
+            yield
 
 
 class StubChunk(nn.Module):
@@ -112,9 +131,11 @@ def record_engine(
     forward_only: bool = False,
     schedule: str | None = None,
     programs: bool = False,
+    computes: bool = False,
 ) -> Groups | Programs:
     """Run the engine once per pipeline rank (``chunks_of(rank)``); the groups each posted
-    (``programs``: its posts and waits, for :func:`~megatronish.pipeline.nccl_sim.run_programs`)."""
+    (``programs``: its posts and waits, for :func:`~megatronish.pipeline.nccl_sim.run_programs`;
+    ``computes``: with a :class:`Ran` where each training compute began, F, B and W)."""
     groups: dict = {}
     for rank in range(pp):
         comm = RecordingP2P()
@@ -133,6 +154,7 @@ def record_engine(
         else:
             store = WeightGradStore()
             attach_split_backward(chunks, store)
+            timeline = NotingTimeline(comm.program) if computes else None
             forward_backward_pipeline(
                 chunks,
                 microbatches,
@@ -143,6 +165,7 @@ def record_engine(
                 comm=comm,
                 schedule=schedule,
                 weight_grads=store,
+                timeline=timeline,
             )
         groups[rank] = comm.program if programs else comm.groups
     return groups

@@ -2,6 +2,7 @@
 (zero 1/2), full grads only per bucket (zero 2/3), and the planner's account of all three."""
 
 import math
+from collections import Counter
 
 import pytest
 import torch
@@ -33,6 +34,31 @@ ZERO3_LAYOUTS = [
 ]
 
 
+def _counting_gathers(trainer, step) -> list[tuple[bool, int, float]]:
+    """Run ``step()`` counting the all-gathers into each ZeRO 3 unit's buckets: per unit
+    ``(holds the head, its buckets, all-gathers per microbatch)``."""
+    units = [u for us in trainer.zero.units_of for u in us]
+    unit_of = {id(b.param_flat): k for k, u in enumerate(units) for b in u.buckets}
+    calls = Counter()
+    real = param_gather.all_gather_into
+
+    def counting(out, shard, group, async_op=False):
+        calls[unit_of.get(id(out))] += 1
+        return real(out, shard, group, async_op=async_op)
+
+    param_gather.all_gather_into = counting
+    try:
+        step()
+    finally:
+        param_gather.all_gather_into = real
+    m = trainer.derived.num_microbatches
+    heads = [getattr(c, "head", None) for c in trainer.chunks]
+    return [
+        (any(mod is heads[u.chunk] for mod in u.modules), len(u.buckets), calls[k] / m)
+        for k, u in enumerate(units)
+    ]
+
+
 def _peaks(rank, world, overrides):
     trainer = build_trainer(rank, world, overrides, 3)
     zero = trainer.zero
@@ -40,8 +66,8 @@ def _peaks(rank, world, overrides):
     gatherer = zero.gatherer
     gatherer.peak_gathered_numel = gatherer.gathered_numel
     zero.peak_grad_numel = 0
-    trainer.train_step()
-    return trainer.topo.coords.pp, gatherer.peak_gathered_numel, zero.peak_grad_numel
+    gathers = _counting_gathers(trainer, trainer.train_step)
+    return trainer.topo.coords.pp, gatherer.peak_gathered_numel, zero.peak_grad_numel, gathers
 
 
 @pytest.mark.parametrize(
@@ -51,13 +77,21 @@ def test_zero3_holds_what_the_planner_says(world, extra):
     overrides = ["parallel.zero_stage=3", "trainer.global_batch_size=16", *extra]
     cfg = tiny_config(overrides, 3)
     plan = make_plan(spec_of(cfg), layout_from_config(cfg, world))
-    for pp_rank, gathered, grads in run_world(_peaks, world, overrides):
+    for pp_rank, gathered, grads, gathers in run_world(_peaks, world, overrides):
         states = plan.stages[pp_rank].states
         assert gathered * 4 == states.params_step, (pp_rank, gathered)
         if world == 2 and "trainer.recompute_num_layers=4" not in extra:
             # Two blocks (or the tied embedding+head and two blocks) of four: not the chunk.
             assert states.params_step <= 0.6 * states.buffer_numel * 4
         assert 0 < grads * 4 <= states.grads_step, (pp_rank, grads)
+        # Per microbatch each unit is gathered for its forward and for its backward, but the
+        # head's (the loss's; with pp = 1 gpt2's tied embedding+head, the largest unit), which
+        # stays gathered from its forward to its backward: once per bucket.
+        assert [calls for _, _, calls in gathers] == [
+            buckets * (1 if head else 2) for head, buckets, _ in gathers
+        ], gathers
+        calls = sum(calls for _, _, calls in gathers) * plan.layout.num_microbatches
+        assert calls == plan.stages[pp_rank].comm["dp/all_gather"][0]
 
 
 def test_planned_gathered_peak_follows_prefetch_loss_and_recompute():
@@ -236,8 +270,10 @@ def test_keep_gathered_gathers_once_per_step():
     cfg = tiny_config(overrides, 3)
     plan = make_plan(spec_of(cfg), layout_from_config(cfg, 2))
     states = plan.stages[0].states
-    for _, gathered, _ in run_world(_peaks, 2, overrides):
+    m = plan.layout.num_microbatches
+    for _, gathered, _, gathers in run_world(_peaks, 2, overrides):
         assert gathered * 4 == states.params_step == states.buffer_numel * 4
+        assert m > 1 and [calls * m for _, _, calls in gathers] == [b for _, b, _ in gathers]
 
 
 # -- planner and advisor at GPU scale ---------------------------------------------------------

@@ -11,11 +11,11 @@ import torch
 from megatronish.model.build import chunk_ids_of_stage, holds_last_chunk, stage_of_chunk
 from megatronish.pipeline.engine import PipelineShape
 from megatronish.pipeline.grouping import forward_only_steps, training_steps
-from megatronish.pipeline.nccl_sim import Post, run_programs
+from megatronish.pipeline.nccl_sim import Post, Wait, run_programs
 from megatronish.pipeline.ops import Op
 from megatronish.pipeline.schedule import compute_order, message_order
 from megatronish.pipeline.simulate import analytic_bubble, bubble_fraction, simulate
-from megatronish.testing.p2p_sequences import planned_groups, planned_programs
+from megatronish.testing.p2p_sequences import Ran, planned_groups, planned_programs, step_program
 from megatronish.testing.recording_p2p import record_engine, stub_chunks
 
 VPP = {"zb-h1": 1, "zbv": 2}
@@ -134,9 +134,9 @@ def nccl_cases(pp):
     return [(s, m) for s in VPP for m in microbatch_counts(pp)]
 
 
-def recorded(pp, schedule, m, forward_only, split=None, programs=False):
+def recorded(pp, schedule, m, forward_only, split=None, programs=False, computes=False):
     """What the engine posts, run once per rank on stub chunks (``split``: layers per chunk;
-    ``programs``: its posts and waits)."""
+    ``programs``: its posts and waits; ``computes``: and where each compute began)."""
     vpp = VPP[schedule]
     tokens = torch.zeros((1, 2), dtype=torch.long)
     split = split or [1] * (pp * vpp)
@@ -149,6 +149,7 @@ def recorded(pp, schedule, m, forward_only, split=None, programs=False):
         forward_only,
         schedule,
         programs=programs,
+        computes=computes,
     )
 
 
@@ -218,6 +219,30 @@ def test_the_engine_posts_exactly_the_planned_groups(schedule, pp, m, forward_on
     )
     expected = planned_groups(steps_of, pp, VPP[schedule], m, SHAPE)
     assert recorded(pp, schedule, m, forward_only) == expected
+
+
+def weights_in_flight(events):
+    """How many W ran while a group this rank posted was not yet waited for."""
+    posted = waited = hidden = 0
+    for e in events:
+        posted += isinstance(e, Post)
+        waited += isinstance(e, Wait)
+        hidden += isinstance(e, Ran) and e.name.startswith("bwd_weight") and posted > waited
+    return hidden
+
+
+@pytest.mark.parametrize("schedule", list(VPP))
+@pytest.mark.parametrize(("pp", "m"), [(2, 4), (3, 7), (4, 8)])
+def test_each_w_runs_while_its_steps_group_is_in_flight(schedule, pp, m):
+    """A W moves no data: the engine runs it after posting its step's group and before waiting
+    for it, so it fills the transfers' time. Recorded: every post, wait and compute in the
+    order the engine ran them, which must be the plan's (the results are the same whenever a W
+    runs, so only the order shows where it ran)."""
+    vpp = VPP[schedule]
+    for rank, events in recorded(pp, schedule, m, False, programs=True, computes=True).items():
+        planned = step_program(training_steps(pp, vpp, m, rank, schedule), SHAPE, named=True)
+        assert weights_in_flight(events) == weights_in_flight(planned) > 0, rank
+        assert events == planned, rank
 
 
 @pytest.mark.parametrize(

@@ -2,12 +2,13 @@
 ``torch._scaled_grouped_mm``.
 
 Recipe, under both ``trainer.fp8`` recipes, all three GEMMs in float8 e4m3 with current scaling
-as in :mod:`megatronish.tensor_parallel.fp8`, scaled along the dimensions that are not summed
-(torchao's MoE recipe): the forward ``x W_e^T`` by token row and by each expert's output column,
-the input grad ``g W_e`` by token row and by each expert's input column, the weight grad
-``g_e^T x_e`` by each expert's columns of ``g`` and of ``x`` over that expert's tokens. Why, from
-``torch._scaled_grouped_mm``'s CUDA contract (torch 2.11-2.13): e4m3 operands only (so output
-grads are e4m3 here, not e5m2) and rowwise scales only (so tensorwise is rowwise here). The
+as in :mod:`megatronish.tensor_parallel.fp8`, every scale a power of two, scaled along the
+dimensions that are not summed (torchao's MoE recipe): the forward ``x W_e^T`` by token row and
+by each expert's output column, the input grad ``g W_e`` by token row and by each expert's input
+column, the weight grad ``g_e^T x_e`` by each expert's columns of ``g`` and of ``x`` over that
+expert's tokens. Why, from ``torch._scaled_grouped_mm``'s CUDA contract (torch 2.11-2.13): e4m3
+operands only (so output grads are e4m3 here, not e5m2) and rowwise scales only (so tensorwise
+is rowwise here). The
 weight grad sums over tokens, and its kernel asserts on the device that every group but the last
 is a multiple of 16 tokens: backward copies each expert's tokens into groups padded with zero
 rows to a multiple of 16 (at least 16, so no group is empty), placed on the device from the
@@ -32,7 +33,13 @@ import torch
 from torch._compile import _disable_dynamo
 
 from megatronish.moe.grouped_mm import contiguous_aligned, expert_offsets
-from megatronish.tensor_parallel.fp8 import E4M3, MIN_AMAX, column_major, quantize
+from megatronish.tensor_parallel.fp8 import (
+    E4M3,
+    MIN_AMAX,
+    column_major,
+    power_of_2_scale,
+    quantize,
+)
 from megatronish.tensor_parallel.weight_grad import (
     GradPairs,
     WeightGradStore,
@@ -163,7 +170,7 @@ class PaddedGroups:
         t32 = t.float()
         index = self.group_of_row[:, None].expand_as(t32)
         amax = t32.new_zeros(self.groups, t.shape[1]).scatter_reduce_(0, index, t32.abs(), "amax")
-        scale = amax.clamp(min=MIN_AMAX) / top
+        scale = power_of_2_scale(amax.clamp(min=MIN_AMAX), top)
         q = (t32 / scale[self.group_of_row]).clamp(-top, top).to(E4M3)
         padded = torch.zeros(self.rows, t.shape[1], dtype=torch.uint8, device=t.device)
         padded.index_copy_(0, self.destination, q.view(torch.uint8))  # zero bytes are +0.0
@@ -185,8 +192,8 @@ class Fp8GroupedLinear(torch.autograd.Function):
         store: WeightGradStore | None,
     ) -> torch.Tensor:
         x = contiguous_aligned(x)
-        x8, sx = quantize(x, E4M3, -1)  # per row, over k
-        w8, sw = quantize(weight, E4M3, -1)  # per expert and output column, over k
+        x8, sx = quantize(x, E4M3, -1, power_of_2=True)  # per row, over k
+        w8, sw = quantize(weight, E4M3, -1, power_of_2=True)  # per expert and output column
         ends = list(itertools.accumulate(counts))
         out = scaled_grouped_mm(
             x8, w8.transpose(-2, -1), sx.squeeze(-1), sw.squeeze(-1), offsets, x.dtype, ends
@@ -205,8 +212,8 @@ class Fp8GroupedLinear(torch.autograd.Function):
         grad = contiguous_aligned(grad)
         grad_x = None
         if ctx.needs_input_grad[0]:
-            g8, sg = quantize(grad, E4M3, -1)  # per row, over n
-            w8, sw = quantize(weight, E4M3, 1)  # per expert and input column, over n
+            g8, sg = quantize(grad, E4M3, -1, power_of_2=True)  # per row, over n
+            w8, sw = quantize(weight, E4M3, 1, power_of_2=True)  # per expert and input column
             w8 = _column_major_stack(w8)
             grad_x = scaled_grouped_mm(
                 g8, w8, sg.squeeze(-1), sw.squeeze(1), offsets, x.dtype, ctx.ends

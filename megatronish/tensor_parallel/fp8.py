@@ -9,18 +9,21 @@ the cast-and-scale arithmetic is small enough to own (the recipes are torchao's)
 Current scaling: every GEMM operand is scaled from its own amax at the time it is cast (no
 amax history), ``scale = amax / max_finite`` in fp32, ``q = clamp(t / scale)`` cast to fp8; the
 GEMM multiplies by the scales of both operands (it gets dequantization scales) and writes the
-output in the activations' dtype (bf16). e4m3 (more mantissa) for activations and weights, e5m2
-(more range) for output gradients, as in torchao and Transformer Engine.
+output in the activations' dtype (bf16). The two recipes are torchao's of the same names:
 
-- ``tensorwise``: one scale per tensor. Forward keeps the fp8 copy of the input (and its scale)
-  for backward: half the bytes of the bf16 input a bf16 linear keeps. The weight is cast again
-  in backward from the parameter (unchanged within a step, so to the same bits): an fp8 copy
-  kept per microbatch in flight would cost more than the input saves once several are.
+- ``tensorwise``: one exact scale per tensor; e4m3 (more mantissa) for activations and weights,
+  e5m2 (more range) for output gradients, as in torchao and Transformer Engine. Forward keeps the
+  fp8 copy of the input (and its scale) for backward: half the bytes of the bf16 input a bf16
+  linear keeps. The weight is cast again in backward from the parameter (unchanged within a
+  step, so to the same bits): an fp8 copy kept per microbatch in flight would cost more than the
+  input saves once several are.
 - ``rowwise``: one scale per row of a GEMM's left operand and per column of its right one (the
   dimensions that are not summed over), so an outlier token or output channel costs only its own
-  row's precision. The input and weight are quantized along other axes in backward than in
-  forward, so backward quantizes them again from the bf16 input and weight it keeps (torchao's
-  rowwise recipe does the same).
+  row's precision; every operand in e4m3, output gradients included (a row's own scale leaves
+  e5m2's range unused, and e4m3's extra mantissa bit halves the rounding), and every scale a
+  power of two (rounded as ``power_of_2_scale`` says). The input and weight are quantized along
+  other axes in backward than in forward, so backward quantizes them again from the bf16 input
+  and weight it keeps (as torchao's rowwise recipe does).
 
 For ``y = x W^T`` with ``x`` ``[M, K]``, ``W`` ``[N, K]`` and the output grad ``g`` ``[M, N]``:
 forward ``x W^T``, input grad ``g W``, weight grad ``g^T x``; each right operand is handed to
@@ -50,16 +53,26 @@ MIN_AMAX = 1e-12  # an all-zero tensor gets scale 1e-12 / max: its fp8 copy is a
 
 
 def quantize(
-    t: torch.Tensor, dtype: torch.dtype, dim: int | None = None
+    t: torch.Tensor, dtype: torch.dtype, dim: int | None = None, power_of_2: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q, scale)``: ``t`` cast to the fp8 ``dtype`` after dividing by ``scale = amax /
     max_finite`` (fp32), so ``q * scale`` approximates ``t``. ``dim``: one scale per slice along
-    it (keepdim; None: one for the whole tensor)."""
+    it (keepdim; None: one for the whole tensor). ``power_of_2``: the scale rounded up to a power
+    of two (``power_of_2_scale``)."""
     top = torch.finfo(dtype).max
     t32 = t.float()
     amax = t32.abs().amax() if dim is None else t32.abs().amax(dim=dim, keepdim=True)
-    scale = amax.clamp(min=MIN_AMAX) / top
+    amax = amax.clamp(min=MIN_AMAX)
+    scale = power_of_2_scale(amax, top) if power_of_2 else amax / top
     return (t32 / scale).clamp(-top, top).to(dtype), scale
+
+
+def power_of_2_scale(amax: torch.Tensor, top: float) -> torch.Tensor:
+    """torchao's rounding: the multiplier ``top / amax`` (computed in fp64, then fp32) rounded
+    down to a power of two, as its inverse (fp32). Dividing by it only moves exponents, so the
+    cast rounds each value once, and no value lands above ``top``."""
+    multiplier = (top / amax.double()).float()
+    return torch.exp2(-torch.floor(torch.log2(multiplier)))
 
 
 def column_major(t: torch.Tensor) -> torch.Tensor:
@@ -89,8 +102,8 @@ class _Fp8Linear(torch.autograd.Function):
     ) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
         rowwise = recipe == "rowwise"
-        x8, sx = quantize(x2, E4M3, -1 if rowwise else None)
-        w8, sw = quantize(weight, E4M3, -1 if rowwise else None)
+        x8, sx = quantize(x2, E4M3, -1 if rowwise else None, power_of_2=rowwise)
+        w8, sw = quantize(weight, E4M3, -1 if rowwise else None, power_of_2=rowwise)
         out = scaled_mm(x8, w8.t(), sx, sw.t() if rowwise else sw, x.dtype)
         if rowwise:
             ctx.save_for_backward(x2, weight)
@@ -111,12 +124,12 @@ class _Fp8Linear(torch.autograd.Function):
         if ctx.recipe == "rowwise":
             x2, weight = ctx.saved_tensors
             if want_x:  # g [M, N] by rows, W [N, K] by columns (K: the output's columns)
-                g8, sg = quantize(g, E5M2, -1)
-                w8, sw = quantize(weight, E4M3, 0)
+                g8, sg = quantize(g, E4M3, -1, power_of_2=True)
+                w8, sw = quantize(weight, E4M3, 0, power_of_2=True)
                 grad_x = scaled_mm(g8, column_major(w8), sg, sw, x_dtype)
             if want_w:  # g^T [N, M] by rows, x [M, K] by columns
-                gt8, sgt = quantize(g.t(), E5M2, -1)
-                xc8, sxc = quantize(x2, E4M3, 0)
+                gt8, sgt = quantize(g.t(), E4M3, -1, power_of_2=True)
+                xc8, sxc = quantize(x2, E4M3, 0, power_of_2=True)
                 grad_w = scaled_mm(gt8, column_major(xc8), sgt, sxc, w_dtype)
         else:
             x8, sx, weight = ctx.saved_tensors

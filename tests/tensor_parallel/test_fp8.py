@@ -30,23 +30,37 @@ TRACK_STEPS = 30
 TINY = 2.0**-126  # smallest normal fp32: below it only the accumulation's absolute error counts
 
 
-def dequantized(t, dtype, dim=None):
-    q, scale = quantize(t, dtype, dim)
+def dequantized(t, dtype, dim=None, power_of_2=False):
+    q, scale = quantize(t, dtype, dim, power_of_2)
     return q.double() * scale.double()
+
+
+def scaled(t, dim):
+    """``t`` as the experts cast it: e4m3, by slices along ``dim``, power-of-two scales."""
+    return dequantized(t, E4M3, dim, power_of_2=True)
+
+
+def is_power_of_2(t: torch.Tensor) -> bool:
+    return bool(torch.frexp(t).mantissa.eq(0.5).all())
 
 
 @pytest.mark.parametrize("dtype, mantissa, subnormal", [(E4M3, 3, 2.0**-9), (E5M2, 2, 2.0**-16)])
 @pytest.mark.parametrize("dim", [None, -1, 0])
+@pytest.mark.parametrize("power_of_2", [False, True])
 def test_quantize_scales_by_amax_and_rounds_each_value_to_its_format(
-    dtype, mantissa, subnormal, dim
+    dtype, mantissa, subnormal, dim, power_of_2
 ):
     t = torch.randn(64, 48, dtype=torch.bfloat16) * torch.logspace(-3, 3, 48)
-    q, scale = quantize(t, dtype, dim)
+    q, scale = quantize(t, dtype, dim, power_of_2)
     top = torch.finfo(dtype).max
     assert q.dtype == dtype and scale.dtype == torch.float32
     amax = t.float().abs() if dim is None else t.float().abs()
     amax = amax.amax() if dim is None else amax.amax(dim=dim, keepdim=True)
-    torch.testing.assert_close(scale, amax / top, rtol=0, atol=0)
+    if power_of_2:  # torchao's rounding: the multiplier top / amax down to a power of two
+        assert is_power_of_2(scale)
+        assert (scale >= amax / top).all() and (scale < 2 * amax / top).all()
+    else:
+        torch.testing.assert_close(scale, amax / top, rtol=0, atol=0)
     assert q.float().abs().amax() <= top
     # Round to nearest: half a spacing, relative for normals, absolute for subnormals.
     error = (q.double() * scale.double() - t.double()).abs()
@@ -63,8 +77,9 @@ def _gemm_bound(a, b):
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_each_gemm_equals_the_product_of_its_dequantized_operands(recipe):
     """Forward, input grad and weight grad: ``_scaled_mm``'s output is the exact product of the
-    operands' fp8 values times their scales, to the bf16 output's rounding; e4m3 for input and
-    weight, e5m2 for the output grad, scaled by tensor or by the rows and columns kept."""
+    operands' fp8 values times their scales, to the bf16 output's rounding; tensorwise: exact
+    scales per tensor, e4m3 for input and weight, e5m2 for the output grad; rowwise: every
+    operand e4m3, scaled by the rows and columns kept, by powers of two."""
     torch.manual_seed(0)
     x = torch.randn(3, 32, 64, dtype=torch.bfloat16, requires_grad=True)
     w = (torch.randn(48, 64) * 0.05).to(torch.bfloat16).requires_grad_()
@@ -74,21 +89,22 @@ def test_each_gemm_equals_the_product_of_its_dequantized_operands(recipe):
     x2, g2 = x.detach().reshape(-1, 64), g.reshape(-1, 48)
     wd = w.detach()
     rows = recipe == "rowwise"
+    grad_dtype = E4M3 if rows else E5M2
     cases = {  # name: (got, left operand, right operand), dequantized as the recipe casts them
         "forward": (
             y.reshape(-1, 48),
-            dequantized(x2, E4M3, -1 if rows else None),
-            dequantized(wd, E4M3, -1 if rows else None).t(),
+            dequantized(x2, E4M3, -1 if rows else None, rows),
+            dequantized(wd, E4M3, -1 if rows else None, rows).t(),
         ),
         "input grad": (
             x.grad.reshape(-1, 64),
-            dequantized(g2, E5M2, -1 if rows else None),
-            dequantized(wd, E4M3, 0 if rows else None),
+            dequantized(g2, grad_dtype, -1 if rows else None, rows),
+            dequantized(wd, E4M3, 0 if rows else None, rows),
         ),
         "weight grad": (
             w.grad,
-            dequantized(g2.t(), E5M2, -1 if rows else None),
-            dequantized(x2, E4M3, 0 if rows else None),
+            dequantized(g2.t(), grad_dtype, -1 if rows else None, rows),
+            dequantized(x2, E4M3, 0 if rows else None, rows),
         ),
     }
     for name, (got, a, b) in cases.items():
@@ -105,17 +121,18 @@ class ScaledMatmuls(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.seen: Counter = Counter()
-        self.scales: list[torch.Tensor] = []
+        self.scales: list[torch.Tensor] = []  # both operands' scales of every fp8 GEMM
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func._schema.name.split("::")[-1]
         if name == "_scaled_mm":
             self.seen[(name, str(args[0].dtype), str(args[1].dtype))] += 1
-            self.scales.append(args[2].clone())
+            self.scales += [args[2].clone(), args[3].clone()]
             # cuBLASLt's layouts (the CPU kernel takes any): row-major left, column-major right
             assert args[0].is_contiguous() and args[1].t().is_contiguous(), "operand layout"
         elif name == "_scaled_grouped_mm":  # on CPU: torch's meta kernel checking CUDA's rules
             self.seen[(name, str(args[0].dtype), str(args[1].dtype))] += 1
+            self.scales += [args[2].clone(), args[3].clone()]
             assert args[0].is_contiguous() and args[1].stride(-2) == 1, "operand layout"
         elif name in ("mm", "addmm", "bmm", "_grouped_mm"):
             self.seen[(name, str(args[0].dtype))] += 1
@@ -129,6 +146,24 @@ def test_every_fp8_gemm_takes_the_operand_layouts_cublas_takes(recipe):
     with ScaledMatmuls() as mode:
         _Fp8Linear.apply(x, w, recipe).sum().backward()
     assert sum(mode.seen.values()) == 3
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_the_recipes_are_torchaos(recipe):
+    """torchao's recipes of the same names: tensorwise casts the output grad to e5m2 with exact
+    scales; rowwise casts every operand of all three GEMMs to e4m3 with power-of-two scales."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 16, 32, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(48, 32, dtype=torch.bfloat16, requires_grad=True)
+    with ScaledMatmuls() as mode:
+        _Fp8Linear.apply(x, w, recipe).backward(torch.randn(2, 16, 48, dtype=BF) * 1e-3)
+    e4m3, e5m2 = str(E4M3), str(E5M2)
+    if recipe == "rowwise":
+        assert mode.seen == {("_scaled_mm", e4m3, e4m3): 3}
+        assert all(is_power_of_2(s) for s in mode.scales)
+    else:
+        assert mode.seen == {("_scaled_mm", e4m3, e4m3): 1, ("_scaled_mm", e5m2, e4m3): 2}
+        assert not all(is_power_of_2(s) for s in mode.scales)
 
 
 @pytest.mark.slow  # ~10 s: inductor compiles both recipes' forward and backward
@@ -165,14 +200,15 @@ def test_the_blocks_linears_run_in_fp8_and_the_first_and_last_blocks_can_stay_bf
     skipped = build_trainer(0, 1, [*BF16, "trainer.fp8=rowwise", "trainer.fp8_skip_first_last=1"])
     with ScaledMatmuls() as mode:
         skipped.train_step()
-    assert mode.seen[("_scaled_mm", fp8, fp8)] == linears // 2  # blocks 1 and 2 only
+    assert mode.seen[("_scaled_mm", fp8, fp8)] == 3 * linears // 2  # blocks 1 and 2 only
 
 
 def test_each_expert_gemm_equals_the_product_of_its_dequantized_operands():
     """The experts' three GEMMs in e4m3, each to the bf16 output's rounding, scaled along what
     is not summed: forward and input grad by token row and by each expert's weight columns /
     rows; the weight grad by each expert's columns of the output grad and of the input over
-    that expert's tokens (summed in groups padded to 16 rows); an expert without rows too."""
+    that expert's tokens (summed in groups padded to 16 rows); an expert without rows too. Every
+    scale a power of two (torchao's MoE recipe)."""
     torch.manual_seed(0)
     counts = [5, 0, 27]
     x = torch.randn(32, 64, dtype=torch.bfloat16, requires_grad=True)
@@ -193,9 +229,9 @@ def test_each_expert_gemm_equals_the_product_of_its_dequantized_operands():
             continue
         wd = w.detach()[e]
         cases = {
-            "forward": (y[rows], dequantized(xe, E4M3, -1), dequantized(wd, E4M3, -1).t()),
-            "input grad": (x.grad[rows], dequantized(ge, E4M3, -1), dequantized(wd, E4M3, 0)),
-            "weight grad": (w.grad[e], dequantized(ge.t(), E4M3, -1), dequantized(xe, E4M3, 0)),
+            "forward": (y[rows], scaled(xe, -1), scaled(wd, -1).t()),
+            "input grad": (x.grad[rows], scaled(ge, -1), scaled(wd, 0)),
+            "weight grad": (w.grad[e], scaled(ge.t(), -1), scaled(xe, 0)),
         }
         for name, (got, a, b) in cases.items():
             ref, bound = _gemm_bound(a, b)

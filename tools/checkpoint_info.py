@@ -5,10 +5,12 @@ version, step, consumed samples, the layout that saved it, tensor / shard / file
 and a table of tensors (global name, global shape, dtype, shards, MiB). Big models show the
 first and last layer and summarise the rest; --all lists every tensor.
 
---verify reads every shard and checks its shape and CRC32; each bad shard is reported with its
-file, and the exit code is 1. (RNG files carry no checksum and are not verified.)
+--verify reads every shard and checks its shape and CRC32, and checks every other file the save
+wrote (the RNG and gradient-compression states of each rank) against its recorded size and
+CRC32s; each problem is reported with its file, and the exit code is 1. A checkpoint saved before
+files were recorded has no sizes or checksums for those files: a note lists them as not verified.
 
-Exit codes: 0 described (and verified), 1 --verify found bad shards, 2 a bad argument,
+Exit codes: 0 described (and verified), 1 --verify found bad files, 2 a bad argument,
 3 no readable checkpoint at CKPT (missing, a ``latest`` that names no step, damaged metadata):
 one line on stderr.
 
@@ -123,10 +125,12 @@ def format_table(rows: list) -> str:
 
 
 def verify(step_dir: str, meta) -> list[str]:
-    """Every problem found reading each shard (empty: all shards match their CRC32)."""
+    """Every problem found reading each shard and checking each recorded file (empty: all
+    shards match their CRC32, all files their size and CRC32s)."""
     from safetensors import safe_open
 
-    from megatronish.checkpoint.format import crc32_of
+    from megatronish.checkpoint.format import CheckpointError, crc32_of
+    from megatronish.checkpoint.rank_files import crc_problems, load_whole, size_problem
 
     by_file = defaultdict(list)
     for name, e in meta.tensors.items():
@@ -136,6 +140,14 @@ def verify(step_dir: str, meta) -> list[str]:
         for s in e.shards:
             by_file[s.file].append((name, e, s))
     problems = [f"metadata.json: {p}" for p in by_file.pop("(metadata)", [])]
+    for file in meta.files:  # its size first: a shard of a truncated file is then unread
+        path = os.path.join(step_dir, file)
+        if not os.path.exists(path):
+            problems.append(f"{file}: missing (the save wrote it)")
+            by_file.pop(file, None)
+        elif (why := size_problem(path, meta.files[file])) is not None:
+            problems.append(f"{file} {why}")
+            by_file.pop(file, None)
     for file, shards in sorted(by_file.items()):
         path = os.path.join(step_dir, file)
         try:
@@ -153,7 +165,24 @@ def verify(step_dir: str, meta) -> list[str]:
                         problems.append(f"{file}: {s.key} ({name}) checksum mismatch")
         except Exception as ex:  # noqa: BLE001 - safetensors raises several types
             problems.append(f"{file}: cannot read ({type(ex).__name__}: {ex})")
+    for file, record in sorted(meta.files.items()):
+        path = os.path.join(step_dir, file)
+        if not record.get("crc32") or any(p.startswith(file) for p in problems):
+            continue
+        try:
+            problems += crc_problems(file, record, load_whole(path))
+        except CheckpointError as ex:
+            problems.append(f"{file}: {ex}")
     return problems
+
+
+def unrecorded_files(step_dir: str, meta) -> list[str]:
+    """The files of ``step_dir`` that neither a shard nor ``files`` of its metadata describe
+    (those of a checkpoint saved before files were recorded: its RNG and compression states)."""
+    from megatronish.checkpoint.format import METADATA
+
+    known = {METADATA, *meta.files, *(s.file for e in meta.tensors.values() for s in e.shards)}
+    return sorted(f for f in os.listdir(step_dir) if f not in known)
 
 
 def describe(step_dir: str, meta, show_all: bool, max_rows: int) -> str:
@@ -209,11 +238,20 @@ def main(argv: list[str] | None = None) -> int:
     problems = verify(step_dir, meta)
     shards = sum(len(e.shards) for e in meta.tensors.values())
     if problems:
-        print(f"\nverify: FAILED, {len(problems)} problem(s) in {shards} shards:", file=sys.stderr)
+        print(
+            f"\nverify: FAILED, {len(problems)} problem(s) in {shards} shards and "
+            f"{len(meta.files)} files:",
+            file=sys.stderr,
+        )
         for p in problems:
             print(f"  {p}", file=sys.stderr)
         return EXIT_VERIFY
-    print(f"\nverify: OK, {shards} shards match their CRC32")
+    files = len(meta.files)
+    print(f"\nverify: OK, {shards} shards match their CRC32, {files} files their size and CRC32s")
+    if unrecorded := unrecorded_files(step_dir, meta):
+        print(
+            f"note: not verified (the save recorded no size or checksum): {', '.join(unrecorded)}"
+        )
     return 0
 
 

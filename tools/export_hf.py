@@ -27,6 +27,10 @@ vocabulary or padding to another size; an OUT_DIR that cannot be written; a --to
 missing, not a tokenizer or larger than the model's vocabulary), 3 a missing or
 damaged checkpoint (or one that cannot be exported) or a write that failed. Each error is one
 line on stderr; config.json, model.safetensors and each tokenizer file appear only complete.
+
+An OUT_DIR that holds an earlier export or another model is overwritten: files that would
+contradict the new model are removed (an earlier tokenizer, generation_config.json, whose token
+ids transformers' generate would use, and sharded or pickled weights with their index).
 """
 
 from __future__ import annotations
@@ -148,7 +152,7 @@ def export(
     from megatronish.checkpoint.format import CheckpointError, read_metadata, resolve_step_dir
     from megatronish.checkpoint.shard_reader import ShardReader
     from megatronish.file_modes import save_safetensors, write_atomic
-    from megatronish.hf.to_hf import to_hf
+    from megatronish.hf.to_hf import replaced_files, to_hf
     from megatronish.hf.tokenizer_files import remove_tokenizer_files, write_tokenizer
 
     step_dir = resolve_step_dir(ckpt)
@@ -185,6 +189,9 @@ def export(
         raise CheckpointError(f"{step_dir} cannot be exported: {e}") from None
     text = json.dumps(config, indent=2, sort_keys=True) + "\n"
     remove_tokenizer_files(out_dir)  # an earlier export's is never left beside this model
+    for name in replaced_files(os.listdir(out_dir)):  # nor its generation_config.json, ...
+        if os.path.isfile(path := os.path.join(out_dir, name)):
+            os.remove(path)
     write_atomic(
         os.path.join(out_dir, "model.safetensors"),
         lambda p: save_safetensors(state, p, metadata={"format": "pt"}),

@@ -6,7 +6,9 @@ published one. A step directory holds:
 - ``metadata.json``: ``format_version``, ``step``, ``consumed_samples``, the resolved config, the
   layout that wrote it, trainer state, and for every tensor its global name, global shape, dtype
   and shards. A shard is a rectangle of the global tensor (``offsets``: ``[start, length]`` per
-  dim) stored under ``key`` in ``file``, with a CRC32 of its bytes. ``crc32`` covers the rest
+  dim) stored under ``key`` in ``file``, with a CRC32 of its bytes. ``files``: every other file
+  of the step, its size in bytes and the CRC32 of each tensor no shard describes (the RNG and
+  compression states; :mod:`~megatronish.checkpoint.rank_files`). ``crc32`` covers the rest
   of the file, so an edit or a flipped bit in it is refused.
 - ``model-rankNNNNN.safetensors``: parameter shards (``model/<global name>``).
   The model's buffers (an expert bias of aux-loss-free balancing) are ``buffer/<global name>``,
@@ -72,6 +74,9 @@ class Metadata:
     # The special token ids of the run's tokenizer, by their Hugging Face names (bos_token_id,
     # eos_token_id, pad_token_id); empty in checkpoints from before the field existed.
     tokenizer: dict = field(default_factory=dict)
+    # Every file of the step besides metadata.json: {"bytes": size, "crc32": {key: CRC32 of
+    # each tensor no shard entry describes}}; empty in checkpoints from before the field existed.
+    files: dict[str, dict] = field(default_factory=dict)
 
     def to_json(self) -> str:
         """The JSON text, with ``crc32``: the CRC32 of the rest (see :func:`_crc_of`)."""
@@ -90,6 +95,8 @@ class Metadata:
                 for name, e in raw["tensors"].items()
             }
             meta = cls(**{**raw, "tensors": tensors})
+            if not all(isinstance(r, dict) for r in dict(meta.files).values()):
+                raise ValueError("files: every entry must be an object")
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise CheckpointError(f"{path} is not a valid checkpoint metadata file: {e}") from e
         if meta.format_version != FORMAT_VERSION:

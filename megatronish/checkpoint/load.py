@@ -13,7 +13,6 @@ import os
 from collections.abc import Sequence
 
 import torch
-from safetensors.torch import load_file
 
 from megatronish.checkpoint.format import (
     BUFFER,
@@ -25,6 +24,7 @@ from megatronish.checkpoint.format import (
 )
 from megatronish.checkpoint.parts import CheckpointParts, model_buffers
 from megatronish.checkpoint.pieces import copy_threads, range_requests, saved_name
+from megatronish.checkpoint.rank_files import rank_file_name, read_rank_file
 from megatronish.checkpoint.shard_reader import READ_THREADS, ShardReader
 from megatronish.config.schema import FUNCTION_KEYS
 from megatronish.data_parallel.compression import load_state
@@ -218,7 +218,7 @@ def load_into(
     parts.drop_unsettled()
     if parts.rng is not None:
         cfg = parts.cfg
-        _restore_rng(parts.rng, step_dir, meta, topo, cfg.parallel.vpp, cfg.trainer.seed)
+        _restore_rng(parts.rng, step_dir, meta, topo, cfg.parallel.vpp, cfg.trainer.seed, verify)
     if zero.compressor is not None:
         _restore_compression(parts, step_dir, meta)
     return meta
@@ -241,12 +241,11 @@ def _restore_compression(parts: CheckpointParts, step_dir: str, meta: Metadata) 
     """This rank's error feedback (and PowerSGD's Q) when the layout is unchanged; else it
     starts from zero, said in the log (rank 0)."""
     topo, compressor = parts.topo, parts.zero.compressor
-    path = os.path.join(step_dir, f"{COMPRESSION}-rank{topo.rank:05d}.safetensors")
-    saved = load_file(path) if os.path.exists(path) else {}
     if not _same_layout(meta, topo, parts.cfg.parallel.vpp):
         why = "the checkpoint was written by another layout"
     else:
-        why = load_state(compressor, saved)
+        name, verify = rank_file_name(COMPRESSION, topo.rank), parts.cfg.checkpoint.verify
+        why = load_state(compressor, read_rank_file(step_dir, name, meta, verify) or {})
     if why is not None:
         for t in compressor.state_dict().values():
             t.zero_()
@@ -293,11 +292,19 @@ def _read_buffers(reader: ShardReader, parts: CheckpointParts, meta: Metadata, w
 
 
 def _restore_rng(
-    rng: RNGTracker, step_dir: str, meta: Metadata, topo: Topology, vpp: int, seed: int
+    rng: RNGTracker,
+    step_dir: str,
+    meta: Metadata,
+    topo: Topology,
+    vpp: int,
+    seed: int,
+    verify: bool = True,
 ) -> None:
-    path = os.path.join(step_dir, f"rng-rank{topo.rank:05d}.safetensors")
-    if _same_layout(meta, topo, vpp) and os.path.exists(path):
-        rng.load_state_dict(load_file(path))
+    saved = None
+    if _same_layout(meta, topo, vpp):
+        saved = read_rank_file(step_dir, rank_file_name("rng", topo.rank), meta, verify)
+    if saved is not None:
+        rng.load_state_dict(saved)
     else:  # a new layout cannot replay the old masks; continue from a fresh, seeded stream
         rng.seed(
             seed + meta.step, tp_rank=topo.coords.tp, pp_rank=topo.coords.pp, cp_rank=topo.coords.cp

@@ -290,8 +290,8 @@ def load_with_fallback(
             return meta
         if not plan.fallback:
             raise CheckpointError(
-                f"cannot resume from {path}: {reason}. With checkpoint.resume=auto and "
-                "checkpoint.fallback=true the run resumes from the newest step that loads; "
+                f"cannot resume from {path}: {reason.rstrip('.')}. With checkpoint.resume=auto "
+                "and checkpoint.fallback=true the run resumes from the newest step that loads; "
                 "checkpoint.resume=never starts from scratch"
             )
         log(f"skipped checkpoint {path}: {reason}")

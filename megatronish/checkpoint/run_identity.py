@@ -2,15 +2,17 @@
 
 ``checkpoint.resume=auto`` continues the run saved in ``checkpoint.dir``. That is only right
 when the command describes the same run: a config that differs in anything that changes what
-is trained (the model, the data, the optimizer, the schedule, the seed, the global batch) is a
-different run, and continuing the saved one with it would silently mix the two. Keys that
-never change the run (:data:`ALWAYS_ALLOWED`: the layout, logging, checkpointing, the number
-of steps, ...) may differ; ``checkpoint.allow_changes`` names more (e.g. ``optimizer.lr`` to
-lower the learning rate of a run on purpose). The learning-rate schedule is compared as it
-runs: ``scheduler.decay_steps`` null decays over ``trainer.max_steps``, so raising
-``max_steps`` with it null changes the schedule (``scheduler.decay_steps=<the saved
-max_steps>`` keeps it). A saved run at ``trainer.max_steps`` or beyond is complete: there is
-nothing to train.
+is trained (the model, the data, the optimizer, the schedule, the seed, the global batch, how
+the gradient is reduced) is a different run, and continuing the saved one with it would
+silently mix the two. Keys that never change the run (:data:`ALWAYS_ALLOWED`: the layout,
+logging, checkpointing, the number of steps, compilation, ...) may differ, except the keys of
+those sections that do (:data:`CHANGES_THE_RUN`: the gradient compression and the dtype of the
+gradient reduction); ``checkpoint.allow_changes`` names more (e.g. ``optimizer.lr`` to lower
+the learning rate of a run on purpose), each entry a key or section of the config. The
+learning-rate schedule is compared as it runs: ``scheduler.decay_steps`` null decays over
+``trainer.max_steps``, so raising ``max_steps`` with it null changes the schedule
+(``scheduler.decay_steps=<the saved max_steps>`` keeps it, and the refusal says so). A saved
+run at ``trainer.max_steps`` or beyond is complete: there is nothing to train.
 """
 
 from __future__ import annotations
@@ -44,10 +46,23 @@ ALWAYS_ALLOWED = (
     "trainer.recompute_num_layers",
     "trainer.tf32",
     "trainer.deterministic",
+    # The same blocks, compiled or not (a compile cache on a shared filesystem serves a resume
+    # on other nodes).
+    "trainer.compile",
+    "trainer.compile_backend",
+    "trainer.compile_cache_dir",
     "data.prefetch",
     "data.cache_dir",
     # The saved value is the tokenizer's real size; a mismatch is checked with the tensors.
     "model.vocab_size",
+)
+# Keys of the sections above that change what is trained: the gradient each step applies.
+CHANGES_THE_RUN = (
+    "parallel.grad_compression",
+    "parallel.powersgd_rank",
+    "parallel.powersgd_compress_vocab",
+    "parallel.grad_compression_start_step",
+    "parallel.grad_reduce_dtype",
 )
 
 
@@ -93,34 +108,66 @@ def _covered(key: str, allowed: Iterable[str]) -> bool:
     return any(key == a or key.startswith(f"{a}.") for a in allowed)
 
 
+def _always_allowed(key: str) -> bool:
+    return _covered(key, ALWAYS_ALLOWED) and not _covered(key, CHANGES_THE_RUN)
+
+
 def config_changes(
     saved: Mapping[str, Any], current: Mapping[str, Any], allowed: Sequence[str] = ()
 ) -> list[tuple[str, Any, Any]]:
     """``(key, saved value, current value)`` of every key both configs have that differs and
-    that neither :data:`ALWAYS_ALLOWED` nor ``allowed`` covers (keys only one side has are a
-    version difference, not a change of the run)."""
+    that neither :data:`ALWAYS_ALLOWED` (but :data:`CHANGES_THE_RUN`) nor ``allowed`` covers
+    (keys only one side has are a version difference, not a change of the run)."""
     old, new = _with_effective_decay(flatten(saved)), _with_effective_decay(flatten(current))
-    allowed = (*ALWAYS_ALLOWED, *allowed)
     return [
         (key, old[key], new[key])
         for key in sorted(old.keys() & new.keys())
-        if old[key] != new[key] and not _covered(key, allowed)
+        if old[key] != new[key] and not _always_allowed(key) and not _covered(key, allowed)
     ]
 
 
 def changes_message(changes: Sequence[tuple[str, Any, Any]], path: str) -> str:
-    """One line: what differs from the run saved at ``path``, and the ways forward."""
+    """One line: what differs from the run saved at ``path``, and the ways forward. A changed
+    schedule is kept with the saved ``scheduler.decay_steps`` (allowing the change would make
+    the learning rate jump to where the new schedule is at the saved step)."""
     diff = "; ".join(
         f"{k}{' (null: trainer.max_steps)' if k == DECAY else ''}: {old!r} (saved) -> {new!r}"
         for k, old, new in changes
     )
-    keys = ",".join(k for k, _, _ in changes)
+    keys = ",".join(k for k, _, _ in changes if k != DECAY)
+    decay = [old for k, old, _ in changes if k == DECAY]
+    forward = "start a new run in its own directory (name=NEW_NAME or out_dir=DIR)"
+    if keys:
+        these = "the other changes" if decay else "these changes"
+        forward += (
+            f", or continue the saved run with {these} on purpose "
+            f"(checkpoint.allow_changes=[{keys}])"
+        )
+    if decay:
+        keep = f"keep the saved learning-rate schedule with {DECAY}={decay[0]}"
+        forward = f"{keep}. {forward[0].upper()}{forward[1:]}" if keys else f"{keep}, or {forward}"
     return (
         f"checkpoint.resume=auto would continue the run saved at {path}, but this config "
-        f"differs from it: {diff}. Start a new run in its own directory (name=NEW_NAME or "
-        f"out_dir=DIR), or continue the saved run with these changes on purpose "
-        f"(checkpoint.allow_changes=[{keys}])"
+        f"differs from it: {diff}. {forward[0].upper()}{forward[1:]}"
     )
+
+
+def unknown_allowed(entries: Iterable[str], current: Mapping[str, Any]) -> str | None:
+    """One line naming the first ``checkpoint.allow_changes`` entry that is neither a key nor a
+    section of ``current`` (a resolved config as a dict), with the closest keys; None if all
+    are."""
+    from megatronish.config.did_you_mean import closest_keys, did_you_mean
+
+    keys = flatten(current)
+    names = {*keys, *(k.rsplit(".", i)[0] for k in keys for i in range(1, k.count(".") + 1))}
+    for entry in entries:
+        if str(entry) not in names:
+            hint = did_you_mean(closest_keys(str(entry)))
+            return (
+                f"checkpoint.allow_changes has {str(entry)!r}, which is no key or section of the "
+                f"config{f'; {hint}' if hint else ''}"
+            )
+    return None
 
 
 def model_allowed(allow_model_changes: Iterable[str]) -> list[str]:
@@ -135,6 +182,8 @@ def check_same_run(
     """Raise :class:`ConfigChanged` when ``current`` (a resolved config as a dict) is another
     run than the one saved at ``path``, :class:`RunComplete` when that run has nothing left."""
     ckpt = current.get("checkpoint", {})
+    if (unknown := unknown_allowed(ckpt.get("allow_changes", []), current)) is not None:
+        raise ConfigChanged(unknown)
     allowed = [*ckpt.get("allow_changes", []), *model_allowed(ckpt.get("allow_model_changes", []))]
     changes = config_changes(saved_config, current, allowed)
     complete = saved_step >= current["trainer"]["max_steps"]

@@ -51,6 +51,7 @@ from megatronish.checkpoint.format import (
 )
 from megatronish.checkpoint.host_copies import HostCopies, host_copies_for
 from megatronish.checkpoint.parts import CheckpointParts
+from megatronish.checkpoint.rank_files import file_record, rank_file_name
 from megatronish.checkpoint.snapshot import start_snapshot
 from megatronish.config.schema import TrainConfig
 from megatronish.distributed.agree import PeerError, agree
@@ -74,11 +75,14 @@ def write_failure(path: str, error: BaseException) -> str:
 def write_rank_files(
     tmp_dir: str, rank: int, tensors: dict[str, dict[str, torch.Tensor]], index: list[dict]
 ) -> None:
-    """Write this rank's safetensors files and index, flushed to disk.
+    """Write this rank's safetensors files and index (its shard entries and what metadata.json
+    records of each file: :func:`~megatronish.checkpoint.rank_files.file_record`), flushed to
+    disk.
 
     Raises OSError naming the file and the cause (disk full, file size limit, I/O error).
     """
-    names = {kind: f"{kind}-rank{rank:05d}.safetensors" for kind in tensors}
+    names = {kind: rank_file_name(kind, rank) for kind in tensors}
+    files = {}
     for kind, group in tensors.items():
         path = os.path.join(tmp_dir, names[kind])
         try:
@@ -86,6 +90,8 @@ def write_rank_files(
             fsync_path(path)
         except Exception as e:  # noqa: BLE001 - SafetensorError is not an OSError
             raise OSError(write_failure(path, e)) from e
+        described = {e["key"] for e in index if e["file"] == kind}
+        files[names[kind]] = file_record(path, group, described)
     for entry in index:
         group = tensors[entry["file"]]
         entry["crc32"] = crc32_of(group[entry["key"]])
@@ -93,7 +99,7 @@ def write_rank_files(
     path = os.path.join(tmp_dir, f"index-rank{rank:05d}.json")
     try:
         with open(path, "w") as f:
-            json.dump(index, f)
+            json.dump({"tensors": index, "files": files}, f)
             f.flush()
             os.fsync(f.fileno())
     except OSError as e:
@@ -105,14 +111,17 @@ def merge_and_publish(
 ) -> str:
     """Rank 0: build metadata.json from the indexes, rename, update ``latest``, prune."""
     tensors: dict[str, TensorEntry] = {}
+    files: dict[str, dict] = {}
     for rank in range(world):
         path = os.path.join(tmp_dir, f"index-rank{rank:05d}.json")
         with open(path) as f:
-            for e in json.load(f):
-                entry = tensors.setdefault(e["name"], TensorEntry(e["shape"], e["dtype"]))
-                entry.shards.append(Shard(e["file"], e["key"], e["offsets"], e["crc32"]))
+            written = json.load(f)
+        for e in written["tensors"]:
+            entry = tensors.setdefault(e["name"], TensorEntry(e["shape"], e["dtype"]))
+            entry.shards.append(Shard(e["file"], e["key"], e["offsets"], e["crc32"]))
+        files.update(written["files"])
         os.remove(path)
-    meta = Metadata(format_version=FORMAT_VERSION, tensors=tensors, **header)
+    meta = Metadata(format_version=FORMAT_VERSION, tensors=tensors, files=files, **header)
     with open(os.path.join(tmp_dir, METADATA), "w") as f:
         f.write(meta.to_json())
         f.flush()

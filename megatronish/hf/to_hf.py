@@ -9,12 +9,34 @@ megatronish does not have (pure).
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterable
+
 import torch
 
 from megatronish.hf.common import DEFAULT_SPECIAL_TOKENS, model_spec, own_copy
 from megatronish.hf.mixtral import mixtral_config, moe_to_hf
 from megatronish.hf.qwen3 import experts_to_qwen3, qk_norms_to_hf, qwen3_config
 from megatronish.spec import ModelSpec
+
+# Files of a Hugging Face model directory that describe a model besides the config.json and
+# model.safetensors an export writes (an earlier export's or save_pretrained's): they would
+# contradict the new model (transformers' generate takes its token ids from
+# generation_config.json, which it reads over config.json's; sharded or pickled weights are a
+# second copy of other weights), so an export into the directory removes them.
+REPLACED_FILES = (
+    "generation_config.json",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
+WEIGHT_SHARD = re.compile(r"(model|pytorch_model)-\d+-of-\d+\.(safetensors|bin)")
+
+
+def replaced_files(names: Iterable[str]) -> list[str]:
+    """The names among ``names`` (a directory's files) that an export into it replaces: those
+    of :data:`REPLACED_FILES` and weight shards (``model-00001-of-00002.safetensors``)."""
+    return sorted(n for n in names if n in REPLACED_FILES or WEIGHT_SHARD.fullmatch(n))
 
 
 def _zeros_if_missing(t: dict, name: str, n: int) -> torch.Tensor:

@@ -7,6 +7,8 @@ import shutil
 import signal
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from megatronish.checkpoint import resume as resume_module
 from megatronish.checkpoint import save as save_module
@@ -20,6 +22,7 @@ from megatronish.checkpoint.resume import (
 )
 from megatronish.checkpoint.save import CheckpointSaver
 from megatronish.distributed.agree import PeerError
+from megatronish.testing.cli import load_tool, run_main
 from megatronish.testing.multiproc import WorldError, run_world
 from megatronish.testing.runs import build_trainer
 
@@ -284,3 +287,97 @@ def test_resume_never_and_an_explicit_path(two_steps, tmp_path):
         assert plan.candidates == [] and load_with_fallback(trainer.checkpoint_parts, plan) is None
     step1 = f"checkpoint.resume={two_steps / STEP1}"
     assert resume(0, 1, str(tmp_path / "new"), [step1])[1] == 1
+
+
+# -- every file a resume reads: the RNG and gradient-compression states too ---------------------
+
+STATES = ["parallel.zero_stage=1", "parallel.grad_compression=int8"]  # error feedback per rank
+
+
+def save_two_steps_with_states(rank, world, ckpt):
+    """As :func:`save_two_steps`, with every rank's RNG streams and int8 error feedback saved."""
+    trainer = build_trainer(
+        rank, world, [f"checkpoint.dir={ckpt}", *STATES], 2, checkpoint_rng=True
+    )
+    saver = CheckpointSaver(trainer.cfg, trainer.checkpoint_parts)
+    for _ in range(2):
+        trainer.train_step()
+        saver.save(blocking=True)
+
+
+def resume_with_states(rank, world, ckpt, overrides=()):
+    """:func:`resume` of a checkpoint of :func:`save_two_steps_with_states`; also returns this
+    rank's error feedback after the load."""
+    layout = [f"checkpoint.dir={ckpt}", *STATES, *overrides]
+    trainer = build_trainer(rank, world, layout, 2, checkpoint_rng=True)
+    state = trainer.zero.compressor.state_dict()
+    for t in state.values():
+        t.fill_(7.0)  # a load that restores nothing leaves this (or zeros)
+    plan = plan_resume(trainer.cfg.checkpoint, trainer.topo.world_group)
+    try:
+        meta = load_with_fallback(trainer.checkpoint_parts, plan, log=lambda line: None)
+        step = meta.step
+    except CheckpointError as e:
+        step = str(e)
+    finally:
+        plan.__exit__()
+    return step, {k: t.clone() for k, t in state.items()}
+
+
+@pytest.fixture(scope="module")
+def with_states(tmp_path_factory):
+    ckpt = tmp_path_factory.mktemp("with_states")
+    run_world(save_two_steps_with_states, 2, str(ckpt))
+    return ckpt
+
+
+RANK_FILE_DAMAGE = {  # (file, spoil, fragment of the reason, which names the file's path)
+    "compression-bit-flip": ("compression-rank00001.safetensors", flip_last_byte, "checksum mis"),
+    "compression-truncated": ("compression-rank00001.safetensors", truncate, "is truncated"),
+    "compression-missing": ("compression-rank00001.safetensors", os.remove, "is missing"),
+    "rng-bit-flip": ("rng-rank00001.safetensors", flip_last_byte, "checksum mismatch"),
+    "rng-truncated": ("rng-rank00001.safetensors", truncate, "is truncated"),
+}
+
+
+@pytest.mark.parametrize("damage", list(RANK_FILE_DAMAGE))
+def test_a_damaged_rng_or_compression_file_stops_the_resume_naming_it(
+    with_states, tmp_path, capfd, damage
+):
+    file, spoil, fragment = RANK_FILE_DAMAGE[damage]
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(with_states, ckpt)
+    spoil(ckpt / STEP2 / file)
+    results = run_world(resume_with_states, 2, str(ckpt), ["checkpoint.fallback=false"])
+    errors = [step for step, _ in results]
+    assert isinstance(errors[0], str) and errors[0] == errors[1], errors  # every rank, the same
+    assert "rank 1: " in errors[0] and str(ckpt / STEP2 / file) in errors[0], errors[0]
+    assert fragment in errors[0], errors[0]
+    assert len(errors[0].splitlines()) == 1
+    # tools/checkpoint_info.py --verify names it too (exit 1)
+    capfd.readouterr()
+    code, _, err = run_main(load_tool("checkpoint_info").main, [ckpt, "--verify"], capfd)
+    assert code == 1 and file in err and "verify: FAILED" in err, err
+
+
+def test_a_checkpoint_from_before_file_checksums_loads_its_states_unchecked(
+    with_states, tmp_path, capfd
+):
+    """Metadata without ``files`` (and without its crc32, as one edited by hand): the RNG and
+    error feedback are restored as saved, and ``--verify`` says they were not verified."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(with_states, ckpt)
+    path = ckpt / STEP2 / "metadata.json"
+    raw = json.loads(path.read_text())
+    del raw["files"], raw["crc32"]
+    path.write_text(json.dumps(raw, indent=1, sort_keys=True))
+    saved = [load_file(ckpt / STEP2 / f"compression-rank{r:05d}.safetensors") for r in (0, 1)]
+    results = run_world(resume_with_states, 2, str(ckpt))
+    assert [step for step, _ in results] == [2, 2]
+    for (_, state), want in zip(results, saved):
+        assert state.keys() == want.keys() and all(torch.equal(state[k], want[k]) for k in want)
+    capfd.readouterr()
+    code, out, _ = run_main(load_tool("checkpoint_info").main, [ckpt, "--verify"], capfd)
+    assert code == 0 and "verify: OK" in out
+    assert "not verified" in out and "compression-rank00001.safetensors" in out
+    assert "rng-rank00000.safetensors" in out

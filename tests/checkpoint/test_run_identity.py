@@ -67,6 +67,51 @@ def test_what_changes_the_run_is_a_change_and_the_layout_and_logging_are_not():
     }
 
 
+GRADIENT_REDUCTION = [
+    "parallel.grad_compression=int8",
+    "parallel.powersgd_rank=8",
+    "parallel.powersgd_compress_vocab=true",
+    "parallel.grad_compression_start_step=10",
+    "parallel.grad_reduce_dtype=bf16",
+]
+
+
+@pytest.mark.parametrize("change", GRADIENT_REDUCTION)
+def test_how_the_gradient_is_reduced_is_part_of_the_run(change):
+    """The parallel section may change on resume (any layout), but not the compression of the
+    gradient reduction nor its dtype: they change the gradient every step applies."""
+    key = change.partition("=")[0]
+    saved, now = resolved("parallel.zero_stage=1"), resolved("parallel.zero_stage=1", change)
+    assert [k for k, _, _ in config_changes(saved, now)] == [key]
+    with pytest.raises(ConfigChanged) as e:
+        check_same_run(saved, 1, now, "ck/step_1")
+    assert f"checkpoint.allow_changes=[{key}]" in str(e.value) and "name=NEW_NAME" in str(e.value)
+    for allowed in (key, "parallel"):  # the key, or the whole section, on purpose
+        check_same_run(saved, 1, resolved(change, f"checkpoint.allow_changes=[{allowed}]"), "p")
+
+
+def test_compiling_is_not_a_change_of_the_run():
+    compiled = resolved(
+        "trainer.compile=true", "trainer.compile_backend=aot_eager", "trainer.compile_cache_dir=/c"
+    )
+    assert config_changes(resolved(), compiled) == []
+
+
+@pytest.mark.parametrize(
+    "entry, hint",
+    [("optimizer.lrr", "did you mean optimizer.lr?"), ("optimiser", "did you mean optimizer?")],
+)
+def test_an_allow_changes_entry_that_names_no_key_is_refused(entry, hint):
+    now = resolved("optimizer.lr=6e-4", f"checkpoint.allow_changes=[{entry}]")
+    with pytest.raises(ConfigChanged) as e:
+        check_same_run(resolved(), 1, now, "p")
+    message = str(e.value)
+    assert message.startswith(f"checkpoint.allow_changes has '{entry}', which is no key or section")
+    assert message.endswith(hint) and len(message.splitlines()) == 1
+    for entry in ("optimizer", "model.moe.router", "optimizer.lr"):  # sections and keys are fine
+        check_same_run(resolved(), 1, resolved(f"checkpoint.allow_changes=[{entry}]"), "p")
+
+
 def test_allow_changes_takes_keys_and_whole_sections():
     saved, now = resolved(), resolved("optimizer.lr=6e-4", "optimizer.beta2=0.99", "trainer.seed=5")
     assert [k for k, _, _ in config_changes(saved, now, ["optimizer"])] == ["trainer.seed"]
@@ -116,6 +161,13 @@ def test_raising_max_steps_is_another_run_unless_the_schedule_stays_the_same():
     with pytest.raises(ConfigChanged) as e:
         check_same_run(saved, 300, resolved("trainer.max_steps=400"), "p")
     assert "scheduler.decay_steps (null: trainer.max_steps): 300 (saved) -> 400" in str(e.value)
+    # The way forward keeps the saved schedule; allowing the change would make the lr jump.
+    assert "Keep the saved learning-rate schedule with scheduler.decay_steps=300" in str(e.value)
+    assert "allow_changes" not in str(e.value) and len(str(e.value).splitlines()) == 1
+    with pytest.raises(ConfigChanged) as e:
+        check_same_run(saved, 300, resolved("trainer.max_steps=400", "optimizer.lr=6e-4"), "p")
+    assert "scheduler.decay_steps=300" in str(e.value)
+    assert "the other changes on purpose (checkpoint.allow_changes=[optimizer.lr])" in str(e.value)
     check_same_run(saved, 300, resolved("trainer.max_steps=400", "scheduler.decay_steps=300"), "p")
     constant = resolved("trainer.max_steps=300", "scheduler.style=constant")
     check_same_run(

@@ -21,6 +21,7 @@ from safetensors.torch import save_file
 
 from megatronish.checkpoint.format import CheckpointError
 from megatronish.checkpoint.load import load_into
+from megatronish.checkpoint.save import CheckpointSaver
 from megatronish.hf.from_hf import from_hf
 from megatronish.hf.to_hf import to_hf
 from megatronish.testing.multiproc import run_world
@@ -188,6 +189,37 @@ def test_an_imported_llama_keeps_its_rope_theta_norm_eps_and_token_ids(tmp_path)
     config = json.loads((tmp_path / "back" / "config.json").read_text())
     assert {k: config[k] for k in ids} == ids
     assert config["rope_theta"] == 500000.0 and config["rms_norm_eps"] == 1e-6
+
+
+def test_an_export_over_an_earlier_model_leaves_no_file_that_contradicts_it(tmp_path):
+    """An OUT_DIR holding another model's generation_config.json (whose eos id transformers'
+    generate would use) and sharded weights: the export removes them, and keeps other files."""
+    from transformers import AutoModelForCausalLM
+
+    trainer = build_trainer(0, 1, [f"checkpoint.dir={tmp_path / 'ckpt'}"], steps=1)
+    CheckpointSaver(trainer.cfg, trainer.checkpoint_parts).save(blocking=True)
+    out = tmp_path / "hf"
+    out.mkdir()
+    (out / "generation_config.json").write_text(
+        json.dumps({"bos_token_id": 98, "eos_token_id": 99})
+    )
+    stale = [
+        "model-00001-of-00002.safetensors",
+        "model.safetensors.index.json",
+        "pytorch_model.bin",
+    ]
+    for name in stale:
+        (out / name).write_bytes(b"an earlier model")
+    (out / "README.md").write_text("not the export's")
+    assert tool("export_hf").main([str(tmp_path / "ckpt"), str(out)]) == 0
+    assert sorted(os.listdir(out)) == ["README.md", "config.json", "model.safetensors"]
+    config = json.loads((out / "config.json").read_text())
+    generation = AutoModelForCausalLM.from_pretrained(out).generation_config
+    assert (generation.bos_token_id, generation.eos_token_id) == (
+        config["bos_token_id"],
+        config["eos_token_id"],
+    )
+    assert config["eos_token_id"] != 99
 
 
 def test_from_hf_refuses_what_megatronish_cannot_represent():

@@ -3,11 +3,16 @@
 Each mutant is a small, realistic mistake (an edit of one or two lines) and the tests that
 should catch it. The repository's files are copied once to a scratch directory; each mutant is
 applied there, its tests run (``pytest -x``, the copy first on the import path), and the file
-is restored. The table says which test failed first, or SURVIVED. The exit code is 1 if any
-mutant survived or no longer applies (its source line changed: update the mutant).
+is restored. A mutant is CAUGHT only when a named test fails by an assertion (``assert``,
+``torch.testing.assert_close``, ``pytest.raises``; a rank's, which ``run_world`` re-raises as
+one); a test that fails by another exception (a NameError, an IndexError, a collection error, a
+timeout) did not judge the bug, it CRASHED. The table says which test failed first and how, or
+SURVIVED. The exit code is 1 if any mutant crashed, survived or no longer applies (its source
+line changed: update the mutant).
 
 Examples:
-    python tools/mutants.py                 # all 76, about 6 minutes on 2 cores
+    python tools/mutants.py                 # every mutant (--list): 26 min on 2 busy cores
+    python tools/mutants.py --only moe-stats-tp-copies --logs /tmp/mutant-logs
     python tools/mutants.py --only loss-scale rng-restore
     python tools/mutants.py --list
     python tools/mutants.py --check         # edits apply, named tests exist; no test runs (CI)
@@ -16,6 +21,7 @@ Examples:
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import shutil
@@ -403,12 +409,12 @@ MUTANTS = [
     ),
     Mutant(
         "moe-stats-tp-copies",
-        "routing statistics count the tokens gathered over tp (each tp rank's copy)",
+        "routing statistics reuse the balancing loss's counts (every tp rank's tokens) on each",
         "megatronish/moe/layer.py",
         (
             (
                 "mine = count_per_expert(experts, moe.num_experts)",
-                "mine = count_per_expert(all_experts, moe.num_experts)",
+                "mine = counts",
             ),
         ),
         (f"{MOE}::test_routing_metrics_under_tp_and_sp_equal_one_process",),
@@ -607,6 +613,19 @@ MUTANTS = [
             ),
         ),
         (f"{PACKED_MODEL}::test_every_document_gets_the_logits_and_losses_it_gets_alone",),
+    ),
+    Mutant(
+        "document-positions-one-based",
+        "reset_position_ids counts each document's positions from 1",
+        "megatronish/data/documents.py",
+        (
+            (
+                "positions = torch.from_numpy(np.arange(s + 1) - starts)[:, :s]",
+                "positions = torch.from_numpy(np.arange(1, s + 2) - starts)[:, :s]",
+            ),
+        ),
+        # the model's test fails too, but by indexing past the RoPE table (an IndexError)
+        ("tests/data/test_documents.py::test_microbatch_layout_is_megatrons",),
     ),
     Mutant(
         "document-mask-sees-other-documents",
@@ -1075,6 +1094,15 @@ MUTANTS = [
         ),
     ),
     Mutant(
+        "powersgd-no-warm-start",
+        "PowerSGD starts every step's power iteration from the seeded Q, not the last step's",
+        "megatronish/data_parallel/powersgd.py",
+        (("            self.state.qs[i].copy_(q)\n", "            pass\n"),),
+        (
+            "tests/data_parallel/test_powersgd_warm_start.py::test_each_step_starts_its_power_iteration_from_the_last_steps_q",
+        ),
+    ),
+    Mutant(
         "compression-state-not-restored",
         "a resume keeps the error feedback it started with instead of the checkpoint's",
         "megatronish/checkpoint/load.py",
@@ -1371,20 +1399,109 @@ def replace_anchor(text: str, span: tuple[int, int], old: str, new: str) -> str:
     return text[:start] + core + text[end:]
 
 
-def run_tests(root: Path, tests: tuple[str, ...], timeout: float) -> tuple[str | None, float]:
-    """``(first failing test or None, seconds)`` for pytest ``-x`` on ``tests`` in ``root``."""
-    env = dict(os.environ, PYTHONPATH=str(root), WANDB_MODE="disabled")
-    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests]
-    start = time.monotonic()
-    try:
-        r = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return f"timed out after {timeout:.0f} s", time.monotonic() - start
-    seconds = time.monotonic() - start
-    if r.returncode == 0:
-        return None, seconds
-    failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", r.stdout, flags=re.M)
-    return (failed[0] if failed else f"pytest exit {r.returncode}"), seconds
+# A pytest plugin (``-p``) writing how the first test to fail failed, as JSON, to the file named
+# by $MUTANTS_VERDICT: ``check`` is true when it failed by a check (an AssertionError, which
+# ``torch.testing.assert_close`` and ``pytest.raises(match=...)`` raise, or ``pytest.fail``, which
+# ``pytest.raises`` calls when nothing was raised). A test world's failure
+# (megatronish.testing.multiproc.WorldError, also as the ``__cause__`` of what the test raised)
+# counts by what its first failed rank raised (``root_type``), not by its own type.
+VERDICT_PLUGIN = """
+import json
+import os
+
+import pytest
+
+PATH = os.environ["MUTANTS_VERDICT"]
+
+
+def _verdict(exc):
+    world = exc
+    while world is not None and not hasattr(world, "root_type"):
+        world = world.__cause__
+    if world is not None:
+        return world.root_type or type(world).__name__, isinstance(world, AssertionError)
+    return type(exc).__name__, isinstance(exc, (AssertionError, pytest.fail.Exception))
+
+
+def _record(test, when, kind, check):
+    if not os.path.exists(PATH):  # the first failure only
+        with open(PATH, "w") as f:
+            json.dump({"test": test, "when": when, "type": kind, "check": check}, f)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if report.failed and call.excinfo is not None:
+        _record(item.nodeid, call.when, *_verdict(call.excinfo.value))
+    return report
+
+
+def pytest_collectreport(report):
+    if report.failed:
+        _record(report.nodeid, "collect", "collection error", False)
+"""
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How a mutant's tests ended: ``CAUGHT`` (a named test failed by an assertion),
+    ``CRASHED`` (it failed by another exception, a collection error or a timeout: the bug broke
+    the code, no check judged it), ``SURVIVED`` (every test passed) or ``STALE``."""
+
+    verdict: str
+    test: str = ""  # the first failing test
+    detail: str = ""  # CRASHED: what it raised; STALE: why the mutant did not apply
+    seconds: float = 0.0
+
+    def __str__(self) -> str:
+        if self.verdict == "CRASHED":
+            return f"CRASHED ({self.detail}) {self.test}".rstrip()
+        if self.verdict == "STALE":
+            return f"STALE: {self.detail}"
+        return f"{self.verdict} {self.test}".rstrip()
+
+
+def run_tests(
+    root: Path, tests: tuple[str, ...], timeout: float, log: Path | None = None
+) -> Outcome:
+    """How pytest ``-x`` on ``tests`` in ``root`` ended (its output written to ``log``)."""
+    with tempfile.TemporaryDirectory(prefix="megatronish-mutant-verdict-") as tmp:
+        Path(tmp, "mutants_verdict.py").write_text(VERDICT_PLUGIN)
+        verdict_path = Path(tmp, "verdict.json")
+        env = dict(
+            os.environ,
+            PYTHONPATH=os.pathsep.join([str(root), tmp]),
+            WANDB_MODE="disabled",
+            MUTANTS_VERDICT=str(verdict_path),
+        )
+        cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider"]
+        cmd += ["-p", "mutants_verdict", *tests]
+        start = time.monotonic()
+        try:
+            r = subprocess.run(
+                cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout
+            )
+        except subprocess.TimeoutExpired as e:
+            if log is not None:
+                log.write_text(_text(e.stdout) + _text(e.stderr))
+            seconds = time.monotonic() - start
+            return Outcome("CRASHED", "", f"timed out after {timeout:.0f} s", seconds)
+        seconds = time.monotonic() - start
+        if log is not None:
+            log.write_text(r.stdout + r.stderr)
+        if r.returncode == 0:
+            return Outcome("SURVIVED", seconds=seconds)
+        if not verdict_path.is_file():
+            return Outcome("CRASHED", "", f"pytest exit {r.returncode}", seconds)
+        v = json.loads(verdict_path.read_text())
+    if v["check"]:
+        return Outcome("CAUGHT", v["test"], seconds=seconds)
+    return Outcome("CRASHED", v["test"], v["type"], seconds)
+
+
+def _text(out: str | bytes | None) -> str:
+    return out.decode(errors="replace") if isinstance(out, bytes) else out or ""
 
 
 def check_imports(root: Path) -> None:
@@ -1496,6 +1613,9 @@ def main(argv: list[str] | None = None) -> int:
         "exists (no test runs; for CI)",
     )
     parser.add_argument("--timeout", type=float, default=300, help="seconds per mutant")
+    parser.add_argument(
+        "--logs", type=Path, metavar="DIR", help="write each mutant's pytest output to DIR/NAME.log"
+    )
     args = parser.parse_args(argv)
     chosen = [m for m in MUTANTS if not args.only or m.name in args.only]
     if args.only and len(chosen) != len(args.only):
@@ -1513,31 +1633,48 @@ def main(argv: list[str] | None = None) -> int:
             tests = len({t for m in chosen for t in m.tests})
             print(f"{len(chosen)} mutants: every edit applies once, all {tests} tests exist")
         return 1 if problems else 0
-    rows, survived = [], 0
+    if args.logs is not None:
+        args.logs.mkdir(parents=True, exist_ok=True)
+    outcomes = []
     with tempfile.TemporaryDirectory(prefix="megatronish-mutants-") as tmp:
         root = Path(tmp)
         copy_repo(root)
         check_imports(root)
         print(f"{len(chosen)} mutants, scratch copy {root}", flush=True)
         for m in chosen:
+            log = None if args.logs is None else args.logs / f"{m.name}.log"
             try:
                 original = apply(root, m)
             except ValueError as e:
-                caught, seconds = f"STALE: {e}", 0.0
+                outcome = Outcome("STALE", detail=str(e))
             else:
                 try:
-                    caught, seconds = run_tests(root, m.tests, args.timeout)
+                    outcome = run_tests(root, m.tests, args.timeout, log)
                 finally:
                     (root / m.file).write_text(original)
-            bad = caught is None or caught.startswith("STALE")
-            survived += bad
-            result = "SURVIVED" if caught is None else caught
-            print(f"{m.name:24s} {seconds:6.1f} s  {result}", flush=True)
-            rows.append(f"| {m.name} | {m.what} | `{m.file}` | {result} | {seconds:.0f} |")
-    print("\n| mutant | bug | file | caught by | s |\n|---|---|---|---|---|")
-    print("\n".join(rows))
-    print(f"\n{len(chosen) - survived} of {len(chosen)} caught")
-    return 1 if survived else 0
+            outcomes.append(outcome)
+            print(f"{m.name:24s} {outcome.seconds:6.1f} s  {outcome}", flush=True)
+    print("\n| mutant | bug | file | result | s |\n|---|---|---|---|---|")
+    for m, o in zip(chosen, outcomes):
+        print(f"| {m.name} | {m.what} | `{m.file}` | {o} | {o.seconds:.0f} |")
+    print()
+    print(summary(chosen, outcomes))
+    return 0 if all(o.verdict == "CAUGHT" for o in outcomes) else 1
+
+
+def summary(chosen: list[Mutant], outcomes: list[Outcome]) -> str:
+    """The closing lines: how many an assertion caught, and every mutant it did not."""
+    caught = sum(o.verdict == "CAUGHT" for o in outcomes)
+    lines = [f"{caught} of {len(chosen)} caught by an assertion"]
+    for verdict in ("CRASHED", "SURVIVED", "STALE"):
+        names = [
+            f"{m.name} ({o.detail})" if verdict == "CRASHED" else m.name
+            for m, o in zip(chosen, outcomes)
+            if o.verdict == verdict
+        ]
+        if names:
+            lines.append(f"{len(names)} {verdict}: {', '.join(names)}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -2,8 +2,9 @@
 
 Forking costs ~0.1 s per world (spawn costs ~3 s per rank on 2 cores), so tests can afford many
 small worlds. Each rank runs with one intra-op thread. Results are pickled in the child and
-returned in rank order; an exception on any rank is re-raised in the parent with its traceback,
-and a world that does not finish within ``timeout`` is killed and reported.
+returned in rank order; an exception on any rank is re-raised in the parent with its traceback
+(as :class:`RankAssertionError`, an ``AssertionError``, when the rank's check failed), and a world
+that does not finish within ``timeout`` is killed and reported.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import os
 import pickle
 import random
 import socket
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -51,6 +53,13 @@ def free_port() -> int:
     raise RuntimeError(f"no free port in {ports.start}-{ports.stop - 1} after 100 tries")
 
 
+def _is_check(e: BaseException) -> bool:
+    """Whether ``e`` is a test's check failing (``assert``, ``torch.testing.assert_close``,
+    ``pytest.fail``/``pytest.raises``' "DID NOT RAISE"), not a crash."""
+    failed = type(e).__name__ == "Failed" and type(e).__module__.startswith("_pytest")
+    return isinstance(e, AssertionError) or failed
+
+
 def _child(fn, rank, world, port, conn, collective_timeout, init, args, kwargs) -> None:
     code = 0
     try:
@@ -73,8 +82,9 @@ def _child(fn, rank, world, port, conn, collective_timeout, init, args, kwargs) 
             )
         result = fn(rank, world, *args, **kwargs)
         conn.send((rank, True, pickle.dumps(result)))  # synchronous: done before we exit
-    except BaseException:  # noqa: BLE001 - everything must reach the parent
-        conn.send((rank, False, traceback.format_exc()))
+    except BaseException as e:  # noqa: BLE001 - everything must reach the parent
+        kind = (type(e).__name__, _is_check(e), time.time())
+        conn.send((rank, False, (traceback.format_exc(), kind)))
         code = 1
     finally:
         # No destroy_process_group: _exit skips interpreter finalization, so no thread left
@@ -88,11 +98,18 @@ DIED = "exited without a result (killed or crashed)"
 
 class WorldError(RuntimeError):
     """A rank of a test world raised, died, or the world timed out; ``errors`` maps each
-    failed rank to its traceback or how it died."""
+    failed rank to its traceback or how it died, ``root_type`` names what the first failed
+    rank raised (``"died"`` for a rank that exited without a word, ``"timeout"`` for a hang)."""
 
-    def __init__(self, message: str, errors: dict[int, str] | None = None):
+    def __init__(self, message: str, errors: dict[int, str] | None = None, root_type: str = ""):
         super().__init__(message)
         self.errors = errors or {}
+        self.root_type = root_type
+
+
+class RankAssertionError(WorldError, AssertionError):
+    """The first failed rank raised an ``AssertionError``: a test's check failed there (not a
+    crash), so pytest and ``tools/mutants.py`` see an assertion."""
 
 
 def run_world(
@@ -132,6 +149,8 @@ def run_world(
         child_end.close()  # so a dead child shows up as EOF
     results: dict[int, Any] = {}
     errors: dict[int, str] = {}
+    # rank -> (its exception's type, whether a check failed, when it was raised)
+    kinds: dict[int, tuple[str, bool, float]] = {}
     deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout)
     waiting = {pipes[r][0]: r for r in range(world_size)}
     try:
@@ -148,14 +167,15 @@ def run_world(
             try:
                 rank, ok, payload = conn.recv()
             except EOFError:  # the rank died without a word; its peers are likely blocked
-                errors[waiting.pop(conn)] = DIED
+                rank = waiting.pop(conn)
+                errors[rank], kinds[rank] = DIED, ("died", False, time.time())
                 deadline = min(deadline, datetime.datetime.now() + datetime.timedelta(seconds=5))
                 continue
             waiting.pop(conn)
             if ok:
                 results[rank] = pickle.loads(payload)
             else:
-                errors[rank] = payload
+                errors[rank], kinds[rank] = payload
                 # One failed rank usually leaves the others blocked in a collective.
                 deadline = min(deadline, datetime.datetime.now() + datetime.timedelta(seconds=5))
     finally:
@@ -169,9 +189,14 @@ def run_world(
         if error == DIED and code is not None and code < 0:
             errors[rank] = f"killed by signal {-code} before returning a result"
     if errors:
-        first = next(iter(errors))  # the rank that failed first; the others usually follow it
-        raise WorldError(f"rank {first} of {world_size} failed:\n{errors[first]}", errors)
+        # The rank that raised first: the others usually fail because of it (a peer gone from
+        # a collective), and their reports can reach this process in either order.
+        first = min(errors, key=lambda r: kinds[r][2])
+        root, assertion, _ = kinds[first]
+        error_type = RankAssertionError if assertion else WorldError
+        raise error_type(f"rank {first} of {world_size} failed:\n{errors[first]}", errors, root)
     if len(results) < world_size:
         missing = sorted(set(range(world_size)) - set(results))
-        raise WorldError(f"world of {world_size} timed out after {timeout}s; ranks {missing} hung")
+        message = f"world of {world_size} timed out after {timeout}s; ranks {missing} hung"
+        raise WorldError(message, root_type="timeout")
     return [results[r] for r in range(world_size)]

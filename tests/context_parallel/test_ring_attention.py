@@ -24,7 +24,7 @@ from megatronish.context_parallel.ring_kernel import (
 )
 from megatronish.context_parallel.split import chunk_ids
 from megatronish.distributed.comm import ParallelGroup
-from megatronish.pipeline.nccl_sim import P2P, run_groups
+from megatronish.pipeline.nccl_sim import P2P, DeadlockError, MismatchError, run_groups
 from megatronish.testing.compare import assert_parity
 from megatronish.testing.multiproc import run_world
 from megatronish.testing.recording_p2p import RecordingP2P
@@ -75,7 +75,10 @@ def test_the_ring_posts_never_deadlock_under_nccl_order(cp):
     forward = {r: ring_posts(r, cp, backward=False) for r in range(cp)}
     backward = {r: ring_posts(r, cp, backward=True) for r in range(cp)}
     groups = {r: _sim_groups(forward, 3)[r] + _sim_groups(backward, 3)[r] for r in range(cp)}
-    report = run_groups(groups)
+    try:
+        report = run_groups(groups)
+    except (DeadlockError, MismatchError) as e:  # the simulator's verdict: NCCL would hang
+        pytest.fail(f"cp={cp}: {e}")
     per_rank = 3 * (cp - 1) + 3 * (2 * cp - 1)  # sends per rank: K/V blocks and dK/dV
     assert report.messages == cp * per_rank
 

@@ -20,11 +20,11 @@ if "$PY" -c "import torch" 2>/dev/null; then
   echo "[install] keeping torch $("$PY" -c 'import torch; print(torch.__version__)')"
 elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
   echo "[install] GPU found: installing the default (CUDA) torch wheel"
-  pip install "torch>=2.6"
+  pip install "torch>=2.7"
 else
   echo "[install] no GPU: installing the CPU build of torch"
-  if ! pip install --no-index --no-deps "torch>=2.6" 2>/dev/null; then
-    pip install "torch>=2.6" --index-url https://download.pytorch.org/whl/cpu \
+  if ! pip install --no-index --no-deps "torch>=2.7" 2>/dev/null; then
+    pip install "torch>=2.7" --index-url https://download.pytorch.org/whl/cpu \
       --extra-index-url https://pypi.org/simple
   fi
 fi

@@ -101,6 +101,11 @@ class CheckContext:
     # trainer.precision: bf16 whenever CUDA runs; fp32 on the CPU (its bf16 matmuls are slow)
     precision: str = ""
     start: float = field(default_factory=time.monotonic)
+    # Set by the runner (gpu_check.run): the selected sections' fixed seconds and timing shares
+    # in all, and the fixed seconds of those after the running one.
+    fixed_s: float = 0.0
+    shares: float = 1.0
+    reserved_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.precision:
@@ -143,9 +148,16 @@ class CheckContext:
     def remaining(self) -> float:
         return self.budget_s - self.elapsed()
 
+    def plan(self, fixed: list[float], shares: list[float]) -> None:
+        """The run's sections: their fixed seconds and timing shares (see :meth:`share`)."""
+        self.fixed_s, self.shares = sum(fixed), sum(shares) or 1.0
+
     def share(self, fraction: float) -> float:
-        """Seconds of timed steps a section may use: its part of the budget, within what is left."""
-        return max(0.0, min(fraction * self.budget_s, self.remaining()))
+        """Seconds of timed steps a section with ``SHARE`` ``fraction`` may use: that part (of
+        the run's shares) of what the run's fixed seconds leave of the budget, within what is
+        left once the later sections' fixed seconds are set aside."""
+        pool = max(0.0, self.budget_s - self.fixed_s) * fraction / self.shares
+        return max(0.0, min(pool, self.remaining() - self.reserved_s))
 
     @property
     def warmup(self) -> int:

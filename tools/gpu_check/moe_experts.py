@@ -19,6 +19,7 @@ import torch
 from bench.common import interleaved, median
 
 from gpu_check.context import CheckContext
+from gpu_check.optional import optional, runnable
 from gpu_check.report import SectionResult
 from megatronish.config.compose import load_config
 from megatronish.model.blocks import moe_layer
@@ -110,8 +111,11 @@ def mib(n: int | None) -> str:
 def run(ctx: CheckContext, out: SectionResult) -> None:
     runs = {str(e): LayerRun(ctx, e) for e in EXPERTS}
     few, many = EXPERTS
+    optional_rows = [f"{few} fp8"]  # left out, never failed on, where it cannot run
     if ctx.precision == "bf16" and GroupedExperts.fp8_here(ctx.device):
-        runs[f"{few} fp8"] = LayerRun(ctx, few, fp8=True)
+        fp8 = optional(out, optional_rows[0], lambda: LayerRun(ctx, few, fp8=True))
+        if fp8 is not None:
+            runs[optional_rows[0]] = fp8
     first = runs[str(few)]
     s, m = first.spec, first.spec.moe
     out.note(
@@ -120,8 +124,10 @@ def run(ctx: CheckContext, out: SectionResult) -> None:
         f"ep = 1"
     )
     budget = ctx.share(SHARE)
+    steps = runnable(out, {name: r.step for name, r in runs.items()}, optional_rows)
+    runs = {name: r for name, r in runs.items() if name in steps}
     times = interleaved(
-        {name: r.step for name, r in runs.items()},
+        steps,
         ctx.max_repeats,
         ctx.steps_per_repeat,
         warmup=ctx.warmup,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import os
 import platform
 import subprocess
 import sys
@@ -12,6 +13,11 @@ from pathlib import Path
 import torch
 
 OK, FAILED, NOT_APPLICABLE, SKIPPED = "ok", "FAILED", "not applicable", "skipped"
+NOT_RUN = "not run"
+PENDING = (
+    "the run had not reached it when this report was written (the report is rewritten after "
+    "each section, so a run stopped at its time limit still leaves what it measured)."
+)
 # The page's last part, the same in docs/gpu.md's outline (a test keeps the two equal).
 HOW_TO_RUN = """## Running it
 
@@ -32,10 +38,53 @@ than a venv with `--system-site-packages`: it needs only pip (no `venv` or `ensu
 works on an externally managed (PEP 668) system Python too, leaves the interpreter's packages
 untouched, and is deleted after the run.
 
+Carrying it to an offline GPU machine and the report back: `.gpu-wheels/` is ignored by git, so a
+copy of the work tree that takes tracked and unignored files only leaves it behind: name it among
+the paths the run carries. The report is written into the tree (`docs/gpu.md`) unless `--out`
+says otherwise: where only files under an output folder come back (`$OUT`), run
+`PYTHON=python3 make gpu-check ARGS="--out $OUT/gpu.md"` and copy the returned file over
+`docs/gpu.md` here.
+
 `make gpu-env-check` (about 25 s of CPU time, on a machine with network for one wheel) runs that
 offline path, `make gpu-check` included, in Pythons that see only the GPU machine's packages
 (`.venv`'s torch and the rest, no Hydra, wandb or datasets), without network
-(`tools/gpu_check/bare_python.py`)."""
+(`tools/gpu_check/bare_python.py`).
+
+### Time
+
+The budget (`--budget-s`, default 540 s on a GPU, for a machine that gives a run about ten
+minutes with start-up) is a deadline for the whole run. Each section needs seconds no timing
+share bounds: building its models, warm-up steps and, in two of them, `torch.compile`'s first
+compiles (inductor: minutes, not seconds). `FIXED_S` in `tools/gpu_check/run.py` estimates them
+(below; not yet measured on a GPU: a GPU report's seconds column replaces the guesses). A section
+starts only while its fixed seconds are left, else it is skipped with the rerun that takes it
+(`--sections NAME`); the timed repeats share what the selected sections' fixed seconds leave of
+the budget, in proportion to their shares, never taking a later section's fixed seconds. The
+fixed estimates add up to about 13 minutes (8 of them compiles), more than one run has: a run of
+all sections reports the first ten (the timed ones at their minimum of two repeats) and skips
+`compiled`; `--sections documents,compiled` (about
+8 minutes) or `--sections compiled` in a second run measures the rest. The report is rewritten
+after every section (whole, by a rename), and a SIGTERM (a time limit's `timeout`) ends the run
+after writing it: a run stopped at its limit still leaves what it measured, the sections not
+reached marked "not run".
+
+| section | smoke run, CPU (s) | GPU: fixed estimate (s) | what bounds it on a GPU |
+|---|---|---|---|
+| throughput | 1.6 | 45 | building the sized model and the reference; timed repeats: its share |
+| flash | 0.4 | 20 | one two-layer model, the profiler's start-up |
+| memory | 0.6 | 30 | the sized model alone, 3 steps |
+| resume | 0.7 | 30 | 9 steps in deterministic mode, a save and a load |
+| recompute | 0.5 | 60 | the sized model per policy; timed repeats: its share |
+| syncs | 0.8 | 30 | dense and MoE two-layer models, 6 steps each |
+| moe_experts | 0.4 | 20 | 2-3 MoE layers; timed repeats: its share |
+| async_save | 0.3 | 45 | about 0.9 GiB written three times |
+| documents | 0.3 | 180 | FlexAttention and its block mask compiled twice (inductor) |
+| ring_kernels | 0.2 | 15 | three blocks' forward and backward |
+| compiled | 5.3 | 300 | the block compiled three times (megatronish, fp8, reference) |
+
+The smoke column is one `--smoke` run on the 2-core CPU machine (torch 2.13, fp32, one thread):
+11 s for the sections, 15 s with start-up; the same run took 27 s for the sections while the
+machine was loaded (load average 10)."""
 
 
 @dataclass
@@ -63,6 +112,8 @@ class SectionResult:
     lines: list[str] = field(default_factory=list)
     tables: list[Table] = field(default_factory=list)
     seconds: float = 0.0
+    number: int = 0  # its place in the full run (0: its place in the report)
+    stopped: bool = False  # a SIGTERM or Ctrl-C ended the run in this section
 
     def note(self, text: str) -> None:
         self.lines.append(text)
@@ -146,9 +197,13 @@ def environment(device: torch.device, root: Path) -> list[tuple[str, str]]:
 
 
 def render(
-    results: list[SectionResult], facts: list[tuple[str, str]], summary: str, smoke: bool
+    results: list[SectionResult],
+    facts: list[tuple[str, str]],
+    summary: str,
+    smoke: bool,
+    pending: list[tuple[int, str]] = (),
 ) -> str:
-    """The markdown report."""
+    """The markdown report; ``pending``: (number, title) of the sections still to run."""
     title = "# megatronish on one GPU"
     lines = [title + (" (smoke run: toy sizes on the CPU, not a measurement)" if smoke else "")]
     lines += [
@@ -162,11 +217,23 @@ def render(
         "| section | status | seconds |",
         "|---|---|---|",
         *[f"| {r.title} | {r.status} | {r.seconds:.0f} |" for r in results],
+        *[f"| {title} | {NOT_RUN} | |" for _, title in pending],
     ]
     for i, r in enumerate(results, 1):
-        lines += ["", f"## {i}. {r.title}", "", f"Status: **{r.status}**."]
+        lines += ["", f"## {r.number or i}. {r.title}", "", f"Status: **{r.status}**."]
         lines += ["", *[f"- {line}" for line in r.lines]] if r.lines else []
         for t in r.tables:
             lines += ["", t.markdown()]
+    for n, title in pending:
+        lines += ["", f"## {n}. {title}", "", f"Status: **{NOT_RUN}**: {PENDING}"]
     lines += ["", HOW_TO_RUN]
     return "\n".join(lines) + "\n"
+
+
+def write_report(path: Path, text: str) -> None:
+    """``text`` to ``path`` whole or not at all (a run killed while writing leaves the last
+    complete report)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(text)
+    os.replace(partial, path)

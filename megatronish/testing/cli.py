@@ -4,6 +4,7 @@ the contract every one of them keeps: an exit code and one line on stderr, never
 from __future__ import annotations
 
 import importlib.util
+import traceback
 from pathlib import Path
 from types import ModuleType
 
@@ -20,11 +21,16 @@ def load_tool(name: str) -> ModuleType:
 
 def run_main(main, argv, capfd) -> tuple[int, str, str]:
     """``(exit code, stdout, stderr)`` of ``main(argv)`` (``argv`` as strings); an argparse
-    or ``sys.exit`` exit is caught. ``capfd``: pytest's fixture."""
+    or ``sys.exit`` exit is caught. An exception ``main`` lets out ends it as it ends the
+    program: exit 1 with the traceback on stderr (which :func:`assert_one_line` refuses).
+    ``capfd``: pytest's fixture."""
     try:
         code = main(None if argv is None else [str(a) for a in argv])
     except SystemExit as e:
         code = e.code
+    except Exception:
+        traceback.print_exc()
+        code = 1
     out, err = capfd.readouterr()
     return code, out, err
 

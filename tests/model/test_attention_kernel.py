@@ -434,3 +434,22 @@ def test_compiled_attention_is_one_graph_with_the_checks_asked_while_tracing(
     if checks == "fake":
         assert (".expand(" in graphs[0]) == expanded, graphs[0]
         assert len(torch_.asked) == 2 * asked  # once more, while tracing; not per call
+
+
+def test_a_compiled_block_of_grouped_query_attention_is_captured_whole(monkeypatch):
+    """The model's compile (whole first, in pieces where dynamo cannot capture the block) keeps
+    attention whole: the K/V layout is not asked of torch's checks inside the traced graph."""
+    from megatronish.model.compile import CompiledForward
+
+    _use_checks(monkeypatch, FakeCudaTorch().checks())
+
+    class Block(nn.Module):
+        def forward(self, q, k, v):
+            return ak.sdpa(q, k, v, "causal", is_causal=True)
+
+    q, k, v = _qkv()
+    logged = []
+    compiled = CompiledForward("block 0", Block(), "eager", logged.append, {})
+    out = compiled(q, k, v)
+    assert compiled.fullgraph and logged == [], logged
+    torch.testing.assert_close(out, ak.sdpa(q, k, v, "causal", is_causal=True))

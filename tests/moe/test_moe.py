@@ -249,6 +249,48 @@ def test_dispatch_delivers_every_token_to_its_expert_and_combine_restores_order(
         assert sum(local_counts) == rows.shape[0]
 
 
+def _ep_first_round_trip(rank, world):
+    """tp=2 x ep=2 in Megatron's order (ranks 2 ep + tp): each tp rank sends its own tokens over
+    ep, then the rows are gathered over tp; each uneven gather's sizes are held to what every
+    member holds, as NCCL needs (gloo would move the wrong rows without a word)."""
+    import megatronish.moe.dispatch as dispatch_module
+    from megatronish.moe.dispatch import dispatch_ep_first
+
+    def gather_checked(t, group, sizes):
+        rows = [torch.zeros(1, dtype=torch.long) for _ in range(group.size)]
+        dist.all_gather(rows, torch.tensor([t.shape[0]]), group=group.handle())
+        held = [int(r) for r in rows]
+        assert list(sizes) == held, f"gathering {list(sizes)} rows of members holding {held}"
+        return gather(t, group, sizes)
+
+    gather, dispatch_module.all_gather_uneven = dispatch_module.all_gather_uneven, gather_checked
+    handles = {ranks: dist.new_group(list(ranks)) for ranks in [(0, 1), (2, 3), (0, 2), (1, 3)]}
+    tp_ranks, ep_ranks = (rank - rank % 2, rank - rank % 2 + 1), (rank % 2, rank % 2 + 2)
+    tp = ParallelGroup("tp", tp_ranks, rank % 2, pg=handles[tp_ranks])
+    ep = ParallelGroup("ep", ep_ranks, rank // 2, pg=handles[ep_ranks])
+    gen = torch.Generator().manual_seed(20 + rank)
+    tokens = torch.randn(12, 5, generator=gen)
+    experts = torch.randint(0, 4, (12, 1), generator=gen)
+    order, counts, _ = sort_assignments(experts, torch.ones(12, 1), 4)
+    rows, record, _ = dispatch_ep_first(tokens, order, counts, 1, ep, tp)
+    back = combine(rows / tp.size, record, torch.ones(12, 1), ep)  # partial over tp: summed
+    return tokens, experts, rows, record.tp_sizes, back
+
+
+def test_ep_first_dispatch_gathers_every_tp_ranks_rows_and_combine_sums_them_back():
+    results = run_world(_ep_first_round_trip, 4)
+    for rank, (tokens, _, _, _, back) in enumerate(results):
+        assert torch.equal(back, tokens), rank
+    assert any(len(set(tp_sizes)) > 1 for *_, tp_sizes, _ in results)  # uneven gathers
+    for rank, (_, _, rows, _, _) in enumerate(results):
+        want = []
+        for e in (2 * (rank // 2), 2 * (rank // 2) + 1):  # this ep rank's experts
+            for source in (0, 2, 1, 3):  # tp rank-major, then ep rank: ranks 0, 2, 1, 3
+                tokens, experts, *_ = results[source]
+                want.append(tokens[experts[:, 0] == e])
+        assert torch.equal(rows, torch.cat(want)), rank
+
+
 # -- groups ---------------------------------------------------------------------------------
 def test_ep_is_carved_out_of_dp_times_cp():
     tp, cp, dp, pp, ep = 2, 2, 2, 2, 2

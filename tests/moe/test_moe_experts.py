@@ -4,9 +4,11 @@ and our loop), and a backward whose allocations do not grow with the number of l
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatronish.moe.experts import GroupedExperts
 from megatronish.moe.grouped_mm import (
+    ALIGN_BYTES,
     expert_offsets,
     grouped_linear,
     grouped_mm_supported,
@@ -14,6 +16,7 @@ from megatronish.moe.grouped_mm import (
     use_grouped_mm,
 )
 from megatronish.spec import ModelSpec, MoESpec
+from megatronish.tensor_parallel.weight_grad import WeightGradStore
 from megatronish.testing.allocations import AllocatedBytes
 
 HAS_GROUPED_MM = use_grouped_mm("cpu", torch.float32, torch_version())
@@ -147,6 +150,43 @@ def test_where_grouped_mm_is_used():
     assert not grouped_mm_supported(torch.empty(0, 16), w, [0, 0, 0, 0])
     unaligned = torch.empty(w.numel() + 1)[1:].view_as(w)  # a stack 4 bytes off 16
     assert not grouped_mm_supported(x, unaligned, counts)
+
+
+class GroupedMatmuls(TorchDispatchMode):
+    """Counts ``torch._grouped_mm`` calls, holding each operand to torch's layout rule first:
+    16-byte aligned, row- or column-major in its last two dims with 16-byte multiple rows (an
+    expanded, stride-0 gradient is neither)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func._schema.name.split("::")[-1] == "_grouped_mm":
+            self.calls += 1
+            for t in args[:2]:
+                *_, rows, cols = t.stride()
+                step = t.element_size()
+                major = (cols == 1 and rows * step % ALIGN_BYTES == 0 and rows >= t.shape[-1]) or (
+                    rows == 1 and cols * step % ALIGN_BYTES == 0 and cols >= t.shape[-2]
+                )
+                assert major and t.data_ptr() % ALIGN_BYTES == 0, (tuple(t.shape), t.stride())
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.skipif(not HAS_GROUPED_MM, reason="torch < 2.9 has no CPU grouped_mm")
+@pytest.mark.parametrize("split", [False, True], ids=["torchs_backward", "split_backward"])
+def test_an_expanded_output_grad_reaches_the_grouped_matmuls_laid_out(split):
+    """A ``sum``'s gradient is expanded (stride 0): both backwards (torch's for
+    ``torch._grouped_mm``, ours with a store) hand its grouped matmuls a contiguous copy."""
+    counts = [5, 0, 7, 4]
+    x = torch.randn(16, 16, requires_grad=True)
+    w = torch.randn(4, 24, 16, requires_grad=True)
+    store = WeightGradStore() if split else None
+    with GroupedMatmuls() as mode:
+        grouped_linear(x, w, counts, grouped=True, store=store).sum().backward()
+    assert mode.calls == 3  # the forward, the input grad and the stack's grad
+    assert x.grad is not None and w.grad is not None
 
 
 def backward_bytes(local: int, grouped) -> tuple[int, int]:

@@ -22,7 +22,14 @@ def cp_exchange_errors(cfg: TrainConfig) -> list[str]:
             "use cp_comm_type=a2a_ring"
         ]
     if p.cp == 1:
-        return []
+        # every exchange is the same (none) without context parallelism
+        if a2a_size is None:
+            return []
+        return [
+            f"parallel.cp_a2a_size={a2a_size} groups cp ranks for cp_comm_type=a2a_ring, and "
+            "parallel.cp=1 has none to group (context parallelism is off): set cp_a2a_size to "
+            f"null, or parallel.cp to a multiple of {a2a_size} above it (e.g. cp={2 * a2a_size})"
+        ]
     errors: list[str] = []
     heads = m.num_attention_heads
     kv_local = max(1, (m.num_query_groups or heads) // p.tp)  # replicated below one per rank

@@ -124,3 +124,32 @@ def data_errors(cfg: TrainConfig, present: bool = True) -> list[str]:
             "tokenizer's end-of-document id) or a token id >= 0"
         )
     return errors
+
+
+def boundary_errors(cfg: TrainConfig, tokenizer_vocab: int | None = None) -> list[str]:
+    """``data.document_boundaries`` against the vocabulary: an id outside it never occurs, so
+    no document would end and nothing would be packed. ``tokenizer_vocab``: the tokenizer's
+    size once it is loaded; before, the built-in corpus's is ``data.vocab_size`` (indexed
+    data's is not known yet), and ``model.vocab_size`` bounds the ids the model reads."""
+    d, m = cfg.data, cfg.model
+    boundary = str(d.document_boundaries).strip()
+    if not boundary.isdigit():  # eod, or refused by data_errors
+        return []
+    sizes = []
+    if tokenizer_vocab is not None:
+        sizes.append((tokenizer_vocab, "the tokenizer's"))
+    elif d.source != "indexed" and getattr(d, "blend", None) is None:
+        sizes.append((d.vocab_size, "data.vocab_size, the tokenizer the built-in corpus trains"))
+    if m.vocab_size:
+        sizes.append((m.vocab_size, "model.vocab_size"))
+    if not sizes:
+        return []
+    size, source = min(sizes)
+    if int(boundary) < size:
+        return []
+    return [
+        f"data.document_boundaries={boundary} is not an id of the vocabulary of {size} tokens "
+        f"({source}; ids 0 to {size - 1}): no document would end there and nothing would be "
+        "packed; use eod (the tokenizer's end-of-document id) or the id that separates the "
+        "documents in the data"
+    ]

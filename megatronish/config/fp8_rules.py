@@ -74,3 +74,14 @@ def fp8_errors(cfg: TrainConfig, schedule: str | None) -> list[str]:
             "yet; use 1f1b or interleaved, or trainer.fp8=null"
         )
     return errors
+
+
+def fp8_notes(cfg: TrainConfig) -> list[str]:
+    """``trainer.fp8_skip_first_last`` without ``trainer.fp8`` (no block runs in fp8)."""
+    t = cfg.trainer
+    if t.fp8 is None and t.fp8_skip_first_last > 0:
+        return [
+            f"trainer.fp8_skip_first_last={t.fp8_skip_first_last} has no effect without "
+            "trainer.fp8 (no block runs in fp8 to keep in bf16)"
+        ]
+    return []

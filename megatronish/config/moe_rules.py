@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import fields
 from typing import TYPE_CHECKING
 
+from megatronish.config.schema import MoEConfig, RouterConfig
+
 if TYPE_CHECKING:
-    from megatronish.config.schema import RouterConfig, TrainConfig
+    from megatronish.config.schema import TrainConfig
 
 SCORES = ("softmax", "sigmoid")  # model.moe.router.score
 DISPATCH_ORDERS = ("tp_first", "ep_first")  # parallel.moe_dispatch_order
@@ -32,7 +35,7 @@ def moe_errors(cfg: TrainConfig, dp: int) -> list[str]:
                 f"parallel.ep={p.ep} needs experts to split: set model.moe.num_experts (a "
                 "multiple of ep) or parallel.ep=1"
             )
-        return errors
+        return errors + router_errors(moe.router, 0, moe.top_k)  # values a dense model ignores
     e, k = moe.num_experts, moe.top_k
     if not 1 <= k <= e:
         errors.append(f"model.moe.top_k={k} must be in [1, model.moe.num_experts={e}]")
@@ -51,9 +54,6 @@ def moe_errors(cfg: TrainConfig, dp: int) -> list[str]:
         errors.append(
             f"model.moe.capacity_factor={moe.capacity_factor} must be > 0, or null (dropless)"
         )
-    for key in ("aux_loss_coef", "z_loss_coef"):
-        if getattr(moe.router, key) < 0:
-            errors.append(f"model.moe.router.{key}={getattr(moe.router, key)} must be >= 0")
     errors += router_errors(moe.router, e, k)
     if e % p.ep:
         errors.append(
@@ -75,13 +75,18 @@ def moe_errors(cfg: TrainConfig, dp: int) -> list[str]:
 
 
 def router_errors(router: RouterConfig, num_experts: int, top_k: int) -> list[str]:
-    """The rules of ``model.moe.router``'s score, expert bias and expert groups."""
+    """The rules of ``model.moe.router``'s score, loss coefficients, expert bias and expert
+    groups; ``num_experts=0`` (a dense model, which routes nothing): the values alone, not their
+    fit to the experts."""
     errors = []
     if router.score not in SCORES:
         errors.append(
             f"model.moe.router.score={router.score} is not one of {', '.join(SCORES)} "
             "(softmax: Mixtral, Megatron's default; sigmoid: DeepSeek-V3)"
         )
+    for key in ("aux_loss_coef", "z_loss_coef"):
+        if getattr(router, key) < 0:
+            errors.append(f"model.moe.router.{key}={getattr(router, key)} must be >= 0")
     rate = router.bias_update_rate
     if rate is not None and not rate >= 0:
         errors.append(
@@ -95,17 +100,63 @@ def router_errors(router: RouterConfig, num_experts: int, top_k: int) -> list[st
             f"got num_groups={groups}, max_groups={best}; set both or neither"
         )
     elif groups is not None:
-        if groups < 1 or num_experts % groups:
+        if groups < 1:
+            errors.append(
+                f"model.moe.router.num_groups={groups} must be >= 1 (the expert groups of "
+                "group-limited routing), or null with max_groups=null for no groups"
+            )
+        elif num_experts and num_experts % groups:
             errors.append(
                 f"model.moe.router.num_groups={groups} must divide model.moe.num_experts="
                 f"{num_experts} (each group holds the same number of experts)"
             )
         elif not 1 <= best <= groups:
             errors.append(f"model.moe.router.max_groups={best} must be in [1, num_groups={groups}]")
-        elif top_k % best or top_k // best > num_experts // groups:
+        elif num_experts and (top_k % best or top_k // best > num_experts // groups):
             errors.append(
                 f"model.moe.router.max_groups={best} must divide model.moe.top_k={top_k} with "
                 f"top_k / max_groups <= {num_experts // groups} experts per group (each group "
                 "is scored by its top_k / max_groups best experts)"
             )
     return errors
+
+
+def moe_notes(cfg: TrainConfig) -> list[str]:
+    """Mixture-of-experts settings that do nothing in ``cfg``: ``model.moe`` keys (and the
+    dispatch order) on a dense model, ``parallel.moe_dispatch_order=ep_first`` at tp=1."""
+    moe, p = cfg.model.moe, cfg.parallel
+    order = p.moe_dispatch_order
+    if moe.num_experts == 0:
+        given = [
+            *_changed(moe, MoEConfig(), "model.moe.", skip=("num_experts", "router")),
+            *_changed(moe.router, RouterConfig(), "model.moe.router."),
+            *([f"parallel.moe_dispatch_order={order}"] if order != DISPATCH_ORDERS[0] else []),
+        ]
+        if not given:
+            return []
+        verb = "has" if len(given) == 1 else "have"
+        return [
+            f"{', '.join(given)} {verb} no effect on a dense model (model.moe.num_experts=0: no "
+            "block routes tokens to experts)"
+        ]
+    if order == "ep_first" and p.tp == 1:
+        return [
+            "parallel.moe_dispatch_order=ep_first has no effect with parallel.tp=1: it orders "
+            "the all-to-all over ep and the gather over tp, and one tp rank gathers nothing"
+        ]
+    return []
+
+
+def _changed(
+    section: MoEConfig | RouterConfig,
+    defaults: MoEConfig | RouterConfig,
+    prefix: str,
+    skip: tuple[str, ...] = (),
+) -> list[str]:
+    """``prefix + key=value`` for each key of ``section`` (a config section) that differs from
+    ``defaults``."""
+    return [
+        f"{prefix}{f.name}={getattr(section, f.name)}"
+        for f in fields(defaults)
+        if f.name not in skip and getattr(section, f.name) != getattr(defaults, f.name)
+    ]

@@ -24,7 +24,7 @@ class RouterConfig:
     bias_update_rate: float | None = None
     # Group-limited routing (DeepSeek-V3; Megatron's --moe-router-num-groups, --moe-router-group-
     # topk): each token's top-k from its max_groups best of num_groups contiguous expert groups
-    num_groups: int | None = None  # expert groups, e.g. the ep degree or nodes; null: none
+    num_groups: int | None = None  # expert groups (>= 1), e.g. the ep degree or nodes; null: none
     max_groups: int | None = None  # groups one token may use (device-limited routing)
 
 
@@ -97,7 +97,9 @@ class ParallelConfig:
     # null | powersgd (low-rank, error feedback; ZeRO 0/1) | int8 (blockwise quantized
     # reduce-scatter, error feedback; ZeRO 1-3): compress the dp grad reduction (slow links)
     grad_compression: str | None = None
-    powersgd_rank: int = 4  # grad_compression=powersgd: the rank of each compressed matrix
+    # grad_compression=powersgd: the rank of each compressed matrix (an n x m grad is compressed
+    # where 2 (n + m) rank < n m; a rank no matrix of the model allows is refused)
+    powersgd_rank: int = 4
     # steps whose grads are reduced uncompressed before grad_compression starts (a warm-up, as
     # torch's start_powerSGD_iter: early grads change fast and lose most to compression)
     grad_compression_start_step: int = 0
@@ -136,7 +138,8 @@ class DataConfig:
     reset_attention_mask: bool = False  # tokens attend only to their own document
     reset_position_ids: bool = False  # positions (RoPE, learned) restart at each document
     eod_mask_loss: bool = False  # no loss where the input is a document's last token (EOD)
-    # what ends a document: eod (the tokenizer's end-of-document id) or a token id
+    # what ends a document: eod (the tokenizer's end-of-document id) or a token id (below the
+    # vocabulary size)
     document_boundaries: str = "eod"
 
 
@@ -179,12 +182,14 @@ class TrainerConfig:
     # cp or ep > 1 in pieces between the collectives, said once in the log)
     compile: bool = False
     compile_backend: str = "inductor"  # inductor | aot_eager (captured graphs, eager kernels)
-    # null: torch's cache (TORCHINDUCTOR_CACHE_DIR or /tmp/torchinductor_<user>); a path on a
+    # null: torch's cache (TORCHINDUCTOR_CACHE_DIR or /tmp/torchinductor_<user>); else a
+    # directory this user can write (created when missing; checked at start-up): one on a
     # shared filesystem lets a resumed run on other nodes skip compiling again
     compile_cache_dir: str | None = None
-    # null | tensorwise | rowwise: the blocks' linear layers run their GEMMs in float8 with
-    # current scaling (e4m3 activations and weights, e5m2 output grads; the experts' grouped
-    # GEMMs all e4m3, scaled by rows and columns); needs precision=bf16
+    # null | tensorwise | rowwise (torchao's recipes): the blocks' linear layers run their GEMMs
+    # in float8 with current scaling (tensorwise: one exact scale per tensor, e4m3 activations
+    # and weights, e5m2 output grads; rowwise: per row / column, all e4m3, power-of-two scales;
+    # the experts' grouped GEMMs as rowwise); needs precision=bf16
     fp8: str | None = None
     fp8_skip_first_last: int = 0  # trainer.fp8: this many first and last blocks stay in bf16
     recompute_method: str = "uniform"  # uniform | block

@@ -11,8 +11,9 @@ import functools
 from omegaconf import DictConfig, OmegaConf
 
 from megatronish.config.cli_errors import unknown_key_reason
+from megatronish.config.compile_rules import compile_errors
 from megatronish.config.cp_rules import cp_exchange_errors
-from megatronish.config.data_rules import data_errors
+from megatronish.config.data_rules import boundary_errors, data_errors
 from megatronish.config.derived import default_ffn_hidden, pad_vocab
 from megatronish.config.dp_rules import data_parallel_errors
 from megatronish.config.fp8_rules import fp8_errors
@@ -113,7 +114,8 @@ def config_errors(
     ``vocab_size`` is the tokenizer's vocabulary when known (checked against tp and the model);
     ``cuda_available`` whether this machine has a GPU (None: not checked, e.g. dry runs);
     ``data=False`` (dry runs, the planner): the data keys must agree, but the dataset and
-    tokenizer need not be given or exist.
+    tokenizer need not be given or exist, and the directories the run writes
+    (``trainer.compile_cache_dir``) are not looked at.
     """
     errors: list[str] = [unknown_key_reason(key) for key in unknown_keys(cfg)]
     m, p, t, o, s = cfg.model, cfg.parallel, cfg.trainer, cfg.optimizer, cfg.scheduler
@@ -357,6 +359,7 @@ def config_errors(
         )
 
     errors += data_errors(cfg, present=data)  # dry runs and the planner need no dataset
+    errors += compile_errors(cfg, present=data)  # nor the directories the run writes
     return errors
 
 
@@ -376,7 +379,7 @@ def vocab_errors(cfg: TrainConfig, vocab_size: int | None) -> list[str]:
             f"the tokenizer has {vocab_size} tokens but model.vocab_size={m.vocab_size}; "
             "set model.vocab_size=null to take the tokenizer's"
         )
-    return errors
+    return errors + boundary_errors(cfg, vocab_size)
 
 
 def check_config(cfg: TrainConfig, world_size: int, vocab_size: int | None = None) -> None:

@@ -9,6 +9,10 @@ from types import SimpleNamespace
 
 from omegaconf import DictConfig
 
+from megatronish.config.compile_rules import compile_notes
+from megatronish.config.dp_rules import data_parallel_notes
+from megatronish.config.fp8_rules import fp8_notes
+from megatronish.config.moe_rules import moe_notes
 from megatronish.config.schema import FUNCTION_KEYS, TrainConfig
 
 # The smallest vocabulary a tokenizer trained on the built-in corpus can have: byte fallback
@@ -85,12 +89,18 @@ def value_errors(cfg: TrainConfig) -> list[str]:
     return errors
 
 
-def config_notes(cfg: TrainConfig) -> list[str]:
-    """Settings that are valid but do nothing here, said once at start-up by rank 0."""
+def config_notes(cfg: TrainConfig, cuda_available: bool | None = None) -> list[str]:
+    """Settings that are valid but do nothing here, one line each, said once by rank 0 at
+    start-up (dry runs and the planner too). ``cuda_available``: whether this machine has a
+    GPU (None: unknown; then only ``trainer.device=cpu`` counts as a CPU run)."""
     notes = []
     if cfg.parallel.sp and cfg.parallel.tp == 1:
         notes.append(
             "parallel.sp=true has no effect with parallel.tp=1 (sequence parallelism splits "
             "the sequence over the tp group): the run is the same as with sp=false"
         )
+    notes += data_parallel_notes(cfg, cuda_available)
+    notes += moe_notes(cfg)
+    notes += fp8_notes(cfg)
+    notes += compile_notes(cfg)
     return notes

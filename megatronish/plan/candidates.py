@@ -65,6 +65,10 @@ def _with_layout(view: SimpleNamespace, layout: Layout) -> SimpleNamespace:
     p.cp_a2a_size = layout.cp_a2a_size if layout.cp_comm_type == "a2a_ring" else None
     p.zero_shard_size = layout.zero_shard_size
     p.grad_compression, p.powersgd_rank = layout.grad_compression, layout.powersgd_rank
+    p.powersgd_compress_vocab = layout.powersgd_compress_vocab
+    # the config's warm-up has no compression to delay
+    if layout.grad_compression is None:
+        p.grad_compression_start_step = 0
     p.optimizer_offload = layout.optimizer_offload
     t = SimpleNamespace(**vars(view.trainer))
     t.micro_batch_size, t.recompute = layout.micro_batch_size, layout.recompute
@@ -230,6 +234,10 @@ def _base_config(cfg: TrainConfig):
         base.parallel.zero_shard_size = None
     if "grad_compression" in base.parallel:
         base.parallel.grad_compression = None
+    if "powersgd_compress_vocab" in base.parallel:
+        base.parallel.powersgd_compress_vocab = False
+    if "grad_compression_start_step" in base.parallel:
+        base.parallel.grad_compression_start_step = 0
     if "optimizer_offload" in base.parallel:
         base.parallel.optimizer_offload = False
     return base

@@ -26,6 +26,7 @@ from megatronish.config.compose import parse_bool
 from megatronish.config.option_docs import help_text, options_help
 from megatronish.config.schema import TrainConfig
 from megatronish.config.validate import ConfigError
+from megatronish.config.value_rules import config_notes
 from megatronish.plan.devices import GiB, GPUModel, UnknownDevice, gpu_named, local_gpu
 from megatronish.plan.option_docs import ADVISOR_OPTION_DOCS, DEFAULT_TOP, PLAN_OPTION_DOCS
 from megatronish.plan.step_time import Hardware
@@ -375,6 +376,8 @@ def main(argv: list[str]) -> int:
     errors, vocab = planning_errors(cfg, world)
     if errors:
         return _fail(errors)
+    for note in config_notes(cfg):  # as the trainer says them at start-up
+        print(f"note: {note}")
     spec = spec_of(cfg, vocab.size)
     layout = layout_from_config(cfg, world)
     plan = make_plan(spec, layout)

@@ -34,6 +34,60 @@ def _tiny_indexed_dataset() -> str:
 
 INDEXED = _tiny_indexed_dataset()
 
+
+def _unwritable_dir() -> str:
+    """A directory this process cannot create entries in: a read-only one, or for root (whom
+    the mode bits do not stop) a path in sysfs, which refuses new entries to everyone."""
+    if os.geteuid() == 0:
+        return "/sys/megatronish-compile-cache"
+    path = tempfile.mkdtemp(prefix="bad-config-ro-")
+    os.chmod(path, 0o555)
+    return os.path.join(path, "cache")
+
+
+UNWRITABLE = _unwritable_dir()
+MOE = ["model.moe.num_experts=4"]
+
+# Refused in the same words by training, dry runs and the planner (each in a 2-rank world).
+EVERY_CONTEXT = [
+    (
+        ["parallel.cp_comm_type=a2a_ring", "parallel.cp_a2a_size=2"],
+        "parallel.cp_a2a_size=2 groups cp ranks for cp_comm_type=a2a_ring, and parallel.cp=1 has "
+        "none to group (context parallelism is off): set cp_a2a_size to null, or parallel.cp to "
+        "a multiple of 2 above it (e.g. cp=4)",
+    ),
+    (
+        ["data.reset_attention_mask=true", "data.document_boundaries=4096"],
+        "data.document_boundaries=4096 is not an id of the vocabulary of 4096 tokens "
+        "(data.vocab_size, the tokenizer the built-in corpus trains; ids 0 to 4095)",
+    ),
+    (
+        ["model.moe.router.score=tanh"],
+        "model.moe.router.score=tanh is not one of softmax, sigmoid",
+    ),
+    (
+        ["parallel.powersgd_compress_vocab=true"],
+        "parallel.powersgd_compress_vocab=true chooses the matrices PowerSGD compresses, and "
+        "parallel.grad_compression=null is not powersgd",
+    ),
+    (
+        ["parallel.zero_stage=1", "parallel.grad_compression=int8"]
+        + ["parallel.powersgd_compress_vocab=true"],
+        "parallel.grad_compression=int8 is not powersgd: set it to false, or "
+        "grad_compression=powersgd",
+    ),
+    (
+        ["parallel.grad_compression=powersgd", "parallel.powersgd_rank=55"],
+        "parallel.powersgd_rank=55 compresses none of this model's matrices (PowerSGD compresses "
+        "an n x m grad where (n + m) * rank * 2 < n * m; the most compressible, the mlp fc1 per "
+        "rank, 704 x 128, takes rank 54 at most): use parallel.powersgd_rank <= 54",
+    ),
+    (
+        [*MOE, "model.moe.router.num_groups=0", "model.moe.router.max_groups=1"],
+        "model.moe.router.num_groups=0 must be >= 1",
+    ),
+]
+
 # (overrides, a phrase the reason must contain); each breaks exactly one rule in a 2-rank world.
 CASES = [
     (["parallel.pp=4", "trainer.global_batch_size=32"], "world size 2 is not divisible by tp*pp"),
@@ -142,6 +196,21 @@ CASES = [
     (["trainer.stop_signals=[SIGFOO]"], "trainer.stop_signals has SIGFOO: not a signal"),
     (["parallel.grad_reduce_dtype=bf16"], "grad_reduce_dtype=bf16 needs trainer.precision=bf16"),
     (["parallel.grad_reduce_dtype=fp16"], "parallel.grad_reduce_dtype='fp16' is not one of"),
+    # Where inductor writes, checked before the first compiled step (it raised there).
+    (
+        ["trainer.compile=true", f"trainer.compile_cache_dir={INDEXED}.idx"],
+        f"trainer.compile_cache_dir={INDEXED}.idx is a file, not a directory: give a directory "
+        "this user can write (created when missing), or null for torch's cache",
+    ),
+    (
+        ["trainer.compile=true", f"trainer.compile_cache_dir={INDEXED}.idx/cache"],
+        f"trainer.compile_cache_dir={INDEXED}.idx/cache is inside the file {INDEXED}.idx",
+    ),
+    (
+        ["trainer.compile=true", f"trainer.compile_cache_dir={UNWRITABLE}"],
+        f"trainer.compile_cache_dir={UNWRITABLE} cannot be written (",
+    ),
+    *EVERY_CONTEXT,
 ]
 if not torch.cuda.is_available():  # the rule is about this machine
     CASES.append(
@@ -171,8 +240,13 @@ def every_rank(starts_processes):
     return run_world(_main_with_every_config, 2, configs)
 
 
-# Ids without the temporary directory: the same in every pytest process that collects them.
-IDS = [" ".join(c[0]).replace(os.path.dirname(INDEXED), "TMP") for c in CASES]
+def _id(overrides: list[str]) -> str:
+    """Without the temporary directories: the same in every pytest process that collects it."""
+    text = " ".join(overrides).replace(os.path.dirname(INDEXED), "TMP")
+    return text.replace(os.path.dirname(UNWRITABLE), "UNWRITABLE")
+
+
+IDS = [_id(c[0]) for c in CASES]
 
 
 @pytest.mark.parametrize("index", range(len(CASES)), ids=IDS)
@@ -187,24 +261,102 @@ def test_invalid_config_exits_2_with_one_line_on_every_rank(every_rank, index):
         assert lines[0].startswith(f"[rank {rank}] invalid config: ") and needle in lines[0], err
 
 
-def _main_with_a_note(rank, world):
+@pytest.mark.parametrize("overrides, needle", EVERY_CONTEXT, ids=[_id(c[0]) for c in EVERY_CONTEXT])
+def test_dry_runs_and_the_planner_refuse_it_in_the_same_words(overrides, needle, capsys):
+    import megatronish.train as entry
+    from megatronish.plan.cli import main as plan
+
+    dry = entry.main_with_config(load_config([*overrides, "trainer.dry_run=true", "world_size=2"]))
+    assert dry == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.splitlines() == [err.strip()], err
+    assert err.startswith("invalid config: ") and needle in err, err
+    assert plan([*overrides, "world_size=2"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.splitlines() == [err.strip()], err
+    assert err.startswith("invalid config: ") and needle in err, err
+
+
+# Settings that do nothing here: one note from rank 0, and the run goes on.
+NOTES = [
+    (
+        ["parallel.sp=true"],
+        "parallel.sp=true has no effect with parallel.tp=1 (sequence parallelism splits the "
+        "sequence over the tp group): the run is the same as with sp=false",
+    ),
+    (
+        ["trainer.device=cpu", "parallel.optimizer_offload=true"],
+        "parallel.optimizer_offload=true moves nothing on the CPU (trainer.device=cpu): the "
+        "optimizer's state already is in host memory",
+    ),
+    (
+        [*MOE, "parallel.moe_dispatch_order=ep_first"],
+        "parallel.moe_dispatch_order=ep_first has no effect with parallel.tp=1: it orders the "
+        "all-to-all over ep and the gather over tp, and one tp rank gathers nothing",
+    ),
+    (
+        ["model.moe.top_k=4", "model.moe.router.z_loss_coef=0.001"],
+        "model.moe.top_k=4, model.moe.router.z_loss_coef=0.001 have no effect on a dense model "
+        "(model.moe.num_experts=0: no block routes tokens to experts)",
+    ),
+    (
+        ["trainer.fp8_skip_first_last=1"],
+        "trainer.fp8_skip_first_last=1 has no effect without trainer.fp8 (no block runs in fp8 "
+        "to keep in bf16)",
+    ),
+    (
+        ["parallel.grad_compression=powersgd", "trainer.max_steps=10"]
+        + ["parallel.grad_compression_start_step=10"],
+        "parallel.grad_compression_start_step=10 is not before trainer.max_steps=10: every step "
+        "reduces its grads uncompressed (parallel.grad_compression=powersgd never starts)",
+    ),
+    (
+        ["trainer.compile_cache_dir=/tmp/inductor"],
+        "trainer.compile_cache_dir=/tmp/inductor has no effect without trainer.compile=true "
+        "(nothing is compiled)",
+    ),
+]
+NOTE_IDS = [" ".join(c[0]) for c in NOTES]
+
+
+def _main_with_notes(rank, world, configs):
     import megatronish.train as entry
 
     entry.run = lambda cfg, stop=None, launch=None: []  # this forked rank only: nothing to train
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        code = entry.main_with_config(load_config(["parallel.sp=true"]))
-    return code, out.getvalue()
+    out = []
+    for cfg in configs:
+        std = io.StringIO()
+        with contextlib.redirect_stdout(std):
+            code = entry.main_with_config(cfg)
+        out.append((code, std.getvalue()))
+    return out
 
 
-def test_sequence_parallel_without_tp_is_noted_once_and_runs():
-    (code0, out0), (code1, out1) = run_world(_main_with_a_note, 2)
+@pytest.fixture(scope="module")
+def noted_on_every_rank(starts_processes):
+    return run_world(_main_with_notes, 2, [load_config(overrides) for overrides, _ in NOTES])
+
+
+@pytest.mark.parametrize("index", range(len(NOTES)), ids=NOTE_IDS)
+def test_a_setting_that_does_nothing_is_noted_once_and_runs(noted_on_every_rank, index):
+    note = NOTES[index][1]
+    (code0, out0), (code1, out1) = (results[index] for results in noted_on_every_rank)
     assert code0 == code1 == 0
-    assert out0.splitlines() == [
-        "note: parallel.sp=true has no effect with parallel.tp=1 (sequence parallelism splits "
-        "the sequence over the tp group): the run is the same as with sp=false"
-    ]
+    assert out0.splitlines() == [f"note: {note}"]
     assert out1 == ""
+
+
+@pytest.mark.parametrize("overrides, note", NOTES, ids=NOTE_IDS)
+def test_dry_runs_and_the_planner_say_the_same_note(overrides, note, capsys):
+    import megatronish.train as entry
+    from megatronish.plan.cli import main as plan
+
+    dry = load_config([*overrides, "trainer.dry_run=true", "world_size=2"])
+    for run in (lambda: entry.main_with_config(dry), lambda: plan([*overrides, "world_size=2"])):
+        code = run()
+        out, err = capsys.readouterr()
+        assert code == 0, err
+        assert [line for line in out.splitlines() if line.startswith("note:")] == [f"note: {note}"]
 
 
 # -- the real command line ----------------------------------------------------------------------

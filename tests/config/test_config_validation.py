@@ -1,12 +1,21 @@
 """Config schema and cross-field validation: every rule, reported all at once."""
 
+import os
+
 import pytest
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ValidationError
 
 from megatronish.config.compose import load_config
 from megatronish.config.derived import derive, pad_vocab
-from megatronish.config.validate import ConfigError, check_config, config_errors
+from megatronish.config.dp_rules import POWERSGD_MIN_RATE, largest_powersgd_rank, powersgd_matrices
+from megatronish.config.validate import ConfigError, check_config, config_errors, vocab_errors
+from megatronish.config.value_rules import config_notes
+from megatronish.data_parallel.powersgd import MIN_COMPRESSION_RATE, compressible
+from megatronish.plan.layout import layout_from_config, spec_of
+from megatronish.plan.rank_model import meta_chunks
+from megatronish.tensor_parallel.sharding import param_info
+from megatronish.testing import runs
 
 
 def errors_for(overrides, world=1, vocab=None):
@@ -175,6 +184,34 @@ def test_only_gpu_experiments_train_on_a_corpus_of_their_own():
         ),
         (["parallel.grad_compression=powersgd", "parallel.powersgd_rank=0"], 2, "powersgd_rank=0"),
         (
+            ["parallel.grad_compression=powersgd", "parallel.powersgd_rank=55"],
+            2,
+            "parallel.powersgd_rank=55 compresses none of this model's matrices",
+        ),
+        (
+            ["parallel.powersgd_compress_vocab=true"],
+            2,
+            "parallel.powersgd_compress_vocab=true chooses the matrices PowerSGD compresses, "
+            "and parallel.grad_compression=null is not powersgd",
+        ),
+        (
+            ["parallel.zero_stage=1", "parallel.grad_compression=int8"]
+            + ["parallel.powersgd_compress_vocab=true"],
+            2,
+            "parallel.grad_compression=int8 is not powersgd",
+        ),
+        (
+            ["parallel.cp_comm_type=a2a_ring", "parallel.cp_a2a_size=2"],
+            1,
+            "parallel.cp=1 has none to group (context parallelism is off): set cp_a2a_size to null",
+        ),
+        (
+            ["model.moe.num_experts=4", "model.moe.router.num_groups=0"]
+            + ["model.moe.router.max_groups=1"],
+            1,
+            "model.moe.router.num_groups=0 must be >= 1",
+        ),
+        (
             ["parallel.grad_compression_start_step=100"],
             2,
             "parallel.grad_compression_start_step=100 delays a compression that is not set",
@@ -275,3 +312,141 @@ def test_head_dim_frees_the_width_from_hidden_over_heads():
     assert not errors_for(["model.hidden_size=130", "model.head_dim=32"], 1)
     cfg = load_config(["model.hidden_size=130", "model.head_dim=32"])
     assert derive(cfg, 1).head_dim == 32
+
+
+def test_document_boundaries_must_be_an_id_of_the_vocabulary():
+    packed = ["data.reset_attention_mask=true"]
+    assert not errors_for([*packed, "data.document_boundaries=4095"])  # the corpus's last id
+    errors = errors_for([*packed, "data.document_boundaries=4096"])
+    assert len(errors) == 1, errors
+    assert "vocabulary of 4096 tokens (data.vocab_size, the tokenizer the built-in" in errors[0]
+    errors = errors_for([*packed, "model.vocab_size=1000", "data.document_boundaries=1000"])
+    assert len(errors) == 1, errors
+    assert "vocabulary of 1000 tokens (model.vocab_size; ids 0 to 999)" in errors[0]
+    # Indexed data: its tokenizer's size is known once it is loaded (the build checks it then).
+    indexed = load_config(["data=indexed", *packed, "data.document_boundaries=40000"])
+    assert not config_errors(indexed, 1, data=False)
+    errors = vocab_errors(indexed, 32000)
+    assert len(errors) == 1, errors
+    assert errors[0].startswith("data.document_boundaries=40000 is not an id of the vocabulary")
+    assert "32000 tokens (the tokenizer's; ids 0 to 31999)" in errors[0]
+    assert not vocab_errors(indexed, 50000)
+
+
+def test_router_values_are_checked_on_a_dense_model_too():
+    dense = [
+        (["model.moe.router.score=tanh"], "model.moe.router.score=tanh is not one of"),
+        (["model.moe.router.z_loss_coef=-1"], "model.moe.router.z_loss_coef=-1.0 must be >= 0"),
+        (["model.moe.router.bias_update_rate=-1"], "bias_update_rate=-1.0 must be >= 0"),
+        (["model.moe.router.num_groups=2"], "num_groups and max_groups go together"),
+        (
+            ["model.moe.router.num_groups=2", "model.moe.router.max_groups=3"],
+            "model.moe.router.max_groups=3 must be in [1, num_groups=2]",
+        ),
+        (
+            ["model.moe.router.num_groups=0", "model.moe.router.max_groups=1"],
+            "model.moe.router.num_groups=0 must be >= 1 (the expert groups",
+        ),
+    ]
+    for overrides, needle in dense:
+        assert [needle in e for e in errors_for(overrides)] == [True], overrides
+    # What depends on the experts is not asked of a model without them (noted instead).
+    groups = ["model.moe.router.num_groups=3", "model.moe.router.max_groups=3"]
+    assert errors_for(groups) == []
+    assert config_notes(load_config(groups)) == [
+        "model.moe.router.num_groups=3, model.moe.router.max_groups=3 have no effect on a dense "
+        "model (model.moe.num_experts=0: no block routes tokens to experts)"
+    ]
+    assert (
+        "must divide model.moe.num_experts=4" in errors_for(["model.moe.num_experts=4", *groups])[0]
+    )
+
+
+def test_offload_is_noted_on_a_cpu_run_only_where_the_device_is_known():
+    offload = load_config(["parallel.optimizer_offload=true"])  # trainer.device=auto
+    assert config_notes(offload) == config_notes(offload, cuda_available=True) == []
+    notes = config_notes(offload, cuda_available=False)
+    assert notes == [
+        "parallel.optimizer_offload=true moves nothing on the CPU (trainer.device=auto): the "
+        "optimizer's state already is in host memory"
+    ]
+
+
+def test_the_compile_cache_dir_is_tried_where_the_run_writes_it(tmp_path):
+    """Only the trainer's check looks at the path (dry runs and the planner may run on another
+    machine); a path nobody can write is in sysfs for root, whom the mode bits do not stop."""
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    unwritable = tmp_path / "ro"
+    unwritable.mkdir(mode=0o555)
+    if os.geteuid() == 0:
+        unwritable = "/sys/megatronish-compile-cache"
+    cases = [
+        (afile, f"trainer.compile_cache_dir={afile} is a file, not a directory: give a directory"),
+        (afile / "x", f"trainer.compile_cache_dir={afile}/x is inside the file {afile}: give"),
+        (f"{unwritable}/x", f"trainer.compile_cache_dir={unwritable}/x cannot be written ("),
+    ]
+    for path, needle in cases:
+        cfg = load_config(["trainer.compile=true", f"trainer.compile_cache_dir={path}"])
+        errors = config_errors(cfg, 1)
+        assert [needle in e for e in errors] == [True], errors
+        assert config_errors(cfg, 1, data=False) == []
+        cfg.trainer.compile = False  # nothing is compiled: nothing is written there
+        assert config_errors(cfg, 1) == []
+    fresh = load_config(["trainer.compile=true", f"trainer.compile_cache_dir={tmp_path}/new/c"])
+    assert config_errors(fresh, 1) == [] and not (tmp_path / "new").exists()
+
+
+POWERSGD_LAYOUTS = [
+    ([], 1),
+    (["parallel.tp=2"], 2),
+    (["parallel.tp=2", "model.num_query_groups=1"], 2),  # kv heads replicated over tp
+    (["model.arch=gpt2"], 1),  # learned positions, tied head
+    (["model.arch=gpt2", "parallel.pp=2"], 2),
+    (["parallel.powersgd_compress_vocab=true"], 1),
+    (["parallel.tp=2", "parallel.powersgd_compress_vocab=true"], 2),
+    (
+        ["model.hidden_size=16", "model.num_attention_heads=2", "model.num_query_groups=2"]
+        + ["model.ffn_hidden_size=16"],
+        1,
+    ),
+    (
+        ["model.moe.num_experts=8", "model.moe.shared_experts=1", "model.moe.layer_freq=2"]
+        + ["parallel.ep=2", "model.moe.ffn_hidden_size=512"],
+        2,
+    ),
+    (
+        ["model.moe.num_experts=4", "parallel.tp=2", "parallel.sp=true"]
+        + ["model.moe.ffn_hidden_size=1024"],
+        2,
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "overrides, world", POWERSGD_LAYOUTS, ids=[" ".join(o) for o, _ in POWERSGD_LAYOUTS]
+)
+def test_the_powersgd_rank_rule_knows_the_matrices_the_trainer_compresses(overrides, world):
+    """The rule's most compressible matrix is the built model's: the largest rank at which
+    PowerSGD (its own choice of matrices) compresses any weight of any pipeline rank."""
+    assert POWERSGD_MIN_RATE == MIN_COMPRESSION_RATE
+    cfg = runs.test_config(overrides, 1)
+    vocab = cfg.parallel.powersgd_compress_vocab
+    layout = layout_from_config(cfg, world)
+    built = 0
+    for pp_rank in range(layout.pp):
+        for chunk in meta_chunks(spec_of(cfg), layout, pp_rank):
+            for p in chunk.parameters():
+                if param_info(p).vocab and not vocab:
+                    continue
+                rank = 0
+                while compressible(p.shape, rank + 1) is not None:
+                    rank += 1
+                built = max(built, rank)
+    rule = max(largest_powersgd_rank(n, m) for n, m in powersgd_matrices(cfg).values())
+    assert rule == built
+    powersgd = [*overrides, "parallel.grad_compression=powersgd"]
+    too_high = runs.test_config([*powersgd, f"parallel.powersgd_rank={built + 1}"], 1)
+    assert [e for e in config_errors(too_high, 2 * world, data=False) if "powersgd_rank" in e]
+    fits = runs.test_config([*powersgd, f"parallel.powersgd_rank={max(built, 1)}"], 1)
+    assert not [e for e in config_errors(fits, 2 * world, data=False) if "powersgd_rank" in e]

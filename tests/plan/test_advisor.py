@@ -15,6 +15,7 @@ from megatronish.config.validate import config_errors
 from megatronish.plan.advisor import Ranked, advise, fit_phrase, reason
 from megatronish.plan.candidates import (
     MICRO_BATCH_SIZES,
+    base_errors,
     divisors,
     dp_variants,
     node_shard_size,
@@ -427,6 +428,18 @@ def test_layouts_across_nodes_are_also_candidates_with_compression():
     layouts = valid_layouts(tiny_config(EIGHT_LAYERS, 1), 8, gpus_per_node=2)
     kinds = {(x.zero_stage, x.grad_compression) for x in layouts if x.grad_compression}
     assert kinds == {(0, "powersgd"), (1, "powersgd"), (1, "int8"), (2, "int8"), (3, "int8")}
+
+
+def test_the_configs_compression_keys_do_not_refuse_the_candidates():
+    """A config that compresses from step 10 with the vocabulary: every candidate shape is
+    checked uncompressed (its variants add the compression), so the keys that tune the
+    config's own compression must not make the shapes invalid."""
+    tuned = ["parallel.zero_stage=1", "parallel.grad_compression=powersgd"]
+    tuned += ["parallel.grad_compression_start_step=10", "parallel.powersgd_compress_vocab=true"]
+    cfg = tiny_config([*EIGHT_LAYERS, *tuned], 1)
+    assert config_errors(cfg, 2, data=False) == []
+    assert base_errors(cfg) == []
+    assert len(valid_layouts(cfg, 8)) == len(valid_layouts(tiny_config(EIGHT_LAYERS, 1), 8))
 
 
 GPT_1B_MB8 = ["+experiment=gpt_1b", "model.vocab_size=32000", "trainer.micro_batch_size=8"]

@@ -18,11 +18,21 @@ $(STAMP): pyproject.toml scripts/install.sh
 	@touch $(STAMP)
 
 # After training, a sample from the final checkpoint (the run's ARGS find it); SAMPLE= skips it.
-# Exit code 7 (the run in outputs/ is already complete) is not a failure here.
+# Exit code 7 (the run in outputs/ is already complete) is not a failure here, and neither is 4,
+# a graceful stop (a stop signal or trainer.exit_after_minutes; a checkpoint was saved and
+# `make train` again resumes it): one line then, and no sample. A Ctrl-C in the terminal reaches
+# make too, which ends with its own "Interrupt" once the trainer has saved.
 SAMPLE ?= prompt='class Foo:' max_new_tokens=40
 train: $(STAMP)
-	$(PY) -m megatronish.train $(ARGS) || [ $$? -eq 7 ]
-	$(if $(SAMPLE),$(PY) -m megatronish.generate $(ARGS) $(SAMPLE))
+	@echo "$(PY) -m megatronish.train $(ARGS)"
+	@$(PY) -m megatronish.train $(ARGS); code=$$?; \
+	if [ $$code -eq 4 ]; then \
+	  echo "make train: stopped with a checkpoint (exit 4); make train again resumes the run"; \
+	  exit 0; \
+	fi; \
+	[ $$code -eq 0 ] || [ $$code -eq 7 ] || exit $$code; \
+	$(if $(SAMPLE),echo "$(PY) -m megatronish.generate $(ARGS) $(SAMPLE)"; \
+	  $(PY) -m megatronish.generate $(ARGS) $(SAMPLE))
 
 # Two pytest-xdist workers (a file's tests run on one of them, sharing its module caches); most
 # tests are one single-threaded process, so the second core would otherwise idle. More workers
@@ -59,7 +69,8 @@ KERNEL_TESTS ?= tests/model/test_bf16.py tests/moe/test_moe.py tests/moe/test_mo
 	tests/context_parallel/test_context_parallel.py tests/context_parallel/test_ring_attention.py \
 	tests/context_parallel/test_a2a_ring.py tests/tensor_parallel/test_fp8.py \
 	tests/training/test_reference_parity.py \
-	tests/model/test_linear_cross_entropy.py tests/model/test_head_main_grad.py tests/model/test_rms_norm_kernel.py
+	tests/model/test_linear_cross_entropy.py tests/model/test_head_main_grad.py tests/model/test_rms_norm_kernel.py \
+	tests/data_parallel/test_main_grad_accumulation.py tests/data_parallel/test_hybrid_shard.py
 test-kernels: $(STAMP)
 	$(BYTECODE)
 	$(BASELINE_KERNELS) WANDB_MODE=disabled $(PY) -m pytest $(KERNEL_TESTS) $(XDIST) $(PYTEST_ARGS)
@@ -87,6 +98,8 @@ config-docs: $(STAMP)
 # `PYTHON=python3 make gpu-check` (PYTHON given, or no .venv beside a wheelhouse) installs the
 # wheelhouse of `make gpu-wheels` into a temporary directory, offline, and runs the check on that
 # Python (scripts/gpu_env.sh). Elsewhere the check runs in .venv, installed first if need be.
+# ARGS go to the check, e.g. ARGS="--sections documents,compiled --out $OUT/gpu.md": the report
+# is rewritten after each section, so a run stopped at its time limit returns what it measured.
 .PHONY: gpu-wheels gpu-env-check
 GPU_WHEELS ?= .gpu-wheels
 GPU_PYTHON_VERSION ?= 3.12

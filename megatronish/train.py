@@ -7,11 +7,13 @@ and derived values, then exits.
 
 Exit codes: 0 done, 2 invalid config, 3 bad data or a failure reported by another rank,
 4 stopped early by a signal or ``trainer.exit_after_minutes`` with a checkpoint saved (the next
-launch resumes from it; see docs/operations.md), 5 ``trainer.max_skipped_steps`` steps in a row
-had a non-finite loss or grad norm (nothing saved since the fault), 6 a collective failed or
-timed out (a peer rank died or hangs; the message names the group and op; also on NCCL, see
-megatronish/distributed/nccl_errors.py), 7 the run in ``checkpoint.dir`` is already complete
-(nothing to train), 130 aborted by a second Ctrl-C (the first stops gracefully: exit 4).
+launch resumes from it; see docs/operations.md; a stop signal during start-up, from the first
+line of this module on, stops before anything is built), 5 ``trainer.max_skipped_steps`` steps
+in a row had a non-finite loss or grad norm (nothing saved since the fault), 6 a collective
+failed or timed out (a peer rank died or hangs; the message names the group and op; also on
+NCCL, see megatronish/distributed/nccl_errors.py), 7 the run in ``checkpoint.dir`` is already
+complete (nothing to train), 130 aborted by a second Ctrl-C or one during start-up (imports
+included; one line, no traceback), where a first Ctrl-C in training stops gracefully (exit 4).
 A config that differs from the run saved in ``checkpoint.dir`` in keys that change the run is
 refused with the differences, exit 2 (docs/operations.md, "Runs and resumes").
 A CUDA error is a device fault: exit 1, traceback.
@@ -25,29 +27,40 @@ import sys
 import traceback
 from typing import TYPE_CHECKING
 
-import hydra
-import torch
-from hydra.errors import HydraException
-from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from megatronish.training.startup_signals import (
+    ABORTED,
+    EXIT_ABORTED,
+    StartupSignals,
+    ctrl_c_aborts,
+)
 
-from megatronish.checkpoint.format import CheckpointError
-from megatronish.checkpoint.run_identity import ConfigChanged, RunComplete
-from megatronish.config.cli_errors import composition_error_reason, repeated_keys_reason
-from megatronish.config.compose import CONFIG_DIR
-from megatronish.config.derived import derive, pad_vocab
-from megatronish.config.schema import TrainConfig, register_configs
-from megatronish.config.sweep import sweep_job_dir, swept_keys
-from megatronish.config.validate import ConfigError, config_errors
-from megatronish.config.value_rules import config_notes
-from megatronish.distributed.agree import PeerError, agree
-from megatronish.distributed.comm import CollectiveError
-from megatronish.distributed.launch import LaunchEnv, detect_launch
-from megatronish.distributed.nccl_errors import describe_comm_error, failed_groups_message
-from megatronish.distributed.parallel_grid import ParallelGrid, rank_map_table
-from megatronish.distributed.shutdown import shutdown_process_groups
-from megatronish.training.numerics import StepResult, TooManySkippedSteps
-from megatronish.training.stop import StopRequest
+# Run as `python -m megatronish.train`: from here on a stop signal is recorded (a stop once the
+# process groups exist) and a Ctrl-C while torch and Hydra import is one line and exit 130.
+_STARTUP = StartupSignals.install() if __name__ == "__main__" else None
+with ctrl_c_aborts(enabled=__name__ == "__main__"):
+    import hydra
+    import torch
+    from hydra.errors import HydraException
+    from omegaconf import DictConfig, OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    from megatronish.checkpoint.format import CheckpointError
+    from megatronish.checkpoint.run_identity import ConfigChanged, RunComplete
+    from megatronish.config.cli_errors import composition_error_reason, repeated_keys_reason
+    from megatronish.config.compose import CONFIG_DIR
+    from megatronish.config.derived import derive, pad_vocab
+    from megatronish.config.schema import TrainConfig, register_configs
+    from megatronish.config.sweep import sweep_job_dir, swept_keys
+    from megatronish.config.validate import ConfigError, config_errors
+    from megatronish.config.value_rules import config_notes
+    from megatronish.distributed.agree import PeerError, agree
+    from megatronish.distributed.comm import CollectiveError
+    from megatronish.distributed.launch import LaunchEnv, detect_launch
+    from megatronish.distributed.nccl_errors import describe_comm_error, failed_groups_message
+    from megatronish.distributed.parallel_grid import ParallelGrid, rank_map_table
+    from megatronish.distributed.shutdown import shutdown_process_groups
+    from megatronish.training.numerics import StepResult, TooManySkippedSteps
+    from megatronish.training.stop import StopRequest
 
 if TYPE_CHECKING:
     from megatronish.checkpoint.resume import ResumePlan
@@ -60,7 +73,7 @@ EXIT_STOPPED = 4
 EXIT_NONFINITE = 5
 EXIT_COMM = 6
 EXIT_COMPLETE = 7
-EXIT_ABORTED = 130  # Ctrl-C twice (or during start-up): the shell's code for SIGINT
+# EXIT_ABORTED (130, from startup_signals): Ctrl-C twice, or once during start-up
 SHUTDOWN_WAIT_S = 30.0  # the longest wait for process-group threads to end at exit
 # The shortest: joining the groups' threads takes seconds on a loaded host (3.4 s measured with
 # 2 cores shared by 4 ranks), also when collective_timeout_s is shorter than that.
@@ -108,9 +121,10 @@ def dry_run_report(cfg: TrainConfig, world_size: int) -> str:
 def run(cfg: TrainConfig, stop: StopRequest | None = None, launch: LaunchEnv | None = None):
     """Train with a composed, validated config; returns the trainer's step results on this rank.
 
-    ``stop``'s signal handlers are installed for training and the final save only: a signal
-    during start-up keeps its default action (there is nothing to save yet). ``launch``: the
-    launcher's environment (read from this process's when not given). Raises
+    Once the process groups exist the ranks agree on ``stop`` (one all-reduce): a stop signal
+    any of them got during start-up ends the run there, before anything is built, with
+    ``stop.reason`` set (the caller's exit code 4). ``launch``: the launcher's environment
+    (read from this process's when not given). Raises
     :class:`~megatronish.checkpoint.run_identity.ConfigChanged` or
     :class:`~megatronish.checkpoint.run_identity.RunComplete` on every rank, before building
     anything, when ``checkpoint.dir`` holds another run or this one complete.
@@ -120,9 +134,20 @@ def run(cfg: TrainConfig, stop: StopRequest | None = None, launch: LaunchEnv | N
     launch = launch or detect_launch()
     derived, topo = start_topology(cfg, launch)
     try:
+        if stop is not None and _stop_before_training(stop, topo):
+            return []
         return _train(cfg, launch, topo, derived, stop)
     finally:
         topo.close()  # its process groups are destroyed by main_with_config
+
+
+def _stop_before_training(stop: StopRequest, topo) -> bool:
+    """Collective: whether the ranks agree to stop before building anything (a stop signal
+    reached one of them while it started); rank 0 says so."""
+    reason = stop.agreed(topo.world_group)
+    if reason is not None and topo.rank == 0:
+        print(f"stopping before training ({reason}): nothing trained, nothing to save", flush=True)
+    return reason is not None
 
 
 def _train(cfg: TrainConfig, launch: LaunchEnv, topo, derived, stop: StopRequest | None):
@@ -249,10 +274,13 @@ def _fit_and_save(
     return history
 
 
-def main_with_config(cfg: TrainConfig, launch: LaunchEnv | None = None) -> int:
+def main_with_config(
+    cfg: TrainConfig, launch: LaunchEnv | None = None, startup: StartupSignals | None = None
+) -> int:
     """Validate, dry-run or train; returns the process exit code. Never raises for user errors.
 
-    ``launch``: the launcher's environment (read from this process's when not given).
+    ``launch``: the launcher's environment (read from this process's when not given);
+    ``startup``: the stop signals recorded since the process started (``python -m``).
     """
     launch = launch or detect_launch()
     prefix = f"[rank {launch.rank}] " if launch.world_size > 1 else ""
@@ -273,7 +301,7 @@ def main_with_config(cfg: TrainConfig, launch: LaunchEnv | None = None) -> int:
             print(f"{prefix}invalid config: {errors[0]}", file=sys.stderr, flush=True)
         return EXIT_CONFIG
     if launch.rank == 0:
-        for note in config_notes(cfg):
+        for note in config_notes(cfg, cuda_available=cuda):
             print(f"note: {note}", flush=True)
     if cfg.trainer.dry_run:
         from megatronish.plan.vocab import VocabError
@@ -293,9 +321,11 @@ def main_with_config(cfg: TrainConfig, launch: LaunchEnv | None = None) -> int:
         print(f"{prefix}{e}", file=sys.stderr, flush=True)
         return EXIT_CONFIG
     code = 1  # an unexpected error: its traceback follows
+    stop.take_over(startup)  # a stop signal from here on stops the run, also during start-up
     try:
         code = _run_and_report(cfg, stop, launch, prefix)
     finally:
+        stop.uninstall()
         _end_process_groups(cfg, code, prefix)
     if code == 0 and stop.reason is not None:
         if launch.rank == 0:
@@ -324,12 +354,7 @@ def _run_and_report(cfg: TrainConfig, stop: StopRequest, launch: LaunchEnv, pref
             )
         return EXIT_COMPLETE
     except KeyboardInterrupt:
-        print(
-            f"{prefix}aborted (a second Ctrl-C, or one during start-up): nothing saved since "
-            "the last checkpoint",
-            file=sys.stderr,
-            flush=True,
-        )
+        print(f"{prefix}{ABORTED}", file=sys.stderr, flush=True)
         return EXIT_ABORTED
     except (PeerError, FileNotFoundError, CheckpointError) as e:
         print(f"{prefix}error: {e}", file=sys.stderr, flush=True)
@@ -372,8 +397,10 @@ def _end_process_groups(cfg: TrainConfig, code: int, prefix: str) -> None:
     os._exit(code)
 
 
-def main() -> None:
-    """Compose with Hydra and run; a composition error is one line on stderr and exit 2."""
+def main(startup: StartupSignals | None = None) -> None:
+    """Compose with Hydra and run; a composition error is one line on stderr and exit 2.
+
+    ``startup``: the stop signals recorded since the process started (``python -m``)."""
     register_configs()
     launch = detect_launch()
     prefix = f"[rank {launch.rank}] " if launch.world_size > 1 else ""
@@ -389,7 +416,7 @@ def main() -> None:
             cfg.out_dir = sweep_job
         OmegaConf.resolve(cfg)  # an interpolation error is a composition error
         started.append(True)
-        code = main_with_config(cfg, launch)
+        code = main_with_config(cfg, launch, startup)
         if code and not (sweep_job is not None and code == EXIT_COMPLETE):
             sys.exit(code)  # a complete job of a sweep goes on to the next one
 
@@ -409,4 +436,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with ctrl_c_aborts():  # before the process groups exist (the run catches its own)
+        main(_STARTUP)

@@ -170,7 +170,9 @@ def compile_model(cfg: TrainConfig, topo: Topology, chunks: list) -> None:
     the first rank of each pipeline stage logs why its blocks, if any, compile in pieces."""
     t = cfg.trainer
     if t.compile_cache_dir:  # read by inductor when it first looks for a compiled graph
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.abspath(t.compile_cache_dir)
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.abspath(
+            os.path.expanduser(t.compile_cache_dir)
+        )
     first_of_stage = (topo.coords.tp, topo.coords.cp, topo.coords.dp) == (0, 0, 0)
     prefix = f"[compile] stage {topo.coords.pp}: " if topo.pp > 1 else "[compile] "
 

@@ -1,12 +1,15 @@
 """Graceful stop: a signal or ``trainer.exit_after_minutes`` ends training at a step boundary.
 
 A signal handler only records which signal arrived. At every step boundary the trainer asks
-:meth:`StopRequest.agreed`, one all-reduce (MAX) of this rank's reason code over the world (a
-host tensor: gloo, never a device sync), so every rank stops after the same step even when only
-some ranks got the signal or their clocks disagree about the deadline. The trainer then saves a
-checkpoint and the process exits with ``EXIT_STOPPED`` (see ``megatronish/train.py`` and
-``docs/operations.md``, which also gives the check's cost at scale: the host blocks for one gloo
-all-reduce per step, hidden while the GPU has the step's work queued).
+:meth:`StopRequest.agreed_late`, one all-reduce (MAX) of this rank's reason code over the world
+(a host tensor: gloo, never a device sync) posted at one boundary and read at the next, so every
+rank stops after the same step even when only some ranks got the signal or their clocks disagree
+about the deadline, and the host never waits for the world at a boundary (its cost at scale is
+in ``docs/operations.md``); before training, :meth:`StopRequest.agreed` asks at once. The
+trainer then saves a checkpoint and the process exits with ``EXIT_STOPPED`` (see
+``megatronish/train.py``). Signals that arrive
+before the request exists, while the entry point still imports torch, are recorded by
+:mod:`megatronish.training.startup_signals` and handed over by :meth:`StopRequest.take_over`.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import torch
 
 from megatronish.config.validate import ConfigError
 from megatronish.distributed.comm import ParallelGroup, all_reduce
+from megatronish.training.startup_signals import StartupSignals
 
 # Reason codes, ordered: when ranks disagree the all-reduce MAX picks the highest.
 NO_STOP, DEADLINE, SIGNAL = 0, 1, 2
@@ -84,6 +88,7 @@ class StopRequest:
         self._sigints = 0  # Ctrl-C presses so far
         self.reason: str | None = None  # why the ranks agreed to stop; None while training
         self._previous: dict[signal.Signals, object] = {}
+        self._posted: tuple | None = None  # agreed_late's all-reduce in flight, and its tensor
 
     @classmethod
     def from_config(
@@ -94,8 +99,9 @@ class StopRequest:
         return cls(signals, trainer_cfg.exit_after_minutes, clock, notice)
 
     # -- signal handlers (main thread only) ---------------------------------------------------
-    def install(self) -> None:
-        """Handle the stop signals in this process until :meth:`uninstall`.
+    def install(self, ctrl_c: bool = True) -> None:
+        """Handle the stop signals in this process until :meth:`uninstall`; with ``ctrl_c``
+        false all but SIGINT (a Ctrl-C then keeps aborting). Installing again adds SIGINT.
 
         Python runs signal handlers in the main thread only; elsewhere (a run started from a
         thread) the signals keep their actions and only the deadline applies.
@@ -103,7 +109,17 @@ class StopRequest:
         if threading.current_thread() is not threading.main_thread():
             return
         for sig in self.signals:
-            self._previous[sig] = signal.signal(sig, self._on_signal)
+            if sig not in self._previous and (ctrl_c or sig != signal.SIGINT):
+                self._previous[sig] = signal.signal(sig, self._on_signal)
+
+    def take_over(self, startup: StartupSignals | None) -> None:
+        """From now on (start-up included) handle the stop signals but Ctrl-C, and count the one
+        the entry point's :class:`StartupSignals` recorded before, if any, as received."""
+        self.install(ctrl_c=False)
+        if startup is not None:
+            earlier = startup.hand_over(self.signals)
+            if self.received is None:
+                self.received = earlier
 
     def uninstall(self) -> None:
         """Put back the handlers that were there before :meth:`install`."""
@@ -116,6 +132,9 @@ class StopRequest:
         return self
 
     def __exit__(self, *exc) -> None:
+        # The check posted after the run's last step is never read; its work handle would keep
+        # the world group alive past the run (groups are destroyed once nothing holds them).
+        self._posted = None
         self.uninstall()
 
     def _on_signal(self, signum, frame) -> None:
@@ -157,4 +176,29 @@ class StopRequest:
         agreed = int(code.item())
         if agreed != NO_STOP:
             self.reason = self.describe(agreed)
+        return self.reason
+
+    @property
+    def posted_code(self) -> torch.Tensor | None:
+        """The host tensor of the all-reduce :meth:`agreed_late` posted and has not read yet."""
+        return None if self._posted is None else self._posted[1]
+
+    def agreed_late(self, group: ParallelGroup) -> str | None:
+        """Collective, at every step boundary: :meth:`agreed` a step late, so the host never
+        waits for the world. Reads the all-reduce posted at the previous boundary (long done:
+        a step ran since) and posts this boundary's code without waiting, so every rank stops
+        after the same step, the one after the boundary that first saw a reason. One rank
+        alone has no one to ask and stops at once."""
+        if group.size == 1:
+            return self.agreed(group)
+        posted, self._posted = self._posted, None
+        if posted is not None:
+            work, code = posted
+            work.wait()
+            agreed = int(code.item())
+            if agreed != NO_STOP:
+                self.reason = self.describe(agreed)
+                return self.reason
+        code = torch.tensor([float(self.local_code())])  # on the host, on purpose
+        self._posted = (all_reduce(code, group, op="max", async_op=True), code)
         return self.reason

@@ -469,7 +469,7 @@ class Trainer:
     def _stop_agreed(self, step: int) -> bool:
         """Collective (on the host): True when the ranks agree to stop now, after saving this
         step."""
-        reason = self.stop.agreed(self.topo.world_group)
+        reason = self.stop.agreed_late(self.topo.world_group)
         if reason is None:
             return False
         self.settle()  # whether this step may be saved

@@ -6,7 +6,9 @@
 #   run_torchrun.sh [--forward-signals] PYTHON [torchrun options] -- [train.py arguments]
 #
 # Each worker runs under record_exit.sh, which writes its code to a directory of this node;
-# see workers_exit_code in torchrun.sh for how the codes become this script's.
+# see workers_exit_code in torchrun.sh for how the codes become this script's. torchrun runs as
+# quiet_torchrun.py: after a stop signal, or workers that stopped with a checkpoint (4) or found
+# the run complete (7), the one line below stands instead of torchrun's traceback.
 #
 # Stop signals: with --forward-signals (scripts/launch_local.sh) torchrun runs in a process
 # group of its own and this script passes each stop signal it gets on to torchrun, once: a
@@ -33,7 +35,7 @@ source "$lib/torchrun.sh"
 codes=$(mktemp -d "${TMPDIR:-/tmp}/megatronish-workers.XXXXXX") || exit 1
 trap 'rm -rf "$codes"' EXIT
 # shellcheck disable=SC2046  # the signal options: a list
-cmd=("$python" -m torch.distributed.run "${options[@]}" $(torchrun_signal_args "$python")
+cmd=("$python" "$lib/quiet_torchrun.py" "${options[@]}" $(torchrun_signal_args "$python")
   --no-python bash "$lib/record_exit.sh" "$codes" "$python" -m megatronish.train "$@")
 if ((forward)); then
   set -m  # torchrun in a process group of its own: the terminal's signals reach this shell only

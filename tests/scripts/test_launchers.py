@@ -1,13 +1,16 @@
 """The launch scripts without training: which interpreter they run, the job's port and CPUs, and
 what their exit codes mean to SLURM, with a stand-in 'python' that records how it was started.
 
-The stand-in runs the launchers' probes (``python -c``) on the real interpreter; as torchrun it
-starts ``--nproc-per-node`` workers and exits 1 when one fails (torchrun's code), or execs the
-real torchrun when ``REAL_TORCHRUN=1``; as ``megatronish.train`` it records its environment and
-exits ``TRAIN_EXIT``, or waits for SIGTERM or SIGUSR2 and then exits 4 (``TRAIN_STOP_EXIT``
-after SIGTERM) when ``TRAIN_WAIT_FOR_TERM=1``.
+The stand-in runs the launchers' probes (``python -c``) on the real interpreter; as torchrun
+(scripts/lib/quiet_torchrun.py) it starts ``--nproc-per-node`` workers and exits 1 when one
+fails (torchrun's code), or runs the real one when ``REAL_TORCHRUN=1``; as
+``megatronish.train`` it records its environment and exits ``TRAIN_EXIT``, or waits for SIGTERM
+or SIGUSR2 and then exits 4 (``TRAIN_STOP_EXIT`` after SIGTERM) when ``TRAIN_WAIT_FOR_TERM=1``;
+as ``megatronish.generate`` it records that it ran (``make train`` runs it as ``PY``).
 """
 
+import importlib.util
+import logging
 import os
 import signal
 import subprocess
@@ -24,10 +27,10 @@ LIB = REPO / "scripts" / "lib"
 SBATCH = REPO / "scripts" / "slurm" / "train.sbatch"
 STAND_IN = f"""#!/usr/bin/env bash
 if [[ $1 == -c ]]; then exec {sys.executable} "$@"; fi
-if [[ $1 == -m && $2 == torch.distributed.run ]]; then
-  echo "torchrun ${{*:3}}" >> "$SEEN"
+if [[ $1 == */scripts/lib/quiet_torchrun.py ]]; then
+  echo "torchrun ${{*:2}}" >> "$SEEN"
   if [[ ${{REAL_TORCHRUN:-}} == 1 ]]; then exec {sys.executable} "$@"; fi
-  shift 2
+  shift
   n=1
   while (($#)) && [[ $1 != --no-python ]]; do
     if [[ $1 == --nproc-per-node ]]; then n=$2; fi
@@ -52,6 +55,10 @@ if [[ $1 == -m && $2 == megatronish.train ]]; then
     while :; do sleep 0.05; done
   fi
   exit "${{TRAIN_EXIT:-0}}"
+fi
+if [[ $1 == -m && $2 == megatronish.generate ]]; then
+  echo "generate ${{*:3}}" >> "$SEEN"
+  exit 0
 fi
 echo "stand-in python: unexpected arguments $*" >&2
 exit 99
@@ -176,9 +183,13 @@ def test_a_torchrun_launch_exits_with_its_workers_code(tmp_path):
     assert workers_exit_code(tmp_path, 1, {}) == 1
 
 
-@pytest.mark.parametrize("code", [3, 4, 7])
-def test_launch_local_exits_with_the_trainers_code_not_torchruns(tmp_path, stand_in, code):
+@pytest.mark.parametrize("code,real", [(3, False), (4, True), (7, False)])
+def test_launch_local_exits_with_the_trainers_code_not_torchruns(tmp_path, stand_in, code, real):
+    """A stop (4) through the real torchrun: the workers' lines and the script's one line, no
+    torchrun traceback or summary (quiet_torchrun.py; its other cases are tested in process)."""
     env = clean_env(PYTHON=str(stand_in), SEEN=str(tmp_path / "seen"), TRAIN_EXIT=str(code))
+    if real:
+        env["REAL_TORCHRUN"] = "1"
     done = subprocess.run(
         ["bash", str(REPO / "scripts/launch_local.sh"), "2"],
         env=env,
@@ -189,6 +200,55 @@ def test_launch_local_exits_with_the_trainers_code_not_torchruns(tmp_path, stand
     assert done.returncode == code, done.stderr
     assert f"torchrun exited with 1, its workers with {code}" in done.stderr
     assert len(trains(tmp_path)) == 2
+    if real:
+        assert "Traceback" not in done.stderr and "ChildFailedError" not in done.stderr
+        assert f"failed (exitcode: {code})" not in done.stderr, done.stderr
+
+
+def quiet_torchrun():
+    spec = importlib.util.spec_from_file_location("quiet_torchrun", LIB / "quiet_torchrun.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def failed_workers(*codes: int):
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    failures = {r: ProcessFailure(r, 100 + r, c, "<N/A>") for r, c in enumerate(codes)}
+    return ChildFailedError("bash", failures)
+
+
+def test_quiet_torchrun_ends_a_signal_or_graceful_workers_without_a_traceback(capfd):
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    from megatronish.train import EXIT_COMPLETE, EXIT_STOPPED
+
+    quiet = quiet_torchrun()
+    assert quiet.GRACEFUL_CODES == (EXIT_STOPPED, EXIT_COMPLETE)
+
+    def torchrun_raising(error):
+        def torchrun(argv):
+            assert argv == ["--standalone"]
+            raise error
+
+        return torchrun
+
+    for error in (SignalException("got 15", signal.SIGTERM), failed_workers(4, 7, 4)):
+        assert quiet.run(["--standalone"], torchrun_raising(error)) == 1
+    assert quiet.run(["--standalone"], lambda argv: None) == 0
+    for codes in ((4, 6), (1,), (137, 4)):  # a failure keeps torchrun's report
+        with pytest.raises(type(failed_workers(1))):
+            quiet.run(["--standalone"], torchrun_raising(failed_workers(*codes)))
+    assert capfd.readouterr() == ("", "")
+    # torchrun's "failed" line: dropped for a graceful code only
+    keep = quiet._GracefulWorkers().filter
+    record = logging.LogRecord(
+        "x", logging.ERROR, "api.py", 1, quiet.FAILED_WORKER + " r", (4, 0), None
+    )
+    assert not keep(record)
+    record.args = (6, 0)
+    assert keep(record)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR2])
@@ -209,6 +269,37 @@ def test_a_stop_signal_to_launch_local_reaches_real_torchruns_workers_and_their_
     assert code == 4, text[-2000:]
     assert seen(tmp_path).count(f"train got {sig.name[3:]}") == 2, seen(tmp_path)
     assert "torchrun exited with 1, its workers with 4: exiting with 4" in text
+    assert "Traceback" not in text and "SignalException" not in text, text[-2000:]
+
+
+# -- make train ---------------------------------------------------------------------------------
+def make_train_env(tmp_path: Path, **extra) -> tuple[list[str], dict[str, str]]:
+    """``make train`` with the stand-in as its PY, an install stamp of its own (no install)."""
+    venv = tmp_path / "venv"
+    venv.mkdir(exist_ok=True)
+    (venv / ".megatronish-installed").touch()
+    env = clean_env(SEEN=str(tmp_path / "seen"), **extra)
+    env = {k: v for k, v in env.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS")}
+    python = tmp_path / "env" / "bin" / "python"
+    return ["make", "train", f"VENV={venv}", f"PY={python}", "ARGS=a=1"], env
+
+
+@pytest.mark.parametrize("train_exit,make_exit", [(0, 0), (7, 0), (4, 0), (3, 2)])
+def test_make_train_samples_a_finished_run_ends_a_stopped_one_in_one_line_and_fails_a_failure(
+    tmp_path, stand_in, train_exit, make_exit
+):
+    """0 and 7 (already complete) sample; 4 (a graceful stop: a signal to the trainer,
+    ``trainer.exit_after_minutes``) is one line, no sample, and no ``Error 1`` (make's exit 2);
+    a failure is make's error. (A Ctrl-C in the terminal also reaches make, which then ends
+    with its own ``Interrupt`` once the trainer has saved: GNU make's handling of SIGINT.)"""
+    cmd, env = make_train_env(tmp_path, TRAIN_EXIT=str(train_exit))
+    done = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == make_exit, done.stdout + done.stderr
+    sampled = [line for line in seen(tmp_path) if line.startswith("generate a=1 prompt=")]
+    assert len(sampled) == (train_exit in (0, 7)), seen(tmp_path)
+    assert ("Error" in done.stderr) == (make_exit != 0), done.stderr
+    stopped = "make train: stopped with a checkpoint (exit 4); make train again resumes the run"
+    assert (stopped in done.stdout) == (train_exit == 4), done.stdout
 
 
 # -- the batch script ---------------------------------------------------------------------------

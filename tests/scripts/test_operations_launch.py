@@ -11,6 +11,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -139,18 +140,40 @@ def test_sigterm_saves_and_stops_then_the_next_launch_survives_a_killed_worker_b
     assert_same_tensors(final_tensors(out), uninterrupted)
 
 
+def catches(pid: int, sig: signal.Signals) -> bool:
+    """Whether process ``pid`` has a handler for ``sig`` (its SigCgt mask in /proc)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:  # exited
+        return False
+    mask = int(re.search(r"^SigCgt:\s*([0-9a-f]+)", status, re.MULTILINE).group(1), 16)
+    return bool(mask >> (sig - 1) & 1)
+
+
 @pytest.mark.slow
-def test_sigusr2_to_torchrun_reaches_the_workers_which_save_and_stop(cache_dir, tmp_path):
+def test_sigterm_just_after_the_launch_stops_every_rank_before_training_in_one_line_each(
+    cache_dir, tmp_path
+):
+    """SIGTERM while the workers still import torch: they record it from the entry module's
+    first lines, agree once their process groups exist and stop (exit 4), no rank silently
+    dead or reporting a crashed peer (6), and no torchrun traceback."""
     out, log = tmp_path / "run", tmp_path / "log"
     proc = launch_local(overrides(cache_dir, out, 1000), log)
-    wait_for(log, r"^step\s+3/1000", proc)
-    workers = training_workers(proc.pid)
-    assert len(workers) == 2, workers
-    proc.send_signal(signal.SIGUSR2)  # without --signals-to-handle it would end torchrun alone
+    deadline = time.monotonic() + 120
+    while not (
+        len(workers := training_workers(proc.pid)) == 2
+        and all(catches(pid, signal.SIGTERM) for pid in workers)
+    ):
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)  # launch_local.sh passes it on to torchrun, torchrun on
     code, text = finish(proc, log)
-    step = stopped_step(text, "SIGUSR2")
-    assert "stopped early (signal SIGUSR2), exit code 4" in text and code == 4
-    assert latest(out) == f"step_{step:07d}"
+    assert "stopping before training (signal SIGTERM): nothing trained" in text, text[-3000:]
+    assert "stopped early (signal SIGTERM), exit code 4" in text
+    assert code == 4 and "torchrun exited with 1, its workers with 4: exiting with 4" in text
+    assert not re.search(r"^step\s", text, re.MULTILINE) and "error:" not in text
+    assert "Traceback" not in text and "SignalException" not in text, text[-3000:]
+    assert not (out / "checkpoints" / "latest").exists()
     alive = [pid for pid in workers if os.path.exists(f"/proc/{pid}")]
     assert not alive, f"workers {alive} outlived torchrun"
 

@@ -1,14 +1,16 @@
 """Ctrl-C: the first stops after the step with a checkpoint (exit 4), a second aborts (exit 130),
-never with a traceback."""
+never with a traceback; one while torch imports aborts in one line, where SIGTERM stops (4)."""
 
 import os
 import signal
 import sys
+import time
 
 import pytest
 
 from megatronish.testing.processes import finish, start, wait_for
 from megatronish.testing.runs import SMALL_STDLIB_RUN
+from megatronish.training.startup_signals import ABORTED
 from megatronish.training.stop import SIGNAL, StopRequest
 
 
@@ -33,6 +35,53 @@ def test_other_stop_signals_never_abort():
         os.kill(os.getpid(), signal.SIGUSR2)
         os.kill(os.getpid(), signal.SIGUSR2)
         assert stop.received == "SIGUSR2"
+
+
+# `python -m megatronish.train` whose `import torch` waits (up to 60 s) for RELEASE to exist,
+# once it wrote MARK.
+HELD_IMPORT = """
+import importlib.abc, os, runpy, sys, time
+class HoldTorch(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name == "torch":
+            open(os.environ["MARK"], "w").close()
+            end = time.monotonic() + 60
+            while not os.path.exists(os.environ["RELEASE"]) and time.monotonic() < end:
+                time.sleep(0.01)
+        return None
+sys.meta_path.insert(0, HoldTorch())
+sys.argv = ["megatronish.train", *sys.argv[1:]]
+runpy.run_module("megatronish.train", run_name="__main__", alter_sys=True)
+"""
+
+
+@pytest.mark.parametrize(
+    "sig", [signal.SIGINT, pytest.param(signal.SIGTERM, marks=pytest.mark.slow)]
+)
+def test_a_signal_while_torch_imports_aborts_or_stops_in_one_line(tmp_path, sig):
+    """Ctrl-C: one line, exit 130. SIGTERM: recorded, and the run stops once it has started,
+    before training (exit 4), not killed silently."""
+    mark, release, log = tmp_path / "importing", tmp_path / "release", tmp_path / "log"
+    env = dict(os.environ, MARK=str(mark), RELEASE=str(release), WANDB_MODE="disabled")
+    args = ["trainer.device=cpu", f"out_dir={tmp_path / 'run'}", f"data.cache_dir={tmp_path}"]
+    proc = start([sys.executable, "-c", HELD_IMPORT, *args], log, env)
+    deadline = time.monotonic() + 60
+    while not mark.exists():
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+        time.sleep(0.01)
+    proc.send_signal(sig)
+    time.sleep(0.2)  # the signal is handled inside the held import
+    release.touch()
+    code, text = finish(proc, log, timeout=120)
+    if sig == signal.SIGINT:
+        assert code == 130, text
+        assert text.splitlines() == [ABORTED] and "aborted" in ABORTED
+    else:
+        assert code == 4, text
+        assert text.splitlines() == [
+            "stopping before training (signal SIGTERM): nothing trained, nothing to save",
+            "stopped early (signal SIGTERM), exit code 4",
+        ]
 
 
 def test_ctrl_c_outside_training_is_one_line_and_exit_130(monkeypatch, capsys):

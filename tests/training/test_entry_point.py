@@ -57,13 +57,14 @@ def train_main(tmp_path, capfd, monkeypatch):
     return run
 
 
-def test_dry_run_prints_derived_values_and_exits(train_main):
+def test_dry_run_prints_derived_values_and_exits(train_main, tmp_path):
     r = train_main(["+experiment=gpt_1b", "trainer.dry_run=true", "world_size=8"])
     assert r.returncode == 0, r.stderr
     for key in ("microbatches_per_step", "tokens_per_step", "padded_vocab_size", "parameters"):
         assert key in r.stdout
     params = int(r.stdout.split("parameters: ")[1].split()[0].replace(",", ""))
     assert 1.0e9 <= params <= 1.5e9
+    assert not (tmp_path / "out").exists()  # a dry run writes nothing, no empty out_dir
 
 
 def test_long_context_experiment_dry_runs_and_plans_with_cp(tmp_path, capsys):
@@ -88,13 +89,14 @@ def test_cfg_job_prints_the_composed_config(train_main):
     assert r.returncode == 0 and "tp: 2" in r.stdout
 
 
-def test_invalid_config_exits_2_with_every_reason(train_main):
+def test_invalid_config_exits_2_with_every_reason(train_main, tmp_path):
     t0 = time.time()
     r = train_main(["parallel.tp=3", "trainer.global_batch_size=7"])
     assert r.returncode == 2
     assert "not divisible by parallel.tp=3" in r.stderr and "global_batch_size=7" in r.stderr
     assert "Traceback" not in r.stderr
     assert time.time() - t0 < 30
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_broken_interpolation_is_an_invalid_config_not_a_traceback(train_main):

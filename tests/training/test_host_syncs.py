@@ -161,6 +161,8 @@ def record_step_of_fit(trainer, rec: HostSyncRecorder, step: int) -> None:
             n = trainer.state.step + 1
             if n == step:
                 region.enter_context(rec)
+                if getattr(trainer, "stop", None):  # the stop check's gloo flag, posted before
+                    rec.mark(trainer.stop.posted_code, host=True)
             elif n == step + 1:
                 region.close()
             return inner()

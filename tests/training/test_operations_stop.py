@@ -2,6 +2,8 @@
 
 import os
 import signal
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -9,7 +11,8 @@ import torch
 from megatronish.config.compose import load_config
 from megatronish.config.validate import ConfigError
 from megatronish.testing.multiproc import run_world
-from megatronish.testing.runs import build_trainer
+from megatronish.testing.runs import SMALL_STDLIB_RUN, build_trainer
+from megatronish.training.startup_signals import StartupSignals
 from megatronish.training.stop import (
     DEADLINE,
     NO_STOP,
@@ -108,11 +111,13 @@ def _stop_on_one_rank(rank, world, ckpt_dir, stop_rank, stop_after):
 
 
 def test_ranks_agree_to_stop_after_the_same_step_and_save_it(tmp_path):
+    # rank 1's deadline passes at step 3's boundary; the ranks read that a step later
+    # (StopRequest.agreed_late) and all stop after step 4
     results = run_world(_stop_on_one_rank, 2, str(tmp_path), 1, 3)
-    assert [r[:2] for r in results] == [(3, 3), (3, 3)]  # steps run, step reached
+    assert [r[:2] for r in results] == [(4, 4), (4, 4)]  # steps run, step reached
     assert results[0][2] == "trainer.exit_after_minutes reached on another rank"
     assert results[1][2] == "trainer.exit_after_minutes=3 reached"
-    assert (tmp_path / "latest").read_text() == "step_0000003"
+    assert (tmp_path / "latest").read_text() == "step_0000004"
 
 
 def _world_all_reduces(rank, world):
@@ -148,3 +153,72 @@ def test_a_stop_right_after_a_skipped_step_does_not_save_it(tmp_path):
     assert trainer.state.step == 3 and trainer.state.skipped_in_a_row == 1
     assert trainer.stop.reason == "trainer.exit_after_minutes=3 reached"
     assert (tmp_path / "latest").read_text() == "step_0000002"  # the skipped step 3 is not saved
+
+
+@pytest.mark.parametrize("experiment", [None, "tiny", "tiny_gpt2", "tiny_3d", "moe_tiny"])
+def test_the_tiny_jobs_save_every_100_steps(experiment):
+    """A stop or a crash of `make train`'s job (or another tiny experiment) loses at most 100
+    steps, not the whole run."""
+    cfg = load_config([f"+experiment={experiment}"] if experiment else [])
+    assert cfg.checkpoint.interval == 100 <= cfg.trainer.max_steps
+    if experiment is None:  # the default job: saves before its last step
+        assert cfg.trainer.max_steps > 2 * cfg.checkpoint.interval
+
+
+# -- a stop signal during start-up ---------------------------------------------------------------
+@pytest.fixture
+def signals_restored():
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR2, signal.SIGINT)}
+    yield
+    for sig, handler in saved.items():
+        signal.signal(sig, handler)
+
+
+def test_a_stop_signal_before_the_stop_request_exists_is_handed_over_to_it(signals_restored):
+    startup = StartupSignals.install()  # what `python -m megatronish.train` does first
+    os.kill(os.getpid(), signal.SIGTERM)  # while torch imports: recorded, the process lives
+    os.kill(os.getpid(), signal.SIGUSR2)
+    assert startup.received == "SIGTERM"
+    stop = StopRequest([signal.SIGUSR2, signal.SIGTERM, signal.SIGINT])
+    stop.take_over(startup)
+    assert stop.received == "SIGTERM" and stop.local_code() == SIGNAL
+    os.kill(os.getpid(), signal.SIGUSR2)  # during start-up: the request's own handler records
+    assert stop.received == "SIGTERM" and startup.received == "SIGTERM"
+    with pytest.raises(KeyboardInterrupt):  # Ctrl-C keeps aborting until training starts
+        os.kill(os.getpid(), signal.SIGINT)
+    with stop:  # training: the first Ctrl-C only asks for a stop
+        os.kill(os.getpid(), signal.SIGINT)
+
+
+def test_a_start_up_signal_the_config_does_not_list_gets_its_default_action_back():
+    script = """
+import os, signal, sys
+from megatronish.training.startup_signals import StartupSignals
+startup = StartupSignals.install()
+print(startup.hand_over([signal.SIGTERM]), signal.getsignal(signal.SIGUSR2) == signal.SIG_DFL)
+startup = StartupSignals.install()
+os.kill(os.getpid(), signal.SIGUSR2)
+print("recorded", startup.received, flush=True)
+startup.hand_over([signal.SIGTERM])  # trainer.stop_signals=[SIGTERM]: SIGUSR2 ends the process
+print("survived")
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == -signal.SIGUSR2, done.stderr
+    assert done.stdout.splitlines() == ["None True", "recorded SIGUSR2"]
+
+
+def test_a_stop_signal_during_start_up_stops_before_anything_is_built(
+    tmp_path, capsys, signals_restored
+):
+    from megatronish.distributed.launch import detect_launch
+    from megatronish.train import EXIT_STOPPED, main_with_config
+
+    startup = StartupSignals()
+    startup.received = "SIGTERM"  # arrived while the process imported torch
+    overrides = [f"data.cache_dir={tmp_path / 'cache'}", f"out_dir={tmp_path / 'run'}"]
+    cfg = load_config([*SMALL_STDLIB_RUN, "trainer.max_steps=2", *overrides])
+    assert main_with_config(cfg, detect_launch({}), startup) == EXIT_STOPPED
+    out = capsys.readouterr().out
+    assert "stopping before training (signal SIGTERM): nothing trained, nothing to save" in out
+    assert "stopped early (signal SIGTERM), exit code 4" in out and "step " not in out
+    assert not (tmp_path / "run").exists() and not (tmp_path / "cache").exists()

@@ -15,10 +15,12 @@ Partial outputs are merged by their rows' log-sum-exp
 (:func:`~megatronish.context_parallel.ring_kernel.merge_block`). Backward passes the K/V
 blocks around again and, one step behind them, the blocks' dK/dV accumulators: the
 accumulator of rank ``o``'s block gains each rank's share as it travels and reaches ``o``
-after ``cp`` hops. Every transfer of a step goes out in one group posted before the step's
-compute and waited after it, so the transfers overlap the attention; messages are named
-``(kind, step, owner)`` the same way by both ends, and the posts obey NCCL's order per pair
-(proved by :mod:`~megatronish.pipeline.nccl_sim` on the recorded posts).
+after ``cp`` hops. Accumulators travel in fp32 and are rounded to the inputs' dtype once, at
+home (a bf16 accumulator would be rounded at every hop). Every transfer of a step goes out in
+one group posted before the step's compute and waited after it, so the transfers overlap the
+attention; messages are named ``(kind, step, owner)`` the same way by both ends, and the posts
+obey NCCL's order per pair (proved by :mod:`~megatronish.pipeline.nccl_sim` on the recorded
+posts).
 """
 
 from __future__ import annotations
@@ -29,11 +31,11 @@ import torch
 
 from megatronish.context_parallel.documents import Documents
 from megatronish.context_parallel.ring_kernel import (
+    BlockDocuments,
     BlockOut,
     block_attention,
     block_backward,
     merge_block,
-    unseen_rows,
 )
 from megatronish.context_parallel.split import chunk_ids
 from megatronish.distributed.p2p import P2PCommunicator, Transfer
@@ -43,7 +45,7 @@ if TYPE_CHECKING:
 
     from megatronish.context_parallel.attention import CPContext
 
-Masked = tuple[torch.Tensor, torch.Tensor] | None  # (additive mask, rows that see a key)
+Masked = BlockDocuments | None  # which keys of the held block each query row sees
 
 DIAGONAL, FIRST_KEYS, SECOND_QUERIES = "diagonal", "first_keys", "second_queries"
 
@@ -115,36 +117,27 @@ def _positions(chunks: tuple[int, ...], c: int, device: torch.device) -> torch.T
 
 
 def block_mask(
-    documents: Documents | None,
-    cp: CPContext,
-    owner: int,
-    dtype: torch.dtype,
-    device: torch.device,
+    documents: Documents | None, cp: CPContext, owner: int, device: torch.device
 ) -> Masked:
-    """With packed documents, the additive ``[b, 1, queries, keys]`` mask of this rank's
-    queries against ``owner``'s block (as :func:`block_part` cuts them; causal within a
-    document) and which query rows see any key of it; built once per microbatch. None
-    without documents."""
+    """With packed documents, which keys of ``owner``'s block this rank's queries see (as
+    :func:`block_part` cuts them; causal within a document): their documents and positions,
+    built once per microbatch (the kernels build their masks from it). None without
+    documents."""
     if documents is None or documents.ids is None:
         return None
     rank, size = cp.group.rank, cp.size
     part = block_part(rank, owner)
 
-    def build() -> tuple[torch.Tensor, torch.Tensor]:
+    def build() -> BlockDocuments:
         c = documents.ids.shape[1] // (2 * size)
         mine, theirs = chunk_ids(size, rank), chunk_ids(size, owner)
         queries = mine[1:] if part == SECOND_QUERIES else mine
         keys = theirs[:1] if part == FIRST_KEYS else theirs
         q_pos, k_pos = _positions(queries, c, device), _positions(keys, c, device)
         ids = documents.ids
-        visible = (ids[:, q_pos][:, :, None] == ids[:, k_pos][:, None, :]) & (
-            k_pos[None, None, :] <= q_pos[None, :, None]
-        )
-        mask = torch.zeros(visible.shape, dtype=dtype, device=device)
-        mask.masked_fill_(~visible, float("-inf"))
-        return mask.unsqueeze(1), visible.any(dim=-1).unsqueeze(1)
+        return BlockDocuments(ids[:, q_pos], ids[:, k_pos], q_pos, k_pos)
 
-    return documents.derived(("ring", owner, dtype, str(device)), build)
+    return documents.derived(("ring", owner, str(device)), build)
 
 
 class _RingAttention(torch.autograd.Function):
@@ -166,9 +159,10 @@ class _RingAttention(torch.autograd.Function):
             if step < size - 1:
                 work, got = _post(comm, rank, step, size, False, {"kv": kv})
             owner = ring_owner(rank, step, size)
-            masked = block_mask(documents, cp, owner, q.dtype, q.device)
+            masked = block_mask(documents, cp, owner, q.device)
             out, lse, extra = _merge(q, kv, kv_heads, block_part(rank, owner), out, lse, masked)
-            if step == 0:  # the CUDA flash kernel's backward takes its forward's extras
+            if step == 0:  # the CUDA flash kernel's backward takes its forward's extras (and
+                # whether it expanded K/V: one decision for every block of the layer)
                 ctx.extra = extra
             if work is not None:
                 work.wait()
@@ -186,19 +180,19 @@ class _RingAttention(torch.autograd.Function):
         kv_heads, dout = k.shape[1], dout.contiguous()
         kv = torch.cat([k, v], dim=1)
         dq = torch.zeros_like(q, dtype=torch.float32)
-        acc = None  # the dK|dV accumulator of the block held the step before
+        acc = None  # the fp32 dK|dV accumulator of the block held the step before
         for step in range(size):
             work, got = _post(comm, rank, step, size, True, {"kv": kv, "dkv": acc})
             owner = ring_owner(rank, step, size)
-            masked = block_mask(ctx.documents, cp, owner, q.dtype, q.device)
+            masked = block_mask(ctx.documents, cp, owner, q.device)
             part = block_part(rank, owner)
             dkv = _block_grads(q, kv, kv_heads, dout, out, lse, part, dq, masked, ctx.extra)
             work.wait()
-            acc = (dkv if step == 0 else got["dkv"].float() + dkv).to(kv.dtype)
+            acc = dkv if step == 0 else got["dkv"].add_(dkv)
             kv = got.get("kv", kv)
         work, got = _post(comm, rank, size, size, True, {"dkv": acc})
         work.wait()
-        dk, dv = got["dkv"].split(kv_heads, dim=1)
+        dk, dv = got["dkv"].to(kv.dtype).split(kv_heads, dim=1)
         return dq.to(q.dtype), dk, dv, None, None
 
 
@@ -207,8 +201,7 @@ def _attend(
 ) -> BlockOut:
     if masked is None:
         return block_attention(q, k, v, causal)
-    mask, seen = masked
-    return unseen_rows(block_attention(q, k, v, False, mask), seen)
+    return block_attention(q, k, v, False, documents=masked)
 
 
 def _merge(
@@ -252,9 +245,8 @@ def _block_grads(
     """This rank's share of the held block's dK|dV (fp32, the block's shape); adds its dQ
     share into ``dq``."""
     k, v = kv[:, :kv_heads], kv[:, kv_heads:]
-    mask = None if masked is None else masked[0]
-    kw = {"mask": mask, "extra": extra}
-    causal = mask is None and part == DIAGONAL
+    kw = {"documents": masked, "extra": extra}
+    causal = masked is None and part == DIAGONAL
     dkv = torch.zeros_like(kv, dtype=torch.float32)
     dk, dv = dkv[:, :kv_heads], dkv[:, kv_heads:]
     if part == DIAGONAL:

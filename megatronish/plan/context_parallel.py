@@ -21,8 +21,11 @@
 - **Ring** (``parallel.cp_comm_type=ring``): no K/V is gathered; each layer's forward (and every
   rerun: full recompute's, and selective recompute's, which reruns the core) sends its
   ``[b, 2g, s, d]`` K|V block on ``cp - 1`` times and receives as many; backward sends K|V
-  ``cp - 1`` times and the dK|dV accumulators ``cp`` times. Attention keeps what one
-  process's fused kernel keeps for its ``s`` tokens (causal, no mask tensor). Each step's
+  ``cp - 1`` times and the dK|dV accumulators (fp32, :func:`ring_accumulator_bytes`) ``cp``
+  times. Attention keeps its output and the rows' log-sum-exp; its backward allocates the
+  fp32 dQ and accumulators and, where the blocks run the plain-matmul kernel (fp32 on CUDA,
+  packed documents on CUDA: :func:`ring_block_kernel`), two fp32 score tiles of at most
+  ``MATH_TILE_BYTES`` (:func:`ring_workspace`). Each step's
   transfers overlap that step's block of attention (``1 / cp`` of the layer's attention work,
   twice that in backward): :func:`ring_overlap_time` credits the shorter of the two per step
   (none on shared CPU cores); backward's last hop of the accumulators is exposed.
@@ -37,6 +40,9 @@
 
 from __future__ import annotations
 
+import torch
+
+from megatronish.context_parallel.ring_kernel import block_kernel, math_tile_rows
 from megatronish.plan.hardware import Hardware, comm_time
 from megatronish.plan.layout import Layout
 from megatronish.plan.recompute import core_reruns, reruns
@@ -131,10 +137,11 @@ def cp_volume(spec: ModelSpec, layout: Layout, pp_rank: int) -> dict[str, tuple[
         out[key] = (calls, (forwards + m * n_layers) * (qkv + back))
     if ring(layout):
         block, n = ring_block_bytes(spec, layout), ring_size(layout)
-        sends = m * (ring_passes(layout, n_layers, redo) * (n - 1))
-        sends += m * n_layers * (2 * n - 1)
+        kv = m * (ring_passes(layout, n_layers, redo) + n_layers) * (n - 1)
+        accumulators = m * n_layers * n
+        nbytes = kv * block + accumulators * ring_accumulator_bytes(spec, layout)
         group = ring_group(layout)
-        out[f"{group}/send"] = out[f"{group}/recv"] = (sends, sends * block)
+        out[f"{group}/send"] = out[f"{group}/recv"] = (kv + accumulators, nbytes)
     if out:
         return out
     kv = spec.seq_length * layout.micro_batch_size * 2 * spec.kv_heads_per_rank(layout.tp)
@@ -151,6 +158,70 @@ def ring_block_bytes(spec: ModelSpec, layout: Layout) -> int:
     heads, the same bytes), which each ring step moves."""
     tokens = rank_seq_length(spec, layout) * layout.micro_batch_size
     return tokens * 2 * spec.kv_heads_per_rank(layout.tp) * spec.head_dim * layout.activation_bytes
+
+
+def ring_accumulator_bytes(spec: ModelSpec, layout: Layout) -> int:
+    """One dK|dV accumulator: a K|V block's shape in fp32 (it is rounded once, at home)."""
+    return ring_block_bytes(spec, layout) // layout.activation_bytes * 4
+
+
+def ring_member(spec: ModelSpec, layout: Layout) -> tuple[int, int, int]:
+    """``(tokens, query heads, kv heads)`` of each sequence a ring member attends over: ``s``
+    tokens of ``a / t`` and ``g / t`` heads; under a2a_ring ``k s`` of ``1 / k`` of them."""
+    k = layout.cp_a2a_size if layout.cp_comm_type == "a2a_ring" else 1
+    kv = spec.kv_heads_per_rank(layout.tp)
+    return rank_seq_length(spec, layout) * k, spec.num_heads // layout.tp // k, max(1, kv // k)
+
+
+def ring_block_kernel(spec: ModelSpec, layout: Layout) -> str:
+    """The kernel the ring's blocks run on the plan's device (the runtime's rule,
+    :func:`~megatronish.context_parallel.ring_kernel.block_kernel`)."""
+    dtype = torch.bfloat16 if layout.activation_bytes == 2 else torch.float32
+    return block_kernel(layout.device_type, dtype, spec.head_dim, layout.document_masks)
+
+
+def math_block_workspace(
+    b: int, heads: int, kv_heads: int, queries: int, keys: int, d: int, e: int, documents: bool
+) -> int:
+    """What the plain-matmul kernel's backward of one block allocates beyond its inputs
+    (``e``: their bytes per element): per tile of :func:`~megatronish.context_parallel.
+    ring_kernel.math_tile_rows` rows the fp32 probabilities and their grad, the tile's
+    visibility (documents: the comparison, the causal test and the result; else the causal
+    triangle); dQ, the fp32 dK and dV, a grad at the query heads before its sum, and fp32
+    copies of K and V (16-bit inputs)."""
+    rows = math_tile_rows(b, heads, queries, keys)
+    tiles = 2 * b * heads * rows * keys * 4 + (3 * b if documents else 1) * rows * keys
+    grads = b * heads * queries * d * e + 2 * b * kv_heads * keys * d * 4
+    grads += b * heads * keys * d * 4
+    copies = 2 * b * kv_heads * keys * d * 4 if e != 4 else 0
+    return tiles + grads + copies
+
+
+def ring_workspace(spec: ModelSpec, layout: Layout) -> int:
+    """Bytes a ring attention's backward allocates on top of what the layers keep, at its
+    largest step: the fp32 dQ, K|V held and received, the block's fp32 dK|dV share and, from
+    the second step on, the accumulators held and received (:func:`ring_accumulator_bytes`);
+    plus the block kernel's own: the plain-matmul kernel's (:func:`math_block_workspace`: the
+    diagonal block at the first step, half-size blocks after it, whose second query chunk is
+    copied out with its output and incoming grad), the flash kernels' fp32 dQ accumulator. 0
+    without a ring."""
+    if not ring(layout):
+        return 0
+    tokens, heads, kv_heads = ring_member(spec, layout)
+    b, d, e = layout.micro_batch_size, spec.head_dim, layout.activation_bytes
+    block, accumulator = ring_block_bytes(spec, layout), ring_accumulator_bytes(spec, layout)
+    first = b * heads * tokens * d * 4 + 2 * block + accumulator
+    later = first + 2 * accumulator
+    if ring_block_kernel(spec, layout) != "math":
+        return later + b * heads * tokens * d * 4
+
+    def kernel(queries: int, keys: int) -> int:
+        shape = (b, heads, kv_heads, queries, keys, d, e)
+        return math_block_workspace(*shape, layout.document_masks)
+
+    half = tokens // 2
+    second_queries = kernel(half, tokens) + 3 * b * heads * half * d * e  # their rows copied
+    return max(first + kernel(tokens, tokens), later + max(kernel(tokens, half), second_queries))
 
 
 def ring_passes(layout: Layout, n_layers: int, redo: int) -> int:
@@ -176,9 +247,12 @@ def ring_overlap_time(
     s, heads = spec.seq_length // cp, spec.num_heads // layout.tp // (layout.cp // cp)
     flops = 4 * s * layout.micro_batch_size * (cp * s / 2) * heads * spec.head_dim / cp
     forward_block = flops / rate
-    send = comm_time(layout, hw, f"{ring_group(layout)}/send", 1, ring_block_bytes(spec, layout))
+    group = f"{ring_group(layout)}/send"
+    send = comm_time(layout, hw, group, 1, ring_block_bytes(spec, layout))
+    send_acc = comm_time(layout, hw, group, 1, ring_accumulator_bytes(spec, layout))
     forward = ring_passes(layout, n_layers, redo) * (cp - 1) * min(send, forward_block)
     # backward steps: K|V only at the first, K|V and dK|dV between, dK|dV only at the last
-    one, both = min(send, 2 * forward_block), min(2 * send, 2 * forward_block)
-    backward = n_layers * (2 * one + (cp - 2) * both)
+    first, last = min(send, 2 * forward_block), min(send_acc, 2 * forward_block)
+    both = min(send + send_acc, 2 * forward_block)
+    backward = n_layers * (first + last + (cp - 2) * both)
     return layout.num_microbatches * (forward + backward)

@@ -48,6 +48,7 @@ from megatronish.plan.context_parallel import (
     heads_exchanged,
     kv_length,
     rank_seq_length,
+    ring,
 )
 from megatronish.plan.layout import Layout
 from megatronish.plan.rank_model import meta_chunks
@@ -114,8 +115,12 @@ def attention_core_bytes(spec: ModelSpec, layout: Layout) -> int:
     device (CUDA: an sm80+ GPU on torch <= 2.13): the logsumexp; K and V expanded to the query
     heads (``2 b a (cp s) d``, the whole sequence's under cp) where the rule expands them (fp32
     grouped-query attention on CUDA); the ``s x s`` scores only where the math kernel runs (a
-    CPU with attention dropout; on CUDA dropout runs in the fused kernels)."""
+    CPU with attention dropout; on CUDA dropout runs in the fused kernels). Ring attention
+    keeps the logsumexp alone, whichever kernel its blocks run (their temporaries:
+    :func:`~megatronish.plan.context_parallel.ring_workspace`)."""
     x, e = layer_shape(spec, layout), layout.activation_bytes
+    if ring(layout):
+        return x.b * x.a * x.s * 4
     dropout = spec.attention_dropout
     dtype = torch.bfloat16 if e == 2 else torch.float32
     kernel = attention_kernel(

@@ -85,7 +85,7 @@ def activation_plan(spec: ModelSpec, layout: Layout, pp_rank: int) -> Activation
     # the first layers' backward (the head's tensors freed, a recomputed group rebuilt).
     at_loss = dense.loss_workspace(spec, layout) if n_chunks - 1 in mine else 0
     in_backward = moe.backward_workspace(spec, layout) + max(rebuilt[c] - head(c) for c in mine)
-    in_backward += dense.sp_workspace(spec, layout)
+    in_backward += dense.sp_workspace(spec, layout) + context_parallel.ring_workspace(spec, layout)
     work = max(at_loss, in_backward, 0) + pipeline.p2p_workspace(spec, layout)
     per_rank_part = sum(sizes[c] for c in mine)
     return ActivationPlan(

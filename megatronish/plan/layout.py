@@ -38,6 +38,7 @@ class Layout:
     cp: int = 1  # context parallel: each sequence split over cp ranks
     cp_comm_type: str = "all_gather"  # parallel.cp_comm_type: all_gather | a2a | ring | a2a_ring
     cp_a2a_size: int = 1  # parallel.cp_a2a_size under a2a_ring (1 otherwise)
+    document_masks: bool = False  # data.reset_attention_mask: attention within documents
     ep: int = 1  # expert parallel: experts split over ep ranks carved out of dp x cp
     device_type: str = "cuda"  # cuda | cpu: SDPA's kernels differ (plan/dense.py)
     # parallel.pipeline_schedule: None for the default of vpp (1f1b, interleaved), or a
@@ -163,6 +164,7 @@ class Layout:
             self.cp,
             self.cp_comm_type,
             self.cp_a2a_size,
+            self.document_masks,
             self.ep,
             self.moe_dispatch_order,
             self.precision,
@@ -243,6 +245,7 @@ def layout_from_config(cfg: TrainConfig, world_size: int) -> Layout:
         moe_shared_expert_overlap=getattr(p, "moe_shared_expert_overlap", True),
         cp_comm_type=getattr(p, "cp_comm_type", "all_gather"),
         cp_a2a_size=getattr(p, "cp_a2a_size", None) or 1,
+        document_masks=bool(getattr(cfg.data, "reset_attention_mask", False)),
         zero_shard_size=_hybrid_shard(getattr(p, "zero_shard_size", None), d.dp),
         grad_compression=getattr(p, "grad_compression", None),
         powersgd_rank=getattr(p, "powersgd_rank", 4),

@@ -78,7 +78,10 @@ def test_planned_memory_matches_measured(world, extra):
         stage = plan.stages[pp_rank]
         planned = stage.step_extra
         ratio = planned / measured
-        assert 0.85 <= ratio <= 1.15, (pp_rank, stage.activations, stage.states, measured, ratio)
+        # 0.80: the measured peak of the sequence-parallel layouts moves by up to 128 KiB from
+        # run to run of the same code (1.97-2.19 MB on tp2 pp2 sp gpt2 stage 0, 1.97-2.13 MB on
+        # cp2 tp2 sp ZeRO 1), with when gloo's asynchronous gathers release their buffers.
+        assert 0.80 <= ratio <= 1.15, (pp_rank, stage.activations, stage.states, measured, ratio)
 
 
 COMM_LAYOUTS = [
@@ -324,7 +327,7 @@ def test_the_ring_hides_its_sends_behind_its_blocks_and_no_more(exchange):
     import dataclasses
 
     from megatronish.plan.context_parallel import (
-        ring_block_bytes,
+        ring_accumulator_bytes,
         ring_group,
         ring_overlap_time,
         ring_size,
@@ -351,7 +354,7 @@ def test_the_ring_hides_its_sends_behind_its_blocks_and_no_more(exchange):
     send = f"{ring_group(layout)}/send"
     calls, nbytes = plan.stages[0].comm[send]
     sends = comm_time(layout, fast, send, calls, nbytes)
-    one = comm_time(layout, fast, send, 1, ring_block_bytes(spec, layout))
+    one = comm_time(layout, fast, send, 1, ring_accumulator_bytes(spec, layout))  # fp32
     last_hops = layout.num_microbatches * spec.num_layers  # one per layer and microbatch
     exposed = sum(  # a2a_ring's all-to-alls
         comm_time(layout, fast, k, *v) for k, v in plan.stages[0].comm.items() if "all_to_all" in k

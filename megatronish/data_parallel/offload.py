@@ -26,6 +26,7 @@ from typing import Protocol
 import torch
 
 from megatronish.data_parallel.buckets import Bucket
+from megatronish.data_parallel.pinned_memory import pinned_block_bytes
 
 
 class TransferEvent(Protocol):
@@ -106,14 +107,27 @@ def transfers_for(device: torch.device) -> Transfers:
     return StreamTransfers(device) if device.type == "cuda" else ImmediateTransfers()
 
 
-def _host_empty(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Host memory for a shard: pinned when the device is a GPU (copies run asynchronously)."""
-    return torch.empty(numel, dtype=dtype, pin_memory=device.type == "cuda")
+def _host_empty(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    """Host memory for a slab: pinned on a GPU (its copies run asynchronously)."""
+    return torch.empty(numel, dtype=dtype, pin_memory=pin)
+
+
+def slab_dtypes(param_dtype: torch.dtype) -> dict[str, torch.dtype]:
+    """The host slabs of offload, one per kind: fp32 main params, the fp32 grads copied down,
+    and (params not in fp32) the staging copy in the params' dtype for the way up."""
+    kinds = {"main": torch.float32, "grads": torch.float32}
+    if param_dtype != torch.float32:
+        kinds["staging"] = param_dtype
+    return kinds
 
 
 class OptimizerOffload:
     """The host side of each bucket's owned shard: fp32 main params, the grads copied down, and
-    (when the model's params are not fp32) a staging copy in their dtype for the way up."""
+    (when the model's params are not fp32) a staging copy in their dtype for the way up.
+
+    Each kind is one slab sliced per bucket (:func:`slab_dtypes`): torch's pinned allocator
+    rounds every block up to a power of two (:mod:`~megatronish.data_parallel.pinned_memory`),
+    so the rounding is paid once per kind, the same sum the planner adds up."""
 
     def __init__(
         self,
@@ -123,19 +137,18 @@ class OptimizerOffload:
         transfers: Transfers,
     ):
         self.transfers, self.param_dtype = transfers, param_dtype
-        self.main: dict[int, torch.Tensor] = {}
-        self.grads: dict[int, torch.Tensor] = {}
-        self.staging: dict[int, torch.Tensor] = {}
         self.up_events: dict[int, TransferEvent] = {}
-        for b, (lo, hi) in zip(buckets, owned):
-            device = b.device
-            main = _host_empty(hi - lo, torch.float32, device)
-            main.copy_(b.main_shard)  # the values as initialised (or drawn)
-            self.main[id(b)] = main
-            self.grads[id(b)] = _host_empty(hi - lo, torch.float32, device)
-            if param_dtype != torch.float32:
-                self.staging[id(b)] = _host_empty(hi - lo, param_dtype, device)
-            b.main_shard = main  # the optimizer's values: on the host from now on
+        sizes = [hi - lo for lo, hi in owned]
+        self.pinned = any(b.device.type == "cuda" for b in buckets)
+        kinds = slab_dtypes(param_dtype).items()
+        self.slabs = {k: _host_empty(sum(sizes), t, self.pinned) for k, t in kinds}
+        views = {k: slab.split(sizes) for k, slab in self.slabs.items()}
+        self.main = {id(b): v for b, v in zip(buckets, views["main"])}
+        self.grads = {id(b): v for b, v in zip(buckets, views["grads"])}
+        self.staging = {id(b): v for b, v in zip(buckets, views.get("staging", ()))}
+        for b in buckets:
+            self.main[id(b)].copy_(b.main_shard)  # the values as initialised (or drawn)
+            b.main_shard = self.main[id(b)]  # the optimizer's values: on the host from now on
 
     def grads_down(self, b: Bucket, grad: torch.Tensor) -> None:
         """Queue the copy of ``b``'s final grad shard to the host."""
@@ -158,5 +171,7 @@ class OptimizerOffload:
             self.transfers.device_waits(self.up_events.pop(id(b)))
 
     def host_bytes(self) -> int:
-        tensors = [*self.main.values(), *self.grads.values(), *self.staging.values()]
-        return sum(t.numel() * t.element_size() for t in tensors)
+        """Host bytes the slabs take: pinned blocks as torch's allocator rounds them on a GPU,
+        their own size in pageable memory (CPU)."""
+        sizes = [t.numel() * t.element_size() for t in self.slabs.values()]
+        return sum(pinned_block_bytes(n) if self.pinned else n for n in sizes)

@@ -9,8 +9,9 @@ holds, ZeRO 3's gathered params, the dp collectives, and how much of them a step
   keeps fp32 main params of its shard. ZeRO shards over dp x cp (hybrid sharding: over cp x
   ``zero_shard_size`` of them); expert buckets over the expert-data-parallel ranks (``dp * cp /
   ep``, :mod:`~megatronish.plan.moe`). Optimizer offload moves the fp32 main params and the
-  moments to the host (``host``, with the grads copied down and a staging copy of the params),
-  out of the device's total.
+  moments to the host (``host``, with the grads copied down and a staging copy of the params:
+  pinned slabs, one per kind, each rounded up to a power of two as torch pins it), out of the
+  device's total.
 - **ZeRO 3's gathered params** replay :class:`~megatronish.data_parallel.param_gather.
   ParamGatherer`'s rules on a chunk's units (pure arithmetic on their bucket sizes): in forward a
   unit is gathered with the next one prefetched and freed after its last module; the loss's unit
@@ -42,7 +43,9 @@ import torch
 
 from megatronish.data_parallel.buckets import Bucket, plan_chunk_buckets
 from megatronish.data_parallel.grad_reduce import MAX_IN_FLIGHT
+from megatronish.data_parallel.offload import slab_dtypes
 from megatronish.data_parallel.param_units import chunk_visits
+from megatronish.data_parallel.pinned_memory import pinned_block_bytes
 from megatronish.data_parallel.stages import ZERO_STAGES, ZeroStage
 from megatronish.model.gpt import GPTChunk
 from megatronish.plan import grad_compression
@@ -93,8 +96,9 @@ class StateBytes:
     largest_shard_numel: int = 0  # the largest bucket's slice a rank owns under zero >= 1
     experts: int = 0  # of ``total``: the experts' params, grads and Adam moments
     compression: int = 0  # the gradient compression's error feedback (and PowerSGD's Q)
-    # optimizer offload: pinned host bytes (fp32 main params, Adam moments, the grads copied
-    # down, the updated params' staging copy in the model's dtype); not part of ``total``
+    # optimizer offload: host bytes (the pinned slabs of fp32 main params, the grads copied
+    # down and the updated params' staging copy in the model's dtype, each rounded up to a
+    # power of two as torch pins it; the Adam moments); not part of ``total``
     host: int = 0
     owned_numel: int = 0  # elements whose optimizer state (and update) this rank holds
 
@@ -156,9 +160,8 @@ def state_bytes(
     experts = sum(_held([[b for bs in buckets for b in bs if b.expert]], stage, model))
     host, owned = 0, _owned_numel(buckets, stage)
     if layout.optimizer_offload:  # main params, moments and the grads copied down: host
-        staging = owned * model if model != FP32 else 0
         params -= owned * FP32 if model != FP32 else 0
-        host, optimizer = owned * FP32 + optimizer + owned * FP32 + staging, 0
+        host, optimizer = offload_pinned_bytes(owned, model) + optimizer, 0
     compression = grad_compression.state_bytes(layout, buckets)
     grads_step = step_grad_numel(buckets) * FP32 if stage.shards_grads else 0
     # Activations peak at the end of a forward, when only the late buckets (reduced at the end
@@ -185,6 +188,14 @@ def state_bytes(
         host=host,
         owned_numel=owned,
     )
+
+
+def offload_pinned_bytes(owned: int, model: int) -> int:
+    """Optimizer offload's pinned slabs for ``owned`` elements (params of ``model`` bytes each):
+    one per kind (:func:`~megatronish.data_parallel.offload.slab_dtypes`), each rounded up as
+    torch's pinned allocator rounds it (the Adam moments beside them are pageable)."""
+    dtype = torch.float32 if model == FP32 else torch.bfloat16
+    return sum(pinned_block_bytes(owned * t.itemsize) for t in slab_dtypes(dtype).values())
 
 
 def _owned_numel(buckets: list[list[Bucket]], stage: ZeroStage) -> int:

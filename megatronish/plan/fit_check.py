@@ -128,8 +128,9 @@ def host_fit_error(cfg, world: int, vocab: int, local_ranks: int, available: int
     if per_rank * local_ranks <= available:
         return None
     return (
-        f"parallel.optimizer_offload=true keeps about {per_rank / GiB:.1f} GiB of pinned host "
-        f"memory per rank ({local_ranks} rank(s) here: {per_rank * local_ranks / GiB:.1f} GiB) "
+        f"parallel.optimizer_offload=true keeps about {per_rank / GiB:.1f} GiB of host memory "
+        f"per rank, pinned blocks as torch rounds them ({local_ranks} rank(s) here: "
+        f"{per_rank * local_ranks / GiB:.1f} GiB) "
         f"but this host has {available / GiB:.1f} GiB available: shard the optimizer over more "
         "ranks (a higher parallel.zero_stage, more dp ranks) or set parallel.optimizer_offload="
         "false"

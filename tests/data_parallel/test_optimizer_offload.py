@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from megatronish.checkpoint.gather import gather_tp_params
+from megatronish.data_parallel.pinned_memory import pinned_block_bytes
 from megatronish.plan.estimate import make_plan
 from megatronish.plan.layout import layout_from_config, spec_of
 from megatronish.testing.late_transfers import LateTransfers
@@ -137,7 +138,12 @@ def test_the_planner_moves_the_optimizer_state_to_the_host_as_the_runtime_does(l
     cfg = tiny_config(overrides, 1)
     states = make_plan(spec_of(cfg), layout_from_config(cfg, 2)).stages[0].states
     assert (states.params, states.grads, states.optimizer) == (held["params"], held["grads"], 0)
-    assert states.host == held["host"] + held["optimizer"]  # the moments live on the host
+    # The moments live on the host (pageable); the planned slabs are as a GPU pins them, one
+    # per kind rounded up to a power of two (test_offload_pinned.py), pageable and exact here.
+    per_kind = [4, 4, 2] if "trainer.precision=bf16" in layout else [4, 4]
+    assert held["host"] == states.owned_numel * sum(per_kind)
+    pinned = sum(pinned_block_bytes(states.owned_numel * b) for b in per_kind)
+    assert states.host == pinned + held["optimizer"]
     plain = make_plan(spec_of(cfg), layout_from_config(cfg, 2).with_(optimizer_offload=False))
     moved = plain.stages[0].states.total - states.total
     main = states.owned_numel * 4 if "trainer.precision=bf16" in layout else 0

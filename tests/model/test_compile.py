@@ -113,6 +113,28 @@ def test_compiled_layouts_train_as_eager(layout):
     assert_compiled_matches_eager(eager, compiled)
 
 
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_more_blocks_than_dynamos_recompile_limit_share_one_graph(arch):
+    """Blocks of one structure share one compiled graph (their params are graph inputs, nothing
+    guards on which block runs): with dynamo's recompile limit (8 by default) below the number
+    of blocks, no block recompiles, so the limit, which raises instead of silently running a
+    block eagerly (``fail_on_recompile_limit_hit``), is never reached."""
+    limit, layers = 2, 5
+    torch._dynamo.reset()  # no cache entry left by another test's blocks
+    counters.clear()
+    overrides = [*AOT, f"model.arch={arch}", f"model.num_layers={layers}"]
+    with torch._dynamo.config.patch(recompile_limit=limit):
+        trainer = build_trainer(0, 1, overrides, 2)
+        try:
+            trainer.fit()  # two steps: every block's forward and backward, twice
+        except torch._dynamo.exc.FailOnRecompileLimitHit as e:
+            pytest.fail(f"a block recompiled past the limit of {limit}: {e}")
+        assert torch._dynamo.config.fail_on_recompile_limit_hit  # a hit raises, never hides
+    forwards = compiled_forwards(trainer)
+    assert len(forwards) == layers > limit and all(f.fullgraph for f in forwards)
+    assert counters["stats"]["unique_graphs"] == 1  # one capture serves every block
+
+
 class _Block(torch.nn.Module):
     def __init__(self, breaks: bool):
         super().__init__()

@@ -30,12 +30,13 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, TypeVar
 
 import torch
-from torch._compile import _disable_dynamo
 
-from megatronish.moe.grouped_mm import contiguous_aligned, expert_offsets
+from megatronish.moe.grouped_mm import expert_offsets
 from megatronish.tensor_parallel.fp8 import (
     E4M3,
+    FAST_ACCUM,
     MIN_AMAX,
+    abs_max,
     column_major,
     power_of_2_scale,
     quantize,
@@ -66,7 +67,9 @@ ALIGN_ROWS = 16  # the fp8 weight-grad kernel's groups: 16-byte multiples of 1-b
 T = TypeVar("T", int, torch.Tensor)
 
 
-@_disable_dynamo  # torch.compiler.disable, importing dynamo only when called
+# A custom op, so torch.compile captures the CPU stand-in whole, as it does CUDA's kernel (its
+# fake is torch's meta kernel); dynamo would otherwise trace the loop over the host ends.
+@torch.library.custom_op("megatronish::scaled_grouped_mm_reference", mutates_args=())
 def _reference(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -75,9 +78,9 @@ def _reference(
     offsets: torch.Tensor,
     out_dtype: torch.dtype,
     ends: list[int],
+    fast_accum: bool,
 ) -> torch.Tensor:
-    args = (_on_meta(a), _on_meta(b), _on_meta(scale_a), _on_meta(scale_b))
-    torch._scaled_grouped_mm(*args, offs=_on_meta(offsets), out_dtype=out_dtype)  # CUDA's checks
+    _meta_kernel(a, b, scale_a, scale_b, offsets, out_dtype, fast_accum)  # CUDA's checks
     summed = b.dim() == 2  # 2d x 2d: the groups split the summed dimension
     if summed and any((e - s) % ALIGN_ROWS for s, e in zip([0, *ends[:-2]], ends[:-1])):
         raise RuntimeError(  # CUDA's kernel asserts this on the device
@@ -97,6 +100,7 @@ def _reference(
                 scale_a=scale_a[group * n : (group + 1) * n, None],
                 scale_b=scale_b[None, group * k : (group + 1) * k],
                 out_dtype=out_dtype,
+                use_fast_accum=fast_accum,
             )
         elif end > start:
             out[start:end] = torch._scaled_mm(
@@ -105,9 +109,42 @@ def _reference(
                 scale_a=scale_a[start:end, None],
                 scale_b=scale_b[group, None],
                 out_dtype=out_dtype,
+                use_fast_accum=fast_accum,
             )
         start = end
     return out
+
+
+def _meta_kernel(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    offsets: torch.Tensor,
+    out_dtype: torch.dtype,
+    fast_accum: bool,
+) -> torch.Tensor:
+    """torch's meta kernel of ``torch._scaled_grouped_mm`` on the operands' shapes, strides and
+    dtypes: CUDA's checks, and the output (on the meta device)."""
+    args = (_on_meta(a), _on_meta(b), _on_meta(scale_a), _on_meta(scale_b))
+    return torch._scaled_grouped_mm(
+        *args, offs=_on_meta(offsets), out_dtype=out_dtype, use_fast_accum=fast_accum
+    )
+
+
+@_reference.register_fake
+def _(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    offsets: torch.Tensor,
+    out_dtype: torch.dtype,
+    ends: list[int],
+    fast_accum: bool,
+) -> torch.Tensor:
+    out = _meta_kernel(a, b, scale_a, scale_b, offsets, out_dtype, fast_accum)
+    return torch.empty_strided(out.shape, out.stride(), dtype=out.dtype, device=a.device)
 
 
 def scaled_grouped_mm(
@@ -118,17 +155,21 @@ def scaled_grouped_mm(
     offsets: torch.Tensor,
     out_dtype: torch.dtype,
     ends: Sequence[int] | None = None,
+    fast_accum: bool = False,
 ) -> torch.Tensor:
     """Rows ``[offsets[e-1], offsets[e])`` of fp8 ``a [rows, k]`` times ``b[e] [k, n]``, scaled
     by ``scale_a [rows]`` and ``scale_b [experts, n]``: ``[rows, n]`` in ``out_dtype``. With a
     2-d ``b [rows, k]``: group ``e`` is columns ``[offsets[e-1], offsets[e])`` of ``a [n, rows]``
     times those rows of ``b``, scaled by ``scale_a [experts * n]`` and ``scale_b [experts * k]``
     (expert-major): ``[experts, n, k]``. ``ends``: ``offsets`` on the host, where known (the
-    CPU stand-in reads them; a GPU never does)."""
+    CPU stand-in reads them; a GPU never does). ``fast_accum``: as
+    :data:`~megatronish.tensor_parallel.fp8.FAST_ACCUM` says for the GEMM."""
     if a.device.type == "cpu":
         ends = offsets.tolist() if ends is None else list(ends)
-        return _reference(a, b, scale_a, scale_b, offsets, out_dtype, ends)
-    return torch._scaled_grouped_mm(a, b, scale_a, scale_b, offs=offsets, out_dtype=out_dtype)
+        return _reference(a, b, scale_a, scale_b, offsets, out_dtype, ends, fast_accum)
+    return torch._scaled_grouped_mm(
+        a, b, scale_a, scale_b, offs=offsets, out_dtype=out_dtype, use_fast_accum=fast_accum
+    )
 
 
 def _column_major_stack(t: torch.Tensor) -> torch.Tensor:
@@ -146,7 +187,9 @@ def padded_size(size: T) -> T:
 class PaddedGroups:
     """Where the rows of a matrix grouped by expert go when every group is padded with zero
     rows (:func:`padded_size`): from the groups' end rows on the device (``offsets``), on the
-    device (no host-to-device copy); ``counts`` (the same on the host) give only sizes."""
+    device (no host-to-device copy); ``counts`` (the same on the host) give only sizes. Padded,
+    every group is whole blocks of :data:`ALIGN_ROWS` rows, so a group's amax is a segmented
+    max over its blocks' (no atomics, no host read)."""
 
     def __init__(self, counts: Sequence[int], offsets: torch.Tensor):
         padded = [padded_size(c) for c in counts]
@@ -158,23 +201,30 @@ class PaddedGroups:
         padded_ends = padded_sizes.cumsum(0)
         shifts = padded_ends - padded_sizes - (ends - sizes)  # padded start - start, per group
         experts = torch.arange(self.groups, device=ends.device)
-        self.group_of_row = torch.repeat_interleave(experts, sizes, output_size=sum(counts))
-        self.destination = torch.arange(len(self.group_of_row), device=ends.device)
-        self.destination += shifts[self.group_of_row]
+        group_of_row = torch.repeat_interleave(experts, sizes, output_size=sum(counts))
+        self.destination = torch.arange(len(group_of_row), device=ends.device)
+        self.destination += shifts[group_of_row]
+        self.blocks = padded_sizes // ALIGN_ROWS  # each group's blocks, at least one
+        self.group_of_block = torch.repeat_interleave(
+            experts, self.blocks, output_size=self.rows // ALIGN_ROWS
+        )
         self.offsets = padded_ends.to(torch.int32)
 
     def quantize(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``t [rows, c]`` in e4m3 scaled per group and column (``scale [groups * c]``,
-        expert-major), its groups padded: ``[padded rows, c]``."""
-        top = torch.finfo(E4M3).max
-        t32 = t.float()
-        index = self.group_of_row[:, None].expand_as(t32)
-        amax = t32.new_zeros(self.groups, t.shape[1]).scatter_reduce_(0, index, t32.abs(), "amax")
-        scale = power_of_2_scale(amax.clamp(min=MIN_AMAX), top)
-        q = (t32 / scale[self.group_of_row]).clamp(-top, top).to(E4M3)
-        padded = torch.zeros(self.rows, t.shape[1], dtype=torch.uint8, device=t.device)
-        padded.index_copy_(0, self.destination, q.view(torch.uint8))  # zero bytes are +0.0
-        return padded.view(E4M3), scale.flatten()
+        expert-major), its groups padded: ``[padded rows, c]``, column-major (cast straight
+        into the layouts the weight-grad GEMM takes: no transposing copy)."""
+        c = t.shape[1]
+        exact = t.dtype in (torch.bfloat16, torch.float32)  # see cast_by_power_of_2
+        padded = t.new_zeros(self.rows, c, dtype=t.dtype if exact else torch.float32)
+        blocks = padded.index_copy_(0, self.destination, t).view(-1, ALIGN_ROWS, c)
+        block_amax = abs_max(blocks, 1).squeeze(1)  # [blocks, c]
+        amax = torch.segment_reduce(block_amax, "max", lengths=self.blocks, axis=0, unsafe=True)
+        scale = power_of_2_scale(amax.float().clamp(min=MIN_AMAX), torch.finfo(E4M3).max)
+        # In place: zero padding stays +0.0; times a power of two, as cast_by_power_of_2 says.
+        blocks.mul_(scale.reciprocal().to(padded.dtype)[self.group_of_block, None])
+        q = torch.empty(c, self.rows, dtype=E4M3, device=t.device).t()
+        return q.copy_(blocks.view(self.rows, c)), scale.flatten()
 
 
 class Fp8GroupedLinear(torch.autograd.Function):
@@ -191,12 +241,13 @@ class Fp8GroupedLinear(torch.autograd.Function):
         offsets: torch.Tensor,
         store: WeightGradStore | None,
     ) -> torch.Tensor:
-        x = contiguous_aligned(x)
+        # The GEMMs read fresh fp8 copies (row-major: the cast keeps x's layout), never x itself.
         x8, sx = quantize(x, E4M3, -1, power_of_2=True)  # per row, over k
         w8, sw = quantize(weight, E4M3, -1, power_of_2=True)  # per expert and output column
         ends = list(itertools.accumulate(counts))
+        w8t, fast = w8.transpose(-2, -1), FAST_ACCUM["forward"]
         out = scaled_grouped_mm(
-            x8, w8.transpose(-2, -1), sx.squeeze(-1), sw.squeeze(-1), offsets, x.dtype, ends
+            x8.contiguous(), w8t, sx.squeeze(-1), sw.squeeze(-1), offsets, x.dtype, ends, fast
         )
         ctx.save_for_backward(x, weight, offsets)
         ctx.weight, ctx.store, ctx.counts, ctx.ends = weight, store, counts, ends
@@ -209,15 +260,22 @@ class Fp8GroupedLinear(torch.autograd.Function):
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None, None]:
         x, weight, offsets = ctx.saved_tensors
         param = ctx.weight
-        grad = contiguous_aligned(grad)
         grad_x = None
         if ctx.needs_input_grad[0]:
             g8, sg = quantize(grad, E4M3, -1, power_of_2=True)  # per row, over n
             w8, sw = quantize(weight, E4M3, 1, power_of_2=True)  # per expert and input column
             w8 = _column_major_stack(w8)
             grad_x = scaled_grouped_mm(
-                g8, w8, sg.squeeze(-1), sw.squeeze(1), offsets, x.dtype, ctx.ends
+                g8.contiguous(),
+                w8,
+                sg.squeeze(-1),
+                sw.squeeze(1),
+                offsets,
+                x.dtype,
+                ctx.ends,
+                FAST_ACCUM["input grad"],
             )
+            del g8, w8  # not kept through the weight grad's temporaries
         if not ctx.needs_input_grad[1]:
             return grad_x, None, None, None, None
         counts = ctx.counts
@@ -225,10 +283,10 @@ class Fp8GroupedLinear(torch.autograd.Function):
         def job() -> GradPairs:  # sums over each expert's tokens, in groups of 16
             groups = PaddedGroups(counts, offsets)
             g8, sg = groups.quantize(grad)
-            x8, sx = groups.quantize(x)
-            a = g8.t().contiguous()  # [n, padded rows], row-major
-            b = column_major(x8)
-            grad_w = scaled_grouped_mm(a, b, sg, sx, groups.offsets, x.dtype, groups.ends)
+            a = g8.t()  # [n, padded rows], row-major
+            b, sx = groups.quantize(x)
+            fast = FAST_ACCUM["weight grad"]
+            grad_w = scaled_grouped_mm(a, b, sg, sx, groups.offsets, x.dtype, groups.ends, fast)
             return [(param, grad_w)]
 
         return grad_x, grad_of(weight_grads(ctx.store, job), param), None, None, None

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 
 from megatronish.model.build import chunk_layer_ranges
 from megatronish.model.flops import layer_matmul_params
+from megatronish.moe.fp8_grouped import ALIGN_ROWS
 from megatronish.plan import dense
 from megatronish.plan.context_parallel import rank_seq_length
 from megatronish.plan.hardware import Hardware, comm_time
@@ -140,16 +141,59 @@ def _block_backward_workspace(spec: ModelSpec, layout: Layout) -> int:
     return routed_tokens(spec, layout) * h * e + 2 * rows * h * e
 
 
+def fp8_expert_backward_peak(
+    rows: int, padded_rows: int, k: int, n: int, experts: int, e: int
+) -> int:
+    """The most bytes an fp8 expert linear's backward (:mod:`megatronish.moe.fp8_grouped`)
+    holds at once beyond what it is given: ``rows`` grouped rows (``padded_rows`` in the weight
+    grad's groups of 16), input width ``k``, output width ``n``, ``experts`` local experts, ``e``
+    bytes an activation. Its phases: the output grad scaled in bf16 and cast (``3 N n``; a
+    quantization holds its bf16 product and the fp8 copy), the weight stack likewise beside it
+    and its column-major copy, the input grad GEMM (``N k e``); then beside the input grad the
+    padded groups' int64 rows, each padded operand quantized (``3.25 P c``: the bf16 padded copy,
+    the fp8 one, per-block maxima and scales) and the weight grad GEMM (``E n k e``)."""
+    # bytes per column of a padded quantization
+    quantized = 13 * padded_rows // 4
+    input_grad = max(
+        3 * rows * n,
+        rows * n + 3 * experts * n * k,
+        rows * n + experts * n * k + rows * k * e,
+    )
+    weight_grad = rows * k * e + max(
+        3 * INT64 * rows + quantized * n,
+        INT64 * rows + padded_rows * n + quantized * k,
+        INT64 * rows + padded_rows * (n + k) + experts * n * k * e,
+    )
+    return max(input_grad, weight_grad)
+
+
+def fp8_experts_workspace(spec: ModelSpec, layout: Layout) -> int:
+    """What fp8 experts (``trainer.fp8``) add to a mixture-of-experts block's backward
+    temporaries: the larger of fc1's and fc2's :func:`fp8_expert_backward_peak` beyond the two
+    grads it returns (a bf16 expert returns them too), every local group padded by 16 rows (at
+    most what padding adds)."""
+    if layout.fp8 is None:
+        return 0
+    moe, e, h = spec.moe, layout.activation_bytes, spec.hidden_size
+    rows, experts = dispatched_rows(spec, layout), moe.num_experts // layout.ep
+    f = moe.ffn_hidden_size // layout.tp
+    padded = rows + ALIGN_ROWS * experts
+    extra = 0
+    for k, n in ((h, 2 * f if spec.is_llama else f), (f, h)):
+        peak = fp8_expert_backward_peak(rows, padded, k, n, experts, e)
+        extra = max(extra, peak - rows * k * e - experts * n * k * e)
+    return extra
+
+
 def backward_workspace(spec: ModelSpec, layout: Layout) -> int:
     """Temporaries of the largest block backward of the model: a dense block's
-    (:func:`~megatronish.plan.dense.backward_workspace`) or a mixture-of-experts one's."""
+    (:func:`~megatronish.plan.dense.backward_workspace`) or a mixture-of-experts one's (with
+    :func:`fp8_experts_workspace`)."""
     if spec.moe is None:
         return dense.backward_workspace(spec, layout)
     kinds = {spec.is_moe_layer(i) for i in range(spec.num_layers)}
-    return max(
-        _block_backward_workspace(spec, layout) if k else dense.backward_workspace(spec, layout)
-        for k in kinds
-    )
+    moe_block = _block_backward_workspace(spec, layout) + fp8_experts_workspace(spec, layout)
+    return max(moe_block if k else dense.backward_workspace(spec, layout) for k in kinds)
 
 
 def block_bytes(spec: ModelSpec, layout: Layout, moe_block: bool, core: bool = True) -> int:

@@ -8,17 +8,33 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatronish.config.validate import config_errors
+from megatronish.model.compile import graph_break_reason
 from megatronish.moe.fp8_grouped import (
+    PaddedGroups,
     fp8_experts_supported,
     fp8_grouped_linear,
+    padded_size,
     scaled_grouped_mm,
 )
 from megatronish.moe.grouped_mm import expert_offsets
 from megatronish.plan.estimate import make_plan
 from megatronish.plan.layout import layout_from_config, spec_of
-from megatronish.tensor_parallel.fp8 import E4M3, E5M2, _Fp8Linear, column_major, quantize
+from megatronish.plan.moe import fp8_expert_backward_peak
+from megatronish.tensor_parallel.fp8 import (
+    E4M3,
+    E5M2,
+    FAST_ACCUM,
+    MIN_AMAX,
+    _Fp8Linear,
+    column_major,
+    power_of_2_scale,
+    quantize,
+)
 from megatronish.testing import runs as test_runs
+from megatronish.testing.host_syncs import HostSyncRecorder
+from megatronish.testing.live_bytes import PeakLiveBytes
 from megatronish.testing.memory import activations_by_stage, measure_layout
+from megatronish.testing.moved_bytes import MovedBytes
 from megatronish.testing.multiproc import run_world
 from megatronish.testing.runs import build_trainer, losses_of, train_layout
 from megatronish.training.job import fp8_note
@@ -115,24 +131,42 @@ def test_each_gemm_equals_the_product_of_its_dequantized_operands(recipe):
     assert (y.reshape(-1, 48).double() - exact).norm() / exact.norm() < 0.1
 
 
+def argument(func, args, kwargs, name):
+    """The value of ``func``'s argument ``name`` in a dispatched call (its default if not given)."""
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.name == name:
+            if arg.name in (kwargs or {}):
+                return kwargs[arg.name]
+            return args[i] if i < len(args) else arg.default_value
+    raise KeyError(name)
+
+
+GROUPED_STAND_IN = "scaled_grouped_mm_reference"  # torch._scaled_grouped_mm's, on CPU
+
+
 class ScaledMatmuls(TorchDispatchMode):
-    """Counts ``_scaled_mm`` calls by operand dtypes, and the other matmuls by dtype."""
+    """Counts ``_scaled_mm`` calls by operand dtypes (the experts' CPU stand-in for
+    ``_scaled_grouped_mm`` by that name), and the other matmuls by dtype; records every fp8
+    GEMM's scales and ``use_fast_accum``."""
 
     def __init__(self):
         super().__init__()
         self.seen: Counter = Counter()
         self.scales: list[torch.Tensor] = []  # both operands' scales of every fp8 GEMM
+        self.fast_accum: list[bool] = []  # every fp8 GEMM's, in call order
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func._schema.name.split("::")[-1]
         if name == "_scaled_mm":
             self.seen[(name, str(args[0].dtype), str(args[1].dtype))] += 1
             self.scales += [args[2].clone(), args[3].clone()]
+            self.fast_accum.append(argument(func, args, kwargs, "use_fast_accum"))
             # cuBLASLt's layouts (the CPU kernel takes any): row-major left, column-major right
             assert args[0].is_contiguous() and args[1].t().is_contiguous(), "operand layout"
-        elif name == "_scaled_grouped_mm":  # on CPU: torch's meta kernel checking CUDA's rules
-            self.seen[(name, str(args[0].dtype), str(args[1].dtype))] += 1
+        elif name == GROUPED_STAND_IN:  # runs torch's meta kernel checking CUDA's rules
+            self.seen[("_scaled_grouped_mm", str(args[0].dtype), str(args[1].dtype))] += 1
             self.scales += [args[2].clone(), args[3].clone()]
+            self.fast_accum.append(argument(func, args, kwargs, "fast_accum"))
             assert args[0].is_contiguous() and args[1].stride(-2) == 1, "operand layout"
         elif name in ("mm", "addmm", "bmm", "_grouped_mm"):
             self.seen[(name, str(args[0].dtype))] += 1
@@ -380,3 +414,193 @@ def test_fp8_config_errors_name_the_value_and_the_fix(overrides, fragment):
     world = 2 if "parallel.pp=2" in overrides or "parallel.tp=2" in overrides else 1
     errors = config_errors(test_runs.test_config(overrides, 10), world, data=False)
     assert any(fragment in e for e in errors), errors
+
+
+# -- the casts' cost: the same bits in fewer bytes ------------------------------------------
+
+
+def _quantize_in_fp32(t, dtype, dim=None, power_of_2=False):
+    """The cast as first written: a whole-tensor fp32 copy, its abs, the amax, a division and
+    a clamp before the cast (39 bytes moved an element of a bf16 tensor)."""
+    top = torch.finfo(dtype).max
+    t32 = t.float()
+    amax = t32.abs().amax() if dim is None else t32.abs().amax(dim=dim, keepdim=True)
+    amax = amax.clamp(min=MIN_AMAX)
+    scale = power_of_2_scale(amax, top) if power_of_2 else amax / top
+    return (t32 / scale).clamp(-top, top).to(dtype), scale
+
+
+def _padded_quantize_by_scatter(counts, t):
+    """The experts' weight-grad cast as first written: each group's amax by ``scatter_reduce``
+    over its rows, then the fp32 cast, then the fp8 rows copied into the padded groups."""
+    top = torch.finfo(E4M3).max
+    groups = PaddedGroups(counts, expert_offsets(counts, t.device))
+    group_of_row = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
+    t32 = t.float()
+    index = group_of_row[:, None].expand_as(t32)
+    amax = t32.new_zeros(len(counts), t.shape[1]).scatter_reduce_(0, index, t32.abs(), "amax")
+    scale = power_of_2_scale(amax.clamp(min=MIN_AMAX), top)
+    q = (t32 / scale[group_of_row]).clamp(-top, top).to(E4M3)
+    padded = torch.zeros(groups.rows, t.shape[1], dtype=torch.uint8)
+    padded.index_copy_(0, groups.destination, q.view(torch.uint8))
+    return padded.view(E4M3), scale.flatten()
+
+
+def _inputs(dtype=torch.bfloat16):
+    """Random values over 60 decades, rows of zeros, values near bf16's largest and below
+    fp8's smallest, an all-zero tensor, a 3-d stack."""
+    torch.manual_seed(0)
+    wide = torch.randn(37, 29) * torch.logspace(-30, 30, 29)[torch.randperm(29)]
+    outliers = torch.randn(37, 29)
+    outliers[3] = 0
+    outliers[:, 4] = 3e38
+    outliers[5, :3] = torch.tensor([1e-30, -1e-38, 2e-41])
+    cases = {
+        "wide": wide,
+        "outliers": outliers,
+        "tiny": torch.randn(37, 29) * 1e-39,
+        "zeros": torch.zeros(37, 29),
+        "stack": torch.randn(3, 20, 24) * torch.logspace(-4, 4, 24),
+    }
+    return {name: t.to(dtype) for name, t in cases.items()}
+
+
+def _same_bits(a, b):
+    return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+@pytest.mark.parametrize("power_of_2", [False, True])
+@pytest.mark.parametrize("dim", [None, -1, 0])
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+@pytest.mark.parametrize("source", [torch.bfloat16, torch.float32])
+def test_the_cast_gives_the_fp32_casts_bits(source, dtype, dim, power_of_2):
+    """The amax in the input's own dtype (abs is exact), a power-of-two scale applied by a
+    multiplication in that dtype, no clamp (the quotient never leaves the format's range by
+    more than a rounding the cast takes back): every fp8 byte and scale as the fp32 cast's."""
+    for name, t in _inputs(source).items():
+        want, want_scale = _quantize_in_fp32(t, dtype, dim, power_of_2)
+        got, scale = quantize(t, dtype, dim, power_of_2)
+        assert _same_bits(got, want) and torch.equal(scale, want_scale), name
+    t = _inputs(source)["wide"].clone()
+    t[5, 5] = float("inf")  # an overflowed step: NaN where the fp32 cast gives NaN
+    want, want_scale = _quantize_in_fp32(t, dtype, dim, power_of_2)
+    got, scale = quantize(t, dtype, dim, power_of_2)
+    nan = want.float().isnan()
+    assert torch.equal(got.float().isnan(), nan) and torch.equal(scale, want_scale)
+    assert _same_bits(got[~nan], want[~nan])
+
+
+@pytest.mark.parametrize(
+    "dtype, dim, power_of_2, bound",
+    [(E4M3, None, False, 13), (E5M2, None, False, 13), (E4M3, -1, True, 9), (E4M3, 0, True, 9)],
+)
+def test_the_cast_moves_a_third_of_the_bytes(dtype, dim, power_of_2, bound):
+    """Bytes every op reads and writes per element of a bf16 [256, 512] tensor: tensorwise 13
+    (the amax 2, the fp32 quotient 6, the cast 5), rowwise 9 (the amax 2, the bf16 product 4,
+    the cast 3), against 39 for the fp32 copy, abs, amax, division and clamp."""
+    t = torch.randn(256, 512, dtype=torch.bfloat16)
+    with MovedBytes() as before:
+        _quantize_in_fp32(t, dtype, dim, power_of_2)
+    with MovedBytes() as moved:
+        quantize(t, dtype, dim, power_of_2)
+    assert before.total / t.numel() >= 39, dict(before.by_op)
+    assert moved.total / t.numel() < bound + 0.5, dict(moved.by_op)  # + the scales' vectors
+
+
+def test_the_experts_padded_cast_equals_the_scatter_and_reads_nothing_back():
+    """Each group's amax as a segmented max over its 16-row blocks (groups are contiguous):
+    the same fp8 bytes and scales as the atomics of ``scatter_reduce`` and the fp32 cast, empty
+    groups included, with no host read; the result column-major (the weight-grad GEMM's
+    layouts, cast into place: the count reads its destination too) and 20 bytes moved an
+    element against 59."""
+    torch.manual_seed(0)
+    for trial in range(12):
+        counts = torch.randint(0, 40, (5,)).tolist()
+        counts[trial % 5] = 0
+        counts[(trial + 1) % 5] += 1
+        t = torch.randn(sum(counts), 24) * torch.logspace(-20, 20, 24)
+        if trial % 3 == 0:
+            t[0] = 3e38
+        t = t.to(torch.bfloat16 if trial % 2 else torch.float32)
+        want, want_scale = _padded_quantize_by_scatter(counts, t)
+        groups = PaddedGroups(counts, expert_offsets(counts, t.device))
+        with HostSyncRecorder() as rec:
+            got, scale = groups.quantize(t)
+        assert rec.syncs == [], rec.report()
+        assert _same_bits(got, want) and torch.equal(scale, want_scale), counts
+        assert got.t().is_contiguous()
+    counts = [500, 3, 0, 1200, 777, 300, 700, 616]
+    t = torch.randn(sum(counts), 512, dtype=torch.bfloat16)
+    groups = PaddedGroups(counts, expert_offsets(counts, t.device))
+    with MovedBytes() as before:
+        _padded_quantize_by_scatter(counts, t)
+    with MovedBytes() as moved:
+        groups.quantize(t)
+    assert before.total / t.numel() > 55, dict(before.by_op)
+    assert moved.total / t.numel() < 20.5, dict(moved.by_op)
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "experts"])
+def test_only_the_forward_gemm_accumulates_fast(recipe):
+    """torchao's float8 defaults: the forward's output GEMM with ``use_fast_accum``, the input
+    and weight grad GEMMs without (for the dense linears and the experts alike)."""
+    torch.manual_seed(0)
+    x = torch.randn(32, 64, dtype=BF, requires_grad=True)
+    if recipe == "experts":
+        w = torch.randn(3, 48, 64, dtype=BF, requires_grad=True)
+        fn = lambda: fp8_grouped_linear(x, w, [5, 0, 27])  # noqa: E731
+    else:
+        w = torch.randn(48, 64, dtype=BF, requires_grad=True)
+        fn = lambda: _Fp8Linear.apply(x, w, recipe)  # noqa: E731
+    with ScaledMatmuls() as mode:
+        fn().backward(torch.randn(32, 48, dtype=BF))
+    assert mode.fast_accum == [True, False, False]  # forward, input grad, weight grad
+    assert list(FAST_ACCUM.values()) == [True, False, False]
+
+
+@pytest.mark.slow  # ~13 s: dynamo's first import and an aot_eager capture
+def test_the_fp8_experts_trace_whole_under_torch_compile():
+    """No graph break in the experts' fp8 linear (its forward and backward one graph each,
+    the CPU stand-in for the grouped kernel one op): ``trainer.compile`` fuses its casts."""
+    torch.manual_seed(0)
+    counts = [5, 0, 27]
+    x = torch.randn(32, 64, dtype=BF, requires_grad=True)
+    w = (torch.randn(3, 48, 64) * 0.05).to(BF).requires_grad_()
+    g = torch.randn(32, 48, dtype=BF)
+    offsets = expert_offsets(counts, x.device)
+
+    def grads(fn):
+        x.grad = w.grad = None
+        y = fn(x, w, counts, offsets)
+        y.backward(g)
+        return y.detach(), x.grad, w.grad
+
+    eager = grads(fp8_grouped_linear)
+    try:
+        compiled = grads(torch.compile(fp8_grouped_linear, backend="aot_eager", fullgraph=True))
+    except torch._dynamo.exc.Unsupported as e:
+        raise AssertionError(f"not one graph: {graph_break_reason(e)}") from e
+    for a, b in zip(eager, compiled, strict=True):  # the same casts and kernels
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "counts, k, n",
+    [([40, 0, 70, 9], 64, 96), ([300, 5, 100, 1], 160, 32), ([100] * 4, 128, 128)],
+)
+def test_the_planner_counts_an_fp8_expert_backwards_temporaries(counts, k, n):
+    """The most bytes the backward of an fp8 expert linear holds at once (its bf16 and fp8
+    copies, the padded groups' indices and scales, its two grads), as a device would hold them
+    (kernels' own scratch, like the CPU stand-in's fp32 copies, not counted), against the
+    planner's term."""
+    torch.manual_seed(0)
+    rows, experts = sum(counts), len(counts)
+    x = torch.randn(rows, k, dtype=BF, requires_grad=True)
+    w = torch.randn(experts, n, k, dtype=BF, requires_grad=True)
+    y = fp8_grouped_linear(x, w, counts)
+    g = torch.randn_like(y)
+    with PeakLiveBytes() as live:
+        y.backward(g)
+    padded = sum(padded_size(c) for c in counts)
+    planned = fp8_expert_backward_peak(rows, padded, k, n, experts, BF.itemsize)
+    assert 0.9 <= planned / live.peak <= 1.1, (planned, live.peak)  # measured 0.96-1.0

@@ -24,9 +24,8 @@ def _storages(tree) -> dict[int, int]:
     return out
 
 
-class AllocatedBytes(TorchDispatchMode):
-    """``with AllocatedBytes() as counted: ...``; then ``counted.total`` bytes, ``counted.by_op``
-    (op name -> bytes)."""
+class OpBytes(TorchDispatchMode):
+    """A dispatch mode that adds bytes per op name into ``by_op``; ``total`` sums them."""
 
     def __init__(self):
         super().__init__()
@@ -39,6 +38,11 @@ class AllocatedBytes(TorchDispatchMode):
     @property
     def total(self) -> int:
         return sum(self.by_op.values())
+
+
+class AllocatedBytes(OpBytes):
+    """``with AllocatedBytes() as counted: ...``; then ``counted.total`` bytes, ``counted.by_op``
+    (op name -> bytes)."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))

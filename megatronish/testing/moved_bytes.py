@@ -12,11 +12,10 @@ and in-place writes too.
 
 from __future__ import annotations
 
-from collections import Counter
-
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+
+from megatronish.testing.allocations import OpBytes
 
 
 def _bytes(tree) -> int:
@@ -25,21 +24,9 @@ def _bytes(tree) -> int:
     )
 
 
-class MovedBytes(TorchDispatchMode):
+class MovedBytes(OpBytes):
     """``with MovedBytes() as moved: ...``; then ``moved.total`` bytes and ``moved.by_op`` (op
     name -> bytes), over every aten op that is not a view."""
-
-    def __init__(self):
-        super().__init__()
-        self.by_op: Counter[str] = Counter()
-
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        return False  # nothing here compiles; wrapping for dynamo would import it (~1 s)
-
-    @property
-    def total(self) -> int:
-        return sum(self.by_op.values())
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
